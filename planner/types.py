@@ -1,0 +1,233 @@
+"""The plain data that flows through the planner: Skeleton, Hardware, Workload and Plan.
+
+Nothing here imports torch: these types are built by the skeleton builders (which do), consumed by the
+pure planning core, and serialised to JSON for the service and the loader. Sizes are always bytes (int).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+DeviceId = Union[int, str]  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
+
+#: Bytes per element of every dtype a checkpoint or a workload may name.
+DTYPE_BYTES: dict[str, float] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter or buffer, by its name in the transformers module tree.
+
+    ``kind`` is ``parameter``, ``buffer`` or ``buffer_nonpersistent`` (a buffer that is not in the checkpoint but
+    still occupies memory on its device). ``quantizable`` marks the weight of a linear layer that bitsandbytes
+    would replace; everything else stays in the compute dtype under quantization.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str = "parameter"
+    quantizable: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+
+@dataclass(frozen=True)
+class Block:
+    """The planner's unit of placement: a module whose tensors always share one device.
+
+    A block is either a no-split module (a decoder layer, kept whole) or a module that directly owns tensors.
+    ``layer_index`` is set on decoder layers and says which KV-cache layer the block owns.
+    ``is_head`` marks the output projection, whose device also holds the logits buffer.
+    ``is_embedding`` marks token embeddings, read one row per token at decode time.
+    """
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    no_split: bool = False
+    layer_index: int | None = None
+    is_head: bool = False
+    is_embedding: bool = False
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one token costs in the KV cache: per layer, K and V of ``num_kv_heads × head_dim`` each."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The model as the planner sees it: ordered blocks, tied groups and generation geometry. Never weights."""
+
+    name: str
+    architecture: str
+    model_type: str
+    blocks: tuple[Block, ...]
+    tied_groups: tuple[tuple[str, ...], ...] = ()
+    no_split_classes: tuple[str, ...] = ()
+    kv: KVGeometry | None = None
+    vocab_size: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    default_dtype: str = "float32"
+    #: Tensor names as stored in the checkpoint when they differ from the module tree (fused MoE experts):
+    #: block name -> checkpoint keys. Empty when names are identical.
+    checkpoint_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def tensors(self) -> list[TensorSpec]:
+        return [t for b in self.blocks for t in b.tensors]
+
+    def block_of_tensor(self) -> dict[str, str]:
+        return {t.name: b.name for b in self.blocks for t in b.tensors}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One place weights can live. ``capacity`` is what the plan may use of it, in bytes.
+
+    ``bandwidth`` is the rate at which the device reads its own memory (bytes/s) and ``link_bandwidth`` the rate
+    at which its contents reach the execution device (PCIe for ``cpu`` when GPUs compute, read speed for ``disk``).
+    """
+
+    id: DeviceId
+    capacity: int
+    bandwidth: float
+    link_bandwidth: float
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if isinstance(self.id, int) else str(self.id)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Ordered devices: GPUs by id, then ``cpu``, then ``disk``. ``reserve`` is held back on each GPU."""
+
+    devices: tuple[Device, ...]
+    gpu_reserve: int = 0
+    source: str = "declared"
+
+    @property
+    def gpus(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.kind == "gpu")
+
+    def get(self, device_id: DeviceId) -> Device | None:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        return None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the plan must leave room for besides the weights."""
+
+    dtype: str = "float16"
+    quantization: str | None = None  # None, "int8", "nf4", "fp4"
+    batch_size: int = 1
+    context: int = 2048
+
+
+@dataclass
+class DeviceBudget:
+    """Per-device breakdown of a plan, in bytes."""
+
+    device: DeviceId
+    capacity: int
+    weights: int = 0
+    kv_cache: int = 0
+    activations: int = 0
+    reserve: int = 0
+    blocks: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.reserve
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.total
+
+
+@dataclass
+class Prediction:
+    """What the cost model predicts for a plan, and the model it used (stated, so it can be argued with)."""
+
+    load_seconds: float
+    decode_tokens_per_s: float
+    seconds_per_token_by_device: dict[str, float]
+    cost_model: str
+
+
+@dataclass
+class Plan:
+    """The planner's answer. Serialises to JSON and back without loss; the loader obeys it unchanged."""
+
+    model: str
+    architecture: str
+    strategy: str
+    workload: Workload
+    device_map: dict[str, DeviceId]
+    budgets: list[DeviceBudget]
+    offloaded_bytes: int
+    prediction: Prediction
+    warnings: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    #: Block name -> device: the unmerged placement, for readers that want per-layer detail.
+    placement: dict[str, DeviceId] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for b, src in zip(d["budgets"], self.budgets):
+            b["total"] = src.total
+            b["free"] = src.free
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        budgets = []
+        for b in d["budgets"]:
+            b = {k: v for k, v in b.items() if k not in ("total", "free")}
+            budgets.append(DeviceBudget(**b))
+        return cls(
+            model=d["model"],
+            architecture=d["architecture"],
+            strategy=d["strategy"],
+            workload=Workload(**d["workload"]),
+            device_map=dict(d["device_map"]),
+            budgets=budgets,
+            offloaded_bytes=int(d["offloaded_bytes"]),
+            prediction=Prediction(**d["prediction"]),
+            warnings=list(d.get("warnings", [])),
+            reasons=list(d.get("reasons", [])),
+            placement=dict(d.get("placement", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def budget(self, device: DeviceId) -> DeviceBudget | None:
+        for b in self.budgets:
+            if b.device == device:
+                return b
+        return None
