@@ -1,0 +1,650 @@
+"""Build a :class:`Skeleton` — the model as the planner sees it — without reading a single weight.
+
+Three sources, one result:
+
+* :func:`skeleton_from_config` — a config dict / ``config.json`` / ``PretrainedConfig``: the transformers causal-LM
+  class is instantiated on the ``meta`` device (shapes and dtypes, no storage) and walked.
+* :func:`skeleton_from_model` — any ``torch.nn.Module`` (meta or real), walked the same way.
+* :func:`skeleton_from_dir` — a checkpoint directory: structure from the meta model of its ``config.json``, stored
+  dtypes and checkpoint keys from the safetensors headers. Without a usable config, a skeleton inferred from the
+  header names alone.
+
+:func:`load_skeleton` dispatches on what the user handed in.
+
+Walking rules (the contract the planner relies on)
+--------------------------------------------------
+1. Blocks come in ``named_modules()`` order (pre-order registration order), which is execution order for
+   transformers' causal LMs: embeddings, decoder layers by index, final norm, head.
+2. A module whose class name is in the model's ``_no_split_modules`` is ONE block (``no_split=True``) holding every
+   parameter and buffer of its subtree, persistent or not; its descendants form no blocks of their own. If it sits
+   in an ``nn.ModuleList`` its position there is ``layer_index`` (the KV-cache layer it owns).
+3. Any other module that directly owns (``recurse=False``) at least one tensor is a block of just those tensors.
+   Modules owning nothing form no block — except the output embedding (rule 5).
+4. Tensor names are the full dotted names of the module tree (for Llama/GPT-2 these equal the checkpoint keys).
+   ``kind`` is ``parameter``, ``buffer`` (persistent, in the state dict) or ``buffer_nonpersistent`` (e.g. rotary
+   ``inv_freq``: not in the checkpoint, but it occupies memory on its device).
+5. Tied tensors appear ONCE, in the block of the source (``model.all_tied_weights_keys`` target -> source; Parameter
+   objects shared under several names are found through ``named_parameters(remove_duplicate=False)`` too, and the
+   first name in registration order is the source). Each group (source first, then aliases) is in
+   ``Skeleton.tied_groups``; the planner keeps the blocks of all names of a group on one device. The output head
+   block is always emitted, with ``is_head=True``, even when its only tensor is an alias and it therefore holds no
+   tensors: the device map must still name it, and the logits buffer lives with it.
+6. ``is_head``: the module returned by ``get_output_embeddings()``. ``is_embedding``: ``get_input_embeddings()``
+   and every other ``nn.Embedding`` (position embeddings) that forms a block of its own. ``quantizable``: the
+   ``weight`` of an ``nn.Linear`` or transformers ``Conv1D`` that is not the head (what bitsandbytes replaces).
+7. Dtypes are the meta tensors' dtypes: the model is built in the config's ``dtype`` (as transformers does), buffers
+   keep the dtype the architecture gives them. ``default_dtype`` is the config's dtype, else ``float32``.
+
+Everything is one linear pass: no step is quadratic in the number of tensors.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import logging
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from planner.errors import ModelSourceError
+from planner.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
+from planner.types import DTYPE_BYTES, Block, KVGeometry, Skeleton, TensorSpec
+
+if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core must stay importable without them
+    import torch
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# configs
+
+
+def _known_model_types() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return list(CONFIG_MAPPING_NAMES)
+
+
+def _unknown_architecture(what: str, source: str) -> ModelSourceError:
+    near = difflib.get_close_matches(what.lower(), _known_model_types(), n=5, cutoff=0.5)
+    hint = f" Nearest known model_type names: {', '.join(near)}." if near else ""
+    return ModelSourceError(
+        f"{source}: architecture {what!r} is not known to the installed transformers.{hint} "
+        "Fix model_type/architectures in the config, or upgrade transformers."
+    )
+
+
+def _model_type_of_architecture(arch: str) -> str | None:
+    """The model_type whose causal-LM (or base) class is named ``arch``, e.g. LlamaForCausalLM -> llama."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping_name in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"):
+        for model_type, cls_name in getattr(modeling_auto, mapping_name, {}).items():
+            names = cls_name if isinstance(cls_name, (tuple, list)) else (cls_name,)
+            if arch in names:
+                return model_type
+    return None
+
+
+def config_from_dict(d: Mapping[str, Any], source: str = "config") -> "PretrainedConfig":
+    """A transformers config from a plain dict naming ``model_type`` and/or ``architectures``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    d = dict(d)
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+        d["architectures"] = archs
+    if not model_type:
+        for arch in archs:
+            model_type = _model_type_of_architecture(str(arch))
+            if model_type:
+                break
+        if not model_type:
+            if archs:
+                raise _unknown_architecture(str(archs[0]), source)
+            raise ModelSourceError(
+                f"{source}: the config names neither 'model_type' nor 'architectures'; add e.g. "
+                '"model_type": "llama" so the architecture is known'
+            )
+    if model_type not in CONFIG_MAPPING:
+        raise _unknown_architecture(str(model_type), source)
+    d["model_type"] = model_type
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(d)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise ModelSourceError(f"{source}: not a valid {model_type} config: {e}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelSourceError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelSourceError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ModelSourceError(f"{path}: expected a JSON object (a transformers config), got {type(doc).__name__}")
+    return doc
+
+
+def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
+    """(config object, default skeleton name) from a dict, a path or a config object."""
+    from transformers import PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return copy.deepcopy(config), getattr(config, "_name_or_path", "") or config.model_type
+    if isinstance(config, Mapping):
+        cfg = config_from_dict(config)
+        return cfg, str(config.get("_name_or_path") or cfg.model_type)
+    if isinstance(config, (str, os.PathLike)):
+        p = Path(config)
+        if p.is_dir():
+            p = p / CONFIG_NAME
+        doc = _read_json(p)
+        cfg = config_from_dict(doc, source=str(p))
+        name = p.parent.name if p.name == CONFIG_NAME else p.stem
+        return cfg, name
+    raise ModelSourceError(
+        f"cannot build a model skeleton from a {type(config).__name__}; pass a config dict, a config.json path, "
+        "a model directory or a transformers PretrainedConfig"
+    )
+
+
+def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
+    """Instantiate the causal-LM class of ``cfg`` on the meta device (no storage is allocated)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    errors = []
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(cfg)
+        except ValueError as e:  # no causal-LM class registered for this config
+            errors.append(str(e).splitlines()[0])
+        for arch in getattr(cfg, "architectures", None) or []:
+            cls = getattr(transformers, str(arch), None)
+            if cls is not None and hasattr(cls, "_from_config"):
+                return cls._from_config(cfg)
+    raise ModelSourceError(
+        f"transformers has no causal-LM class for model_type {cfg.model_type!r} "
+        f"(architectures={getattr(cfg, 'architectures', None)}): {'; '.join(errors)}. "
+        "Name a causal-LM class in 'architectures' (e.g. 'LlamaForCausalLM')."
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# geometry from the config
+
+
+def _cfg_get(cfg: Any, *names: str) -> Any:
+    for n in names:
+        v = cfg.get(n) if isinstance(cfg, Mapping) else getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _text_config(cfg: Any) -> Any:
+    if not isinstance(cfg, Mapping) and hasattr(cfg, "get_text_config"):
+        try:
+            return cfg.get_text_config()
+        except Exception:  # noqa: BLE001 - a config without a text part is its own text config
+            return cfg
+    return cfg
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    s = str(dtype).replace("torch.", "")
+    return s if s in DTYPE_BYTES else None
+
+
+def kv_geometry(cfg: Any, num_layers: int | None = None) -> KVGeometry | None:
+    """KV-cache geometry from a config object or dict: layers, KV heads (GQA/MQA aware) and head dim."""
+    cfg = _text_config(cfg)
+    heads = _cfg_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
+    hidden = _cfg_get(cfg, "hidden_size", "n_embd", "d_model", "dim")
+    layers = _cfg_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers") or num_layers
+    if not heads or not layers:
+        return None
+    model_type = _cfg_get(cfg, "model_type") or ""
+    if str(model_type).startswith("falcon") and _cfg_get(cfg, "new_decoder_architecture") is not None:
+        if _cfg_get(cfg, "new_decoder_architecture"):
+            kv_heads = _cfg_get(cfg, "num_kv_heads") or heads
+        else:
+            kv_heads = 1 if _cfg_get(cfg, "multi_query") else heads
+    else:
+        kv_heads = _cfg_get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+        if kv_heads is None:
+            kv_heads = 1 if _cfg_get(cfg, "multi_query") else heads
+    head_dim = _cfg_get(cfg, "head_dim")
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        if not hidden:
+            return None
+        head_dim = int(hidden) // int(heads)
+    return KVGeometry(num_layers=int(layers), num_kv_heads=int(kv_heads), head_dim=int(head_dim))
+
+
+def _sizes(cfg: Any) -> dict[str, int]:
+    """vocab/hidden/intermediate/heads. For MoE, ``intermediate_size`` is what one token activates:
+    ``num_experts_per_tok x per-expert size`` plus any shared expert(s)."""
+    cfg = _text_config(cfg)
+    hidden = int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model") or 0)
+    inter = _cfg_get(cfg, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
+    if not inter and hidden:
+        inter = 4 * hidden  # GPT-2 / Falcon convention when the config leaves it implicit
+    n_experts = _cfg_get(cfg, "num_local_experts", "num_experts", "n_routed_experts")
+    top_k = _cfg_get(cfg, "num_experts_per_tok", "top_k", "moe_topk")
+    if n_experts and top_k:
+        per_expert = _cfg_get(cfg, "moe_intermediate_size") or inter or 0
+        shared = _cfg_get(cfg, "shared_expert_intermediate_size") or 0
+        if not shared and _cfg_get(cfg, "n_shared_experts"):
+            shared = int(_cfg_get(cfg, "n_shared_experts")) * int(per_expert)
+        inter = int(top_k) * int(per_expert) + int(shared)
+    return {
+        "vocab_size": int(_cfg_get(cfg, "vocab_size") or 0),
+        "hidden_size": hidden,
+        "intermediate_size": int(inter or 0),
+        "num_attention_heads": int(_cfg_get(cfg, "num_attention_heads", "n_head", "num_heads") or 0),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the walk
+
+
+def _tied_aliases(model: "torch.nn.Module") -> tuple[dict[str, str], tuple[tuple[str, ...], ...]]:
+    """alias name -> source name, and the groups (source first) — from declared ties and shared objects."""
+    first_name: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for n, t in model.named_parameters(remove_duplicate=False):
+        src = first_name.setdefault(id(t), n)
+        if src != n:
+            alias[n] = src
+    for n, t in model.named_buffers(remove_duplicate=False):
+        src = first_name.setdefault(id(t), n)
+        if src != n:
+            alias[n] = src
+    declared = getattr(model, "all_tied_weights_keys", None) or {}
+    known = set(first_name.values()) | set(alias)
+    for target, source in dict(declared).items():
+        if target != source and target in known and source in known:
+            alias.setdefault(target, source)
+    # resolve chains (a -> b -> c) and drop anything that would make a source an alias of itself
+    resolved: dict[str, str] = {}
+    for a in alias:
+        seen = {a}
+        s = alias[a]
+        while s in alias and s not in seen:
+            seen.add(s)
+            s = alias[s]
+        if s != a:
+            resolved[a] = s
+    groups: dict[str, list[str]] = {}
+    for a, s in resolved.items():
+        groups.setdefault(s, [s]).append(a)
+    return resolved, tuple(tuple(g) for g in groups.values())
+
+
+class _BlockBuilder:
+    __slots__ = ("name", "tensors", "no_split", "layer_index", "is_head", "is_embedding")
+
+    def __init__(self, name: str, no_split: bool = False, layer_index: int | None = None,
+                 is_head: bool = False, is_embedding: bool = False):
+        self.name = name
+        self.tensors: list[TensorSpec] = []
+        self.no_split = no_split
+        self.layer_index = layer_index
+        self.is_head = is_head
+        self.is_embedding = is_embedding
+
+    def build(self) -> Block:
+        return Block(self.name, tuple(self.tensors), self.no_split, self.layer_index, self.is_head,
+                     self.is_embedding)
+
+
+def _walk(model: "torch.nn.Module", alias: Mapping[str, str], no_split: set[str]) -> list[Block]:
+    import torch.nn as nn
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+        linear_types: tuple[type, ...] = (nn.Linear, Conv1D)
+    except ImportError:  # pragma: no cover - transformers always ships Conv1D
+        linear_types = (nn.Linear,)
+    try:
+        in_emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        in_emb = None
+    try:
+        out_emb = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        out_emb = None
+
+    blocks: list[Block] = []
+    module_lists: set[str] = set()
+    current: _BlockBuilder | None = None  # the open no-split block, if any
+    current_prefix = ""
+    for mname, mod in model.named_modules():
+        if current is not None and not mname.startswith(current_prefix):
+            blocks.append(current.build())
+            current = None
+        if isinstance(mod, nn.ModuleList):
+            module_lists.add(mname)
+        owner = current
+        if owner is None:
+            if type(mod).__name__ in no_split:
+                parent, _, last = mname.rpartition(".")
+                idx = int(last) if last.isdigit() and parent in module_lists else None
+                owner = current = _BlockBuilder(mname, no_split=True, layer_index=idx)
+                current_prefix = mname + "."
+            else:
+                is_head = out_emb is not None and mod is out_emb
+                owner = _BlockBuilder(mname, is_head=is_head,
+                                      is_embedding=(in_emb is not None and mod is in_emb)
+                                      or isinstance(mod, nn.Embedding))
+        prefix = mname + "." if mname else ""
+        quantizable_weight = isinstance(mod, linear_types) and mod is not out_emb
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = prefix + pname
+            if full in alias:
+                continue
+            owner.tensors.append(TensorSpec(full, tuple(p.shape), str(p.dtype).replace("torch.", ""), "parameter",
+                                            quantizable_weight and pname == "weight"))
+        if mod._buffers:
+            nonpersistent = mod._non_persistent_buffers_set
+            for bname, b in mod._buffers.items():
+                if b is None:
+                    continue
+                full = prefix + bname
+                if full in alias:
+                    continue
+                kind = "buffer_nonpersistent" if bname in nonpersistent else "buffer"
+                owner.tensors.append(TensorSpec(full, tuple(b.shape), str(b.dtype).replace("torch.", ""), kind))
+        if owner is not current and (owner.tensors or owner.is_head):
+            blocks.append(owner.build())
+    if current is not None:
+        blocks.append(current.build())
+    return blocks
+
+
+def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) -> Skeleton:
+    """Walk a (meta or real) model into a Skeleton; see the module docstring for the rules."""
+    cfg = getattr(model, "config", None)
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    alias, groups = _tied_aliases(model)
+    blocks = _walk(model, alias, no_split)
+    n_layers = sum(1 for b in blocks if b.layer_index is not None)
+    kv = kv_geometry(cfg, n_layers or None) if cfg is not None else None
+    sizes = _sizes(cfg) if cfg is not None else {}
+    model_type = str(getattr(cfg, "model_type", "") or "")
+    default = _dtype_name(getattr(cfg, "dtype", None)) if cfg is not None else None
+    if name is None:
+        name = str(getattr(cfg, "_name_or_path", "") or model_type or type(model).__name__)
+    for d in {t.dtype for b in blocks for t in b.tensors}:
+        if d not in DTYPE_BYTES:
+            raise ModelSourceError(f"{name}: tensor dtype {d!r} is not one the planner can size")
+    return Skeleton(
+        name=name,
+        architecture=type(model).__name__,
+        model_type=model_type,
+        blocks=tuple(blocks),
+        tied_groups=groups,
+        no_split_classes=tuple(sorted(no_split)),
+        kv=kv,
+        default_dtype=default or "float32",
+        **sizes,
+    )
+
+
+def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name: str | None = None) -> Skeleton:
+    """Skeleton of the causal LM a config describes, built on the meta device (no memory, < 1 s for 70B)."""
+    cfg, default_name = _as_config(config)
+    model = _meta_model(cfg)
+    return skeleton_from_model(model, name=name or default_name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# checkpoint directories
+
+
+def _block_of_key(key: str, tensor_block: Mapping[str, str], block_names: set[str],
+                  base_prefix: str) -> str | None:
+    """The block a checkpoint key belongs to: exact tensor name, else the longest block name that is a dotted
+    prefix of it (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0``), else the same
+    with the model's ``base_model_prefix`` prepended (old GPT-2 checkpoints store ``h.0...``)."""
+    for k in (key, f"{base_prefix}.{key}" if base_prefix else None):
+        if k is None:
+            continue
+        b = tensor_block.get(k)
+        if b is not None:
+            return b
+        pos = len(k)
+        while pos > 0:
+            pos = k.rfind(".", 0, pos)
+            if pos <= 0:
+                break
+            if k[:pos] in block_names:
+                return k[:pos]
+    return None
+
+
+def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: str, name: str) -> Skeleton:
+    """Apply stored dtypes and checkpoint-key ownership from the headers to a config-built skeleton."""
+    stored = headers.tensors
+    tensor_block = skel.block_of_tensor()
+    alias_source = {a: g[0] for g in skel.tied_groups for a in g[1:]}
+    block_names = {b.name for b in skel.blocks}
+    keys_of: dict[str, list[str]] = {}
+    unmatched: list[str] = []
+    renamed = False
+    for key in stored:
+        b = _block_of_key(alias_source.get(key, key), tensor_block, block_names, base_prefix)
+        if b is None:
+            unmatched.append(key)
+            continue
+        keys_of.setdefault(b, []).append(key)
+        if key not in tensor_block:
+            renamed = True
+    if unmatched:
+        log.warning("%s: %d checkpoint tensor(s) match no module of the %s model and will not be placed: %s",
+                    name, len(unmatched), skel.architecture, ", ".join(unmatched[:5]))
+
+    blocks = []
+    shape_mismatch = []
+    for blk in skel.blocks:
+        keys = keys_of.get(blk.name, [])
+        other_dtypes = Counter(stored[k].dtype for k in keys if k not in tensor_block)
+        fused_dtype = other_dtypes.most_common(1)[0][0] if other_dtypes else None
+        new_tensors = []
+        for t in blk.tensors:
+            h = stored.get(t.name)
+            if h is not None:
+                if h.shape != t.shape:
+                    shape_mismatch.append(f"{t.name}: model {list(t.shape)}, checkpoint {list(h.shape)}")
+                if h.dtype != t.dtype:
+                    t = TensorSpec(t.name, t.shape, h.dtype, t.kind, t.quantizable)
+            elif t.kind == "parameter" and fused_dtype and fused_dtype != t.dtype:
+                t = TensorSpec(t.name, t.shape, fused_dtype, t.kind, t.quantizable)
+            new_tensors.append(t)
+        blocks.append(Block(blk.name, tuple(new_tensors), blk.no_split, blk.layer_index, blk.is_head,
+                            blk.is_embedding))
+    if shape_mismatch:
+        log.warning("%s: %d tensor(s) differ in shape between config.json and the checkpoint (first: %s); "
+                    "the skeleton follows the config", name, len(shape_mismatch), shape_mismatch[0])
+
+    # cross-check: bytes stored vs bytes the model needs for what the checkpoint holds (tied tensors once)
+    stored_bytes = sum(stored[k].nbytes for ks in keys_of.values() for k in ks if k not in alias_source)
+    in_ckpt = set(stored)
+    need = 0
+    for blk in blocks:
+        for t in blk.tensors:
+            if t.kind == "parameter" or (t.kind == "buffer" and t.name in in_ckpt):
+                need += int(t.numel * DTYPE_BYTES[t.dtype])
+    if stored_bytes != need:
+        log.warning("%s: the checkpoint stores %d bytes of the model's tensors but the %s built from config.json "
+                    "needs %d; config and weights may not belong together", name, stored_bytes,
+                    skel.architecture, need)
+
+    default = skel.default_dtype
+    if default == "float32" and stored:
+        floats = Counter(t.dtype for t in stored.values() if t.dtype.startswith(("float", "bfloat")))
+        if floats:
+            default = floats.most_common(1)[0][0]
+    ckpt_keys = {b: tuple(ks) for b, ks in keys_of.items()} if renamed else {}
+    return Skeleton(
+        name=name, architecture=skel.architecture, model_type=skel.model_type, blocks=tuple(blocks),
+        tied_groups=skel.tied_groups, no_split_classes=skel.no_split_classes, kv=skel.kv,
+        vocab_size=skel.vocab_size, hidden_size=skel.hidden_size, intermediate_size=skel.intermediate_size,
+        num_attention_heads=skel.num_attention_heads, default_dtype=default, checkpoint_keys=ckpt_keys,
+    )
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?=\.)")
+_EMBED_HINTS = ("embed", "wte", "wpe", "tok_embeddings", "word_embeddings", "position_embeddings")
+_HEAD_HINTS = ("lm_head", "embed_out", "output", "head")
+
+
+def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapping[str, Any] | None = None
+                          ) -> Skeleton:
+    """A skeleton inferred from checkpoint key names alone (no transformers class needed).
+
+    Keys under ``<prefix>.layers.N.`` (also ``h.N``, ``blocks.N``, ``layer.N``) form no-split blocks with
+    ``layer_index = N``; every other key joins the block of its parent module. Order: embeddings, layers by
+    index, other blocks (norms) by name, head. Every tensor is a ``parameter`` with its stored dtype and name.
+    """
+    layer_blocks: dict[str, tuple[int, list[TensorSpec]]] = {}
+    other: dict[str, list[TensorSpec]] = {}
+    for key, h in headers.tensors.items():
+        m = _LAYER_RE.search(key)
+        is_weight = key.endswith(".weight") and len(h.shape) == 2
+        if m:
+            bname = key[: m.end()]
+            idx = int(m.group(1))
+            layer_blocks.setdefault(bname, (idx, []))[1].append(
+                TensorSpec(key, h.shape, h.dtype, "parameter", is_weight))
+        else:
+            parent = key.rpartition(".")[0]
+            other.setdefault(parent, []).append(TensorSpec(key, h.shape, h.dtype, "parameter", False))
+
+    def leaf(n: str) -> str:
+        return n.rpartition(".")[2].lower()
+
+    def category(n: str) -> int:
+        last = leaf(n)
+        if any(x in last for x in _EMBED_HINTS):
+            return 0
+        if last in _HEAD_HINTS or last.endswith("head"):
+            return 3
+        return 2
+
+    blocks: list[Block] = []
+    for bname in sorted((n for n in other if category(n) == 0)):
+        blocks.append(Block(bname, tuple(other[bname]), is_embedding=True))
+    for bname, (idx, ts) in sorted(layer_blocks.items(), key=lambda kv: (kv[1][0], kv[0])):
+        blocks.append(Block(bname, tuple(ts), no_split=True, layer_index=idx))
+    for bname in sorted((n for n in other if category(n) == 2)):
+        blocks.append(Block(bname, tuple(other[bname])))
+    for bname in sorted((n for n in other if category(n) == 3)):
+        blocks.append(Block(bname, tuple(other[bname]), is_head=True))
+    floats = Counter(t.dtype for t in headers.tensors.values() if t.dtype.startswith(("float", "bfloat")))
+    default = _dtype_name((config or {}).get("dtype") or (config or {}).get("torch_dtype"))
+    if default is None:
+        default = floats.most_common(1)[0][0] if floats else "float32"
+    n_layers = len({idx for idx, _ in layer_blocks.values()})
+    kv = kv_geometry(config, n_layers or None) if config else None
+    sizes = _sizes(config) if config else {}
+    return Skeleton(
+        name=name,
+        architecture=str(((config or {}).get("architectures") or ["unknown"])[0]),
+        model_type=str((config or {}).get("model_type") or "unknown"),
+        blocks=tuple(blocks),
+        kv=kv,
+        default_dtype=default,
+        **sizes,
+    )
+
+
+def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None) -> Skeleton:
+    """Skeleton of a checkpoint directory: ``config.json`` for structure, safetensors headers for stored dtypes.
+
+    Without a ``config.json``, or when transformers does not know its architecture, the skeleton is inferred from
+    the header names (see :func:`skeleton_from_headers`) and a warning says so.
+    """
+    d = Path(path)
+    if not d.is_dir():
+        raise ModelSourceError(f"{d}: not a directory")
+    name = name or d.resolve().name
+    has_config = (d / CONFIG_NAME).is_file()
+    if not has_config and not has_weight_files(d):
+        pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        extra = (f" Found pickle weight files ({', '.join(pickles[:3])}), which loadmaster refuses to read; "
+                 "convert them to safetensors.") if pickles else ""
+        raise ModelSourceError(
+            f"{d}: not a model directory: expected {CONFIG_NAME} and safetensors weights "
+            f"(model.safetensors, or model.safetensors.index.json with its shards), found neither.{extra}"
+        )
+    if not has_weight_files(d):
+        # read_checkpoint_headers raises the precise error (and mentions refused pickle files)
+        try:
+            read_checkpoint_headers(d)
+        except ModelSourceError as e:
+            raise ModelSourceError(
+                f"{e}. To plan from the architecture alone, pass {d / CONFIG_NAME} instead of the directory."
+            ) from None
+    headers = read_checkpoint_headers(d)
+    if not has_config:
+        log.warning("%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
+                    "KV geometry known)", d, CONFIG_NAME)
+        return skeleton_from_headers(headers, name=name)
+    doc = _read_json(d / CONFIG_NAME)
+    try:
+        cfg = config_from_dict(doc, source=str(d / CONFIG_NAME))
+        model = _meta_model(cfg)
+    except ModelSourceError as e:
+        log.warning("%s; the skeleton is inferred from safetensors key names instead", e)
+        return skeleton_from_headers(headers, name=name, config=doc)
+    skel = skeleton_from_model(model, name=name)
+    return _with_checkpoint(skel, headers, str(getattr(model, "base_model_prefix", "") or ""), name)
+
+
+def load_skeleton(model: Any, *, name: str | None = None) -> Skeleton:
+    """The Skeleton of whatever the user names: a Skeleton, a config dict or object, a model directory, a
+    ``config.json`` path, or a torch module."""
+    if isinstance(model, Skeleton):
+        return model
+    if isinstance(model, Mapping):
+        return skeleton_from_config(model, name=name)
+    if isinstance(model, (str, os.PathLike)):
+        p = Path(model).expanduser()
+        if not p.exists():
+            raise ModelSourceError(
+                f"{p}: no such file or directory; pass a model directory (config.json + safetensors) "
+                "or a config.json file"
+            )
+        if p.is_dir():
+            return skeleton_from_dir(p, name=name)
+        if p.suffix == ".json":
+            return skeleton_from_config(p, name=name)
+        raise ModelSourceError(f"{p}: expected a model directory or a .json config file, got a {p.suffix or 'plain'} "
+                               "file")
+    try:
+        import torch.nn as nn
+
+        if isinstance(model, nn.Module):
+            return skeleton_from_model(model, name=name)
+    except ImportError:  # pragma: no cover
+        pass
+    return skeleton_from_config(model, name=name)
