@@ -117,11 +117,15 @@ class Device:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Ordered devices: GPUs by id, then ``cpu``, then ``disk``. ``reserve`` is held back on each GPU."""
+    """Ordered devices: GPUs by id, then ``cpu``, then ``disk``. ``gpu_reserve`` is held back on each used GPU."""
 
     devices: tuple[Device, ...]
     gpu_reserve: int = 0
     source: str = "declared"
+    #: Read rate of the storage the checkpoint is loaded from (bytes/s): the load-time prediction uses it.
+    storage_bandwidth: float = 2.0e9
+    #: Host -> GPU copy rate (bytes/s).
+    link_bandwidth: float = 2.5e10
 
     @property
     def gpus(self) -> tuple[Device, ...]:

@@ -1,0 +1,109 @@
+"""What to say when nothing fits: the shortfall in bytes per device, and the smallest changes that would fit.
+
+Also the what-if searches the service's ``/plan`` offers: the largest context, or batch, that fits.
+Every suggestion is checked by planning again with the change applied; nothing is guessed.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from planner import strategies
+from planner.errors import PlanError
+from planner.hardware import device_label
+from planner.strategies import FillResult, Problem, compute_loads
+from planner.types import DeviceId, Hardware, Skeleton, Workload
+from planner.units import format_bytes
+
+
+def _feasible(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any) -> bool:
+    from planner.api import _solve
+
+    try:
+        _, result, _, _ = _solve(skeleton, hardware, workload, strategy, complete=True)
+    except PlanError:
+        return False
+    return result.assignment is not None
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Largest n in [lo, hi] with ok(n), assuming ok is monotone (true up to some n). None if ok(lo) fails."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def largest_context(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any = "auto", limit: int = 1 << 22) -> int | None:
+    return _largest(1, limit, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy))
+
+
+def largest_batch(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any = "auto", limit: int = 1 << 16) -> int | None:
+    return _largest(1, limit, lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy))
+
+
+def _shortfall(problem: Problem) -> tuple[dict[DeviceId, int], int]:
+    """Per-device need when the last device is allowed to overflow, and the total bytes missing."""
+    devices = problem.hardware.devices
+    limits = {d.id: d.capacity for d in devices}
+    last = devices[-1].id
+    limits[last] = 1 << 62
+    overflow = strategies.fill(problem, limits)
+    assignment = overflow.assignment
+    if assignment is None:  # pins that overflow their device: charge them there, everything free to the last device
+        assignment = []
+        for i in range(len(problem.items)):
+            if i in problem.follows:
+                assignment.append(assignment[problem.follows[i]])
+            else:
+                assignment.append(problem.pinned.get(i, last))
+    loads = compute_loads(problem, assignment)
+    need = {d.id: loads.total(d.id) for d in devices}
+    need.update({dev: loads.total(dev) for dev in set(assignment) if dev not in need})
+    missing = sum(max(0, need[d.id] - d.capacity) for d in devices)
+    return need, missing
+
+
+def explain_no_fit(
+    skeleton: Skeleton, hardware: Hardware, workload: Workload, problem: Problem, result: FillResult, strategy: Any, advise: bool
+) -> str:
+    caps = ", ".join(f"{device_label(d.id)} {format_bytes(d.capacity)}" for d in hardware.devices)
+    need, missing = _shortfall(problem)
+    short = "; ".join(
+        f"{device_label(d.id)} needs {format_bytes(need[d.id])} of {format_bytes(d.capacity)} "
+        f"(short by {need[d.id] - d.capacity} B)"
+        for d in hardware.devices
+        if need.get(d.id, 0) > d.capacity
+    )
+    lines = [f"{skeleton.name} does not fit: {short or f'short by {missing} B'} (devices: {caps})."]
+    biggest = max(problem.items, key=lambda it: it.weight, default=None)
+    if biggest is not None and all(biggest.weight > d.capacity for d in hardware.devices):
+        lines.append(f"Its largest block {biggest.name} alone takes {format_bytes(biggest.weight)}, more than any device.")
+    if not advise:
+        return " ".join(lines)
+    options = [f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM or an offload folder for disk"]
+    if workload.dtype == "float32":
+        w = replace(workload, dtype="bfloat16")
+        if _feasible(skeleton, hardware, w, strategy):
+            options.append("run in bf16 (--dtype bf16)")
+    if workload.quantization is None:
+        for q in ("int8", "nf4"):
+            w = replace(workload, quantization=q, dtype="float16" if workload.dtype == "float32" else workload.dtype)
+            if _feasible(skeleton, hardware, w, strategy):
+                options.append(f"quantize to {q} (--quantization {q})")
+                break
+    if workload.context > 1:
+        c = _largest(1, workload.context - 1, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy))
+        if c:
+            options.append(f"a context of at most {c} tokens (--context {c})")
+    if workload.batch_size > 1:
+        b = _largest(1, workload.batch_size - 1, lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy))
+        if b:
+            options.append(f"a batch of at most {b} (--batch-size {b})")
+    lines.append("Any one of these would fit: " + "; ".join(options) + ".")
+    return " ".join(lines)

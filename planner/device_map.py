@@ -1,0 +1,152 @@
+"""Device maps in transformers' ``hf_device_map`` format: merging a per-block placement into the shortest
+covering prefixes, and reading a user's custom map back into per-block placements.
+
+A key is ``""`` (the whole model), a module path (``model.layers.3``, covering every tensor below it) or a
+single tensor name. The most specific key wins, as in transformers.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+from planner.errors import PlanError
+from planner.hardware import normalize_device_key
+from planner.types import DeviceId, Skeleton
+from planner.units import format_bytes
+
+
+def merge_device_map(skeleton: Skeleton, placement: Mapping[str, DeviceId]) -> dict[str, DeviceId]:
+    """The shortest set of prefixes that reproduces ``placement`` (block name -> device).
+
+    A module path is emitted when every block below it shares a device; otherwise its children are visited.
+    A block that is also the parent of other blocks (a module owning tensors directly and through children)
+    falls back to naming its own tensors one by one when its subtree is mixed.
+    """
+    blocks = {b.name: b for b in skeleton.blocks}
+    children: dict[str, list[str]] = {}
+    devices_below: dict[str, set[DeviceId]] = {}
+    for b in skeleton.blocks:
+        dev = placement[b.name]
+        path = b.name.split(".") if b.name else []
+        for depth in range(len(path) + 1):
+            node = ".".join(path[:depth])
+            devices_below.setdefault(node, set()).add(dev)
+            if depth < len(path):
+                child = ".".join(path[: depth + 1])
+                kids = children.setdefault(node, [])
+                if not kids or kids[-1] != child:
+                    if child not in kids:
+                        kids.append(child)
+    out: dict[str, DeviceId] = {}
+
+    def visit(node: str) -> None:
+        devs = devices_below.get(node, set())
+        if len(devs) == 1:
+            out[node] = next(iter(devs))
+            return
+        if node in blocks:
+            own = blocks[node]
+            for t in own.tensors:
+                out[t.name] = placement[node]
+        for child in children.get(node, []):
+            visit(child)
+
+    visit("")
+    return out
+
+
+def _prefixes(skeleton: Skeleton) -> set[str]:
+    names = {""}
+    for b in skeleton.blocks:
+        parts = b.name.split(".") if b.name else []
+        for i in range(1, len(parts) + 1):
+            names.add(".".join(parts[:i]))
+    return names
+
+
+def _covers(key: str, name: str) -> bool:
+    return key == "" or name == key or name.startswith(key + ".")
+
+
+def resolve_custom_map(
+    skeleton: Skeleton, device_map: Mapping[str, Any], complete: bool = False
+) -> dict[str, DeviceId]:
+    """Per-block devices from a user's map. Unknown names, split no-split blocks, split tied groups and (unless
+    ``complete``) uncovered tensors are errors. Blocks left uncovered with ``complete`` are simply absent from
+    the result, for the planner to place."""
+    if not isinstance(device_map, Mapping):
+        raise PlanError(f"a custom device map must be a dict of module name -> device; got {type(device_map).__name__}")
+    modules = _prefixes(skeleton)
+    tensor_names = {t.name for b in skeleton.blocks for t in b.tensors}
+    aliases = {name for group in skeleton.tied_groups for name in group}
+    keys: dict[str, DeviceId] = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise PlanError(f"device map key {key!r} must be a module or tensor name (a string)")
+        if key not in modules and key not in tensor_names and key not in aliases:
+            close = difflib.get_close_matches(key, sorted(modules | tensor_names), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise PlanError(f"device map names {key!r}, which is not a module or tensor of this model{hint}")
+        try:
+            keys[key] = normalize_device_key(value)
+        except PlanError as e:
+            raise PlanError(f"device map entry {key!r}: {e}") from None
+
+    ordered = sorted(keys, key=len, reverse=True)  # most specific first
+
+    def device_of(name: str) -> DeviceId | None:
+        for k in ordered:
+            if _covers(k, name):
+                return keys[k]
+        return None
+
+    placement: dict[str, DeviceId] = {}
+    uncovered: list[str] = []
+    for b in skeleton.blocks:
+        names = [t.name for t in b.tensors] or [b.name]
+        devs = {device_of(n) for n in names}
+        if None in devs and len(devs) > 1:
+            missing = [n for n in names if device_of(n) is None]
+            raise PlanError(
+                f"device map covers only part of module {b.name!r}: {', '.join(missing[:5])} have no device; "
+                f"place the module itself (e.g. {{{b.name!r}: 0}})"
+            )
+        if devs == {None}:
+            uncovered.append(b.name)
+            continue
+        if len(devs) > 1:
+            kind = "a no-split module" if b.no_split else "one module"
+            raise PlanError(
+                f"device map splits {kind} {b.name!r} across devices {sorted(map(str, devs))}; "
+                f"its tensors must stay together: map {b.name!r} as a whole"
+            )
+        placement[b.name] = devs.pop()  # type: ignore[assignment]
+    if uncovered and not complete:
+        shown = ", ".join(repr(n) for n in uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
+        raise PlanError(
+            f"device map leaves {len(uncovered)} module(s) without a device: {shown}; "
+            "map them, add a catch-all such as {'': 'cpu'}, or ask the planner to complete the map (complete=True)"
+        )
+    owner = skeleton.block_of_tensor()
+    for group in skeleton.tied_groups:
+        devs: set[DeviceId] = set()
+        for n in group:
+            d = placement.get(owner[n]) if n in owner else device_of(n)
+            if d is not None:
+                devs.add(d)
+        if len(devs) > 1:
+            raise PlanError(
+                f"tied weights {', '.join(group)} share one tensor but the map puts them on "
+                f"{sorted(map(str, devs))}; put them on one device"
+            )
+    return placement
+
+
+def shortfall_text(need: Mapping[DeviceId, int], capacity: Mapping[DeviceId, int]) -> str:
+    parts = []
+    for dev, n in need.items():
+        cap = capacity.get(dev, 0)
+        if n > cap:
+            label = f"GPU {dev}" if isinstance(dev, int) else dev
+            parts.append(f"{label} needs {format_bytes(n)} ({n} B) but has {format_bytes(cap)} (short by {n - cap} B)")
+    return "; ".join(parts)

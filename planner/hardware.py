@@ -1,0 +1,187 @@
+"""The devices a plan may use: read from ``max_memory``, declared (``--gpus 4x24GiB``) or detected.
+
+Order matters and is fixed: GPUs by id, then ``cpu``, then ``disk``. Overflow always walks that order.
+Detection is the only place here that touches torch, and it imports it lazily: planning for declared
+hardware never needs a GPU, or even torch.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+from typing import Any, Mapping
+
+from planner.errors import HardwareSpecError
+from planner.types import Device, DeviceId, Hardware
+from planner.units import parse_size
+
+#: Bytes/s each kind of device reads its own memory at, and the rate its contents reach the execution device.
+#: Deliberately round, middle-of-the-road figures; override them with ``bandwidths=``.
+DEFAULT_BANDWIDTHS: dict[str, float] = {
+    "gpu": 1.0e12,   # HBM/GDDR of a current data-centre or high-end consumer GPU
+    "cpu": 2.0e10,   # host DRAM, a few channels
+    "link": 2.5e10,  # host -> GPU over PCIe 4.0 x16 from pinned memory
+    "disk": 2.0e9,   # NVMe sequential read
+}
+DEFAULT_GPU_RESERVE = 512 * 2**20  # CUDA context + allocator slack per GPU
+
+
+def normalize_device_key(key: Any) -> DeviceId:
+    """``0``, ``"0"``, ``"cuda:0"`` -> ``0``; ``"cpu"``, ``"disk"`` stay. Anything else is an error with a hint."""
+    if isinstance(key, bool):
+        raise HardwareSpecError(f"device key {key!r} is a boolean; use a GPU index (0, 'cuda:0'), 'cpu' or 'disk'")
+    if isinstance(key, int):
+        if key < 0:
+            raise HardwareSpecError(f"GPU index {key} is negative; GPU indices start at 0")
+        return key
+    if isinstance(key, str):
+        k = key.strip().lower()
+        if k in ("cpu", "disk"):
+            return k
+        if k in ("cuda", "gpu"):
+            return 0
+        m = re.fullmatch(r"(?:cuda:|gpu:?)?(\d+)", k)
+        if m:
+            return int(m.group(1))
+        hint = difflib.get_close_matches(k, ["cpu", "disk", "cuda:0"], n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise HardwareSpecError(
+            f"unknown device {key!r}{extra}; use a GPU index (0, '0', 'cuda:0'), 'cpu' or 'disk'"
+        )
+    raise HardwareSpecError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
+
+
+def device_label(device: DeviceId) -> str:
+    return f"GPU {device}" if isinstance(device, int) else str(device)
+
+
+def _order_key(device: DeviceId) -> tuple[int, int]:
+    if isinstance(device, int):
+        return (0, device)
+    return (1, 0) if device == "cpu" else (2, 0)
+
+
+def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]:
+    """``"4x24GiB"``, ``"2x80GB,1x24GiB"``, ``"24GiB,48GiB"`` or a list of sizes -> capacities in bytes."""
+    if isinstance(spec, (list, tuple)):
+        return [parse_size(s) for s in spec]
+    if not isinstance(spec, str) or not spec.strip():
+        raise HardwareSpecError(f"cannot read GPU declaration {spec!r}; write e.g. '4x24GiB' or '2x80GB,1x24GiB'")
+    sizes: list[int] = []
+    for part in re.split(r"[,+]", spec):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)\s*[x×*]\s*(.+)", part)
+        count, size = (int(m.group(1)), m.group(2)) if m else (1, part)
+        if count < 1:
+            raise HardwareSpecError(f"GPU count in {part!r} must be at least 1")
+        if count > 1024:
+            raise HardwareSpecError(f"GPU count in {part!r} is implausible (over 1024)")
+        try:
+            sizes.extend([parse_size(size)] * count)
+        except HardwareSpecError as e:
+            raise HardwareSpecError(f"cannot read GPU declaration {spec!r}: {e}") from None
+    return sizes
+
+
+def detect_memory(offload_folder: str | os.PathLike | None = None) -> dict[DeviceId, int]:
+    """Free memory of each visible GPU, available RAM, and free disk at the offload folder (if one is given)."""
+    found: dict[DeviceId, int] = {}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                free, _total = torch.cuda.mem_get_info(i)
+                found[i] = int(free)
+    except ImportError:  # planning without torch: CPU and disk only
+        pass
+    found["cpu"] = _available_ram()
+    if offload_folder is not None:
+        folder = os.fspath(offload_folder)
+        probe = folder
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        found["disk"] = int(shutil.disk_usage(probe or ".").free)
+    return found
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 0
+
+
+def build_hardware(
+    max_memory: Mapping[Any, Any] | None = None,
+    gpus: str | list[int | str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    gpu_reserve: int | str | None = None,
+    bandwidths: Mapping[str, float] | None = None,
+) -> Hardware:
+    """Resolve what the plan may use.
+
+    - ``max_memory`` given: exactly the devices it names, with those budgets (as accelerate does). Declared
+      ``gpus`` are added for ids it does not name.
+    - only ``gpus`` given: those GPUs, plus this machine's available RAM as ``cpu`` and, with an offload folder,
+      its free disk.
+    - neither: everything detected on this machine.
+    """
+    bw = dict(DEFAULT_BANDWIDTHS)
+    for k, v in (bandwidths or {}).items():
+        if k not in bw:
+            raise HardwareSpecError(f"unknown bandwidth kind {k!r}; use one of {sorted(bw)}")
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise HardwareSpecError(f"bandwidth {k}={v!r} must be a positive number of bytes/s")
+        bw[k] = float(v)
+    reserve = DEFAULT_GPU_RESERVE if gpu_reserve is None else parse_size(gpu_reserve)
+
+    capacities: dict[DeviceId, int] = {}
+    source = "max_memory"
+    if gpus is not None:
+        for i, size in enumerate(parse_gpus(gpus)):
+            capacities[i] = size
+        source = "declared"
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise HardwareSpecError(
+                f"max_memory must be a mapping of device to size, e.g. {{0: '20GiB', 'cpu': '64GiB'}}; got {max_memory!r}"
+            )
+        if not max_memory:
+            raise HardwareSpecError("max_memory is empty; name at least one device, e.g. {'cpu': '16GiB'}")
+        for key, value in max_memory.items():
+            dev = normalize_device_key(key)
+            try:
+                capacities[dev] = parse_size(value)
+            except HardwareSpecError as e:
+                raise HardwareSpecError(f"max_memory[{key!r}]: {e}") from None
+    elif gpus is not None:
+        detected = detect_memory(offload_folder)
+        capacities["cpu"] = detected["cpu"]
+        if "disk" in detected:
+            capacities["disk"] = detected["disk"]
+    else:
+        capacities = dict(detect_memory(offload_folder))
+        source = "detected"
+
+    devices = []
+    for dev in sorted(capacities, key=_order_key):
+        kind = "gpu" if isinstance(dev, int) else str(dev)
+        if kind == "gpu":
+            own, link = bw["gpu"], bw["gpu"]
+        elif kind == "cpu":
+            own, link = bw["cpu"], min(bw["cpu"], bw["link"])
+        else:
+            own, link = bw["disk"], bw["disk"]
+        devices.append(Device(id=dev, capacity=capacities[dev], bandwidth=own, link_bandwidth=link))
+    return Hardware(
+        devices=tuple(devices), gpu_reserve=reserve, source=source, storage_bandwidth=bw["disk"], link_bandwidth=bw["link"]
+    )

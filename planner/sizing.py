@@ -1,0 +1,139 @@
+"""What each block costs for a workload: its weights in the run dtype or quantization, its KV cache, and the
+transient memory generation needs on each device that computes.
+
+The byte counts are those bitsandbytes and transformers really allocate (checked in tests/planner):
+- int8 (LLM.int8, ``Linear8bitLt``): one byte per weight plus one float32 scale per output row (``SCB``);
+- nf4 / fp4 (``Linear4bit``): two weights per byte plus one float32 ``absmax`` per block of 64 weights, and a
+  small per-tensor quant state;
+- everything that is not the weight of a linear layer (embeddings, norms, biases, the output head) stays in the
+  compute dtype, as transformers' integration does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.errors import PlanError
+from planner.types import DTYPE_BYTES, FLOAT_DTYPES, Block, Skeleton, TensorSpec, Workload
+
+QUANTIZATIONS = ("int8", "nf4", "fp4")
+RUN_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "float32": "float32", "torch.float32": "float32",
+    "fp16": "float16", "half": "float16", "float16": "float16", "torch.float16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
+}
+_QUANT_ALIASES = {
+    "int8": "int8", "8bit": "int8", "llm.int8": "int8", "bnb-int8": "int8",
+    "nf4": "nf4", "4bit": "nf4", "bnb-nf4": "nf4",
+    "fp4": "fp4", "bnb-fp4": "fp4",
+}
+BNB_4BIT_BLOCKSIZE = 64
+BNB_4BIT_STATE_BYTES = 64  # per-tensor quant state besides absmax (the 16-entry code table, shape, dtype)
+LOGITS_COPIES = 2  # generate() upcasts the last position's logits to float32 and softmaxes/argmaxes a copy
+
+
+def normalize_dtype(dtype: str | None, default: str) -> str:
+    """``bf16``/``bfloat16``/``torch.bfloat16`` -> ``bfloat16``. ``None`` or ``auto`` takes the checkpoint's."""
+    if dtype is None or str(dtype).lower() == "auto":
+        dtype = default
+    key = str(dtype).strip().lower()
+    if key not in _DTYPE_ALIASES:
+        raise PlanError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16 (or float32, float16, bfloat16)")
+    return _DTYPE_ALIASES[key]
+
+
+def normalize_quantization(q: str | None) -> str | None:
+    if q is None or str(q).strip().lower() in ("", "none", "no"):
+        return None
+    key = str(q).strip().lower()
+    if key not in _QUANT_ALIASES:
+        raise PlanError(f"unknown quantization {q!r}; use one of int8, nf4, fp4 (bitsandbytes), or none")
+    return _QUANT_ALIASES[key]
+
+
+def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
+    """Bytes ``t`` occupies once loaded for ``workload``.
+
+    Parameters and persistent buffers in a floating dtype take the run dtype; non-persistent buffers keep the
+    dtype the model computes them in (rotary frequencies stay float32); integer tensors keep theirs.
+    """
+    if t.dtype not in DTYPE_BYTES:
+        raise PlanError(f"tensor {t.name} has unsupported dtype {t.dtype!r}")
+    n = t.numel
+    if workload.quantization and t.quantizable and len(t.shape) == 2:
+        if workload.quantization == "int8":
+            return n + int(t.shape[0]) * 4
+        return math.ceil(n / 2) + math.ceil(n / BNB_4BIT_BLOCKSIZE) * 4 + BNB_4BIT_STATE_BYTES
+    if t.dtype in FLOAT_DTYPES and t.kind != "buffer_nonpersistent":
+        return int(n * DTYPE_BYTES[workload.dtype])
+    return int(n * DTYPE_BYTES[t.dtype])
+
+
+def block_bytes(block: Block, workload: Workload) -> int:
+    return sum(tensor_bytes(t, workload) for t in block.tensors)
+
+
+def kv_bytes_per_layer(skeleton: Skeleton, workload: Workload) -> int:
+    """K and V for ``batch_size × context`` tokens of one layer, in the compute dtype."""
+    if skeleton.kv is None:
+        return 0
+    per_token = 2 * skeleton.kv.num_kv_heads * skeleton.kv.head_dim * DTYPE_BYTES[workload.dtype]
+    return int(per_token * workload.batch_size * workload.context)
+
+
+def activation_bytes(skeleton: Skeleton, workload: Workload) -> int:
+    """Peak transient memory of one decoder layer during prefill of ``batch_size × context`` tokens.
+
+    Counted per token: the residual stream, the normed input and the attention output (3 × hidden), the query
+    and the new K/V (hidden + 2 × kv_heads × head_dim), and the MLP's gate and up projections (2 × intermediate),
+    all in the compute dtype. Attention scores are not materialised (SDPA's fused kernels), which is what
+    transformers uses by default on GPUs.
+    """
+    hidden = skeleton.hidden_size
+    kv_width = 2 * skeleton.kv.num_kv_heads * skeleton.kv.head_dim if skeleton.kv else 2 * hidden
+    per_token = 4 * hidden + kv_width + 2 * max(skeleton.intermediate_size, 0)
+    return int(per_token * workload.batch_size * workload.context * DTYPE_BYTES[workload.dtype])
+
+
+def logits_bytes(skeleton: Skeleton, workload: Workload) -> int:
+    """The last position's logits (``batch × vocab``, float32) and the copy generation makes of them."""
+    return int(workload.batch_size * skeleton.vocab_size * 4 * LOGITS_COPIES)
+
+
+@dataclass(frozen=True)
+class SizedBlock:
+    """A block with its costs for one workload: what the placement algorithm works on."""
+
+    name: str
+    weight: int
+    kv: int
+    is_head: bool
+    is_embedding: bool
+    is_layer: bool
+    #: Bytes read per decoded token: the whole weight, except an embedding, which reads one row per token.
+    read_per_token: int
+
+
+def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
+    kv_layer = kv_bytes_per_layer(skeleton, workload)
+    out = []
+    for b in skeleton.blocks:
+        w = block_bytes(b, workload)
+        if b.is_embedding and not b.is_head:
+            rows = max(b.tensors[0].shape[0], 1) if b.tensors and b.tensors[0].shape else 1
+            read = int(w / rows) * workload.batch_size
+        else:
+            read = w
+        out.append(
+            SizedBlock(
+                name=b.name,
+                weight=w,
+                kv=kv_layer if b.layer_index is not None else 0,
+                is_head=b.is_head,
+                is_embedding=b.is_embedding,
+                is_layer=b.layer_index is not None,
+                read_per_token=read,
+            )
+        )
+    return out

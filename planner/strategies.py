@@ -1,0 +1,260 @@
+"""The placement algorithm: which device each block goes to. Pure: plain data in, plain data out, no torch.
+
+Every strategy is the same greedy *fill* under different per-device limits:
+
+- blocks are visited in execution order and a cursor walks the devices in order (GPUs by id, ``cpu``,
+  ``disk``); a block goes on the cursor's device if it fits under that device's limit, otherwise the cursor
+  moves on. Devices therefore take contiguous runs of layers and the number of device hops is minimal for
+  those limits. For fixed limits this greedy fill is optimal: it fits everything whenever any contiguous
+  assignment does.
+- a block tied to an earlier block (GPT-2's head shares the input embedding) goes where that block went;
+  a block the user pinned (custom map) or that the strategy pins (embedding offload) goes to its pin.
+- what a device must hold is not only weights: the first block on a computing device brings its reserve
+  (CUDA context) and the prefill activations; each decoder layer brings its KV cache to the device that
+  computes it; the head brings the logits buffer. Blocks offloaded to ``cpu``/``disk`` while GPUs compute are
+  streamed to the first GPU, which then also holds their KV cache and a double buffer for their weights;
+  that overhead is found by refilling with the first GPU's limit lowered until the plan is consistent.
+
+Strategies then choose the limits:
+
+- ``sequential``: every device up to its capacity.
+- ``balanced``: the smallest utilisation ``t`` such that all blocks fit with each GPU limited to
+  ``t × capacity``, found by bisection; GPUs of different sizes therefore get shares in proportion. When the
+  GPUs cannot hold everything, there is nothing to balance and it equals ``sequential``.
+- ``balanced_low_0``: the first GPU is limited to half of its balanced share (but always takes the first
+  block), the others are balanced over the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.sizing import SizedBlock
+from planner.types import Device, DeviceId, Hardware
+
+_BISECT_STEPS = 40
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the fill needs, already sized for one workload."""
+
+    items: tuple[SizedBlock, ...]
+    hardware: Hardware
+    activation: int  # per computing device, once it holds any block
+    logits: int  # on the device that computes the head
+    follows: dict[int, int] = field(default_factory=dict)  # item -> earlier item it must share a device with
+    pinned: dict[int, DeviceId] = field(default_factory=dict)  # item -> device
+
+    @property
+    def main_gpu(self) -> DeviceId | None:
+        gpus = self.hardware.gpus
+        return gpus[0].id if gpus else None
+
+    def computes_on(self, device: DeviceId) -> DeviceId:
+        """Where a block placed on ``device`` runs: GPUs run their own; offloaded blocks run on the first GPU,
+        or on the CPU when there is no GPU."""
+        if isinstance(device, int):
+            return device
+        main = self.main_gpu
+        return main if main is not None else "cpu"
+
+
+@dataclass
+class Loads:
+    """Per-device bytes of an assignment, split as the plan reports them."""
+
+    weights: dict[DeviceId, int] = field(default_factory=dict)
+    kv: dict[DeviceId, int] = field(default_factory=dict)
+    activations: dict[DeviceId, int] = field(default_factory=dict)
+    reserve: dict[DeviceId, int] = field(default_factory=dict)
+
+    def total(self, device: DeviceId) -> int:
+        return (
+            self.weights.get(device, 0)
+            + self.kv.get(device, 0)
+            + self.activations.get(device, 0)
+            + self.reserve.get(device, 0)
+        )
+
+
+def compute_loads(problem: Problem, assignment: list[DeviceId]) -> Loads:
+    """Exact per-device bytes of a complete assignment (the numbers the plan reports and checks)."""
+    loads = Loads()
+    used_compute: set[DeviceId] = set()
+    offloaded_max = 0
+    for item, dev in zip(problem.items, assignment):
+        loads.weights[dev] = loads.weights.get(dev, 0) + item.weight
+        runs_on = problem.computes_on(dev)
+        used_compute.add(runs_on)
+        if item.kv:
+            loads.kv[runs_on] = loads.kv.get(runs_on, 0) + item.kv
+        if item.is_head and problem.logits:
+            loads.activations[runs_on] = loads.activations.get(runs_on, 0) + problem.logits
+        if runs_on != dev:
+            offloaded_max = max(offloaded_max, item.weight)
+    for dev in used_compute:
+        loads.activations[dev] = loads.activations.get(dev, 0) + problem.activation
+        if isinstance(dev, int):
+            loads.reserve[dev] = problem.hardware.gpu_reserve
+    if offloaded_max:
+        # Offloaded weights are staged on the computing device in two buffers: one in use, one being prefetched.
+        # Without a GPU the CPU computes in place from memory maps: one block's pages are the working set.
+        main = problem.computes_on("cpu")
+        copies = 2 if isinstance(main, int) else 1
+        loads.activations[main] = loads.activations.get(main, 0) + copies * offloaded_max
+    return loads
+
+
+@dataclass
+class FillResult:
+    assignment: list[DeviceId] | None
+    #: When the fill failed: the block that did not fit and what it needed.
+    stuck_item: int | None = None
+    stuck_need: int = 0
+
+
+def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
+    """Greedy contiguous fill of ``problem.items`` under ``limits`` (devices absent from ``limits`` are unused)."""
+    order = [d.id for d in problem.hardware.devices if d.id in limits]
+    load: dict[DeviceId, int] = {d: 0 for d in order}
+    started: set[DeviceId] = set()
+    assignment: list[DeviceId] = []
+    cursor = 0
+
+    def increment(item: SizedBlock, dev: DeviceId) -> int:
+        runs_on = problem.computes_on(dev)
+        inc = item.weight
+        if runs_on == dev:
+            inc += item.kv
+            if item.is_head:
+                inc += problem.logits
+            if dev not in started:
+                inc += problem.activation
+                if isinstance(dev, int):
+                    inc += problem.hardware.gpu_reserve
+        return inc
+
+    for i, item in enumerate(problem.items):
+        if i in problem.follows or i in problem.pinned:
+            dev = assignment[problem.follows[i]] if i in problem.follows else problem.pinned[i]
+            if dev not in load:
+                return FillResult(None, i, increment(item, dev))
+            inc = increment(item, dev)
+            if load[dev] + inc > limits[dev]:
+                return FillResult(None, i, inc)
+            load[dev] += inc
+            started.add(dev)
+            assignment.append(dev)
+            continue
+        while cursor < len(order):
+            dev = order[cursor]
+            inc = increment(item, dev)
+            if load[dev] + inc <= limits[dev]:
+                load[dev] += inc
+                started.add(dev)
+                assignment.append(dev)
+                break
+            cursor += 1
+        else:
+            return FillResult(None, i, item.weight)
+    return FillResult(assignment)
+
+
+def fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
+    """``fill``, then lower the first GPU's limit until the overhead offloading puts on it fits too."""
+    limits = dict(limits)
+    capacity = {d.id: d.capacity for d in problem.hardware.devices}
+    for _ in range(len(problem.items) + 2):
+        result = fill(problem, limits)
+        if result.assignment is None:
+            return result
+        loads = compute_loads(problem, result.assignment)
+        over = {d: loads.total(d) - min(capacity[d], limits[d]) for d in limits}
+        over = {d: v for d, v in over.items() if v > 0}
+        if not over:
+            return result
+        for dev, excess in over.items():
+            if limits[dev] - excess < 0:
+                return FillResult(None, None, excess)
+            limits[dev] -= excess
+    return FillResult(None, None, 0)
+
+
+def _full_limits(problem: Problem) -> dict[DeviceId, int]:
+    return {d.id: d.capacity for d in problem.hardware.devices}
+
+
+def _gpus(problem: Problem) -> list[Device]:
+    return [d for d in problem.hardware.gpus if d.capacity > 0]
+
+
+def sequential(problem: Problem) -> FillResult:
+    return fill_consistent(problem, _full_limits(problem))
+
+
+def _bisect_share(problem: Problem, gpus: list[Device], fixed: dict[DeviceId, int]) -> float | None:
+    """Smallest utilisation t such that all blocks fit on ``gpus`` at ``t × capacity`` (with ``fixed`` limits
+    for GPUs outside ``gpus``); ``None`` if they do not fit even at full capacity."""
+
+    def fits(t: float) -> bool:
+        limits = {d.id: int(d.capacity * t) for d in gpus}
+        limits.update(fixed)
+        return fill_consistent(problem, limits).assignment is not None
+
+    if not gpus or not fits(1.0):
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def balanced(problem: Problem) -> FillResult:
+    gpus = _gpus(problem)
+    if len(gpus) < 2:
+        return sequential(problem)
+    t = _bisect_share(problem, gpus, {})
+    if t is None:
+        return sequential(problem)
+    return fill_consistent(problem, {d.id: int(d.capacity * t) for d in gpus})
+
+
+def balanced_low_0(problem: Problem) -> FillResult:
+    gpus = _gpus(problem)
+    if len(gpus) < 2:
+        return balanced(problem)
+    t = _bisect_share(problem, gpus, {})
+    if t is None:
+        return sequential(problem)
+    first, rest = gpus[0], gpus[1:]
+    # The first GPU keeps half of its balanced share, but always at least the first block, so it is still used.
+    light = min(first.capacity, max(int(first.capacity * t * 0.5), _first_block_need(problem, first.id)))
+    t_rest = _bisect_share(problem, rest, {first.id: light})
+    if t_rest is None:
+        return fill_consistent(problem, {d.id: int(d.capacity * t) for d in gpus})
+    limits = {d.id: int(d.capacity * t_rest) for d in rest}
+    limits[first.id] = light
+    return fill_consistent(problem, limits)
+
+
+def _first_block_need(problem: Problem, device: DeviceId) -> int:
+    """What the first free block costs on ``device`` (weights, KV, reserve and activations it brings)."""
+    for i, item in enumerate(problem.items):
+        if i in problem.follows or i in problem.pinned:
+            continue
+        inc = item.weight + item.kv + problem.activation + (problem.logits if item.is_head else 0)
+        if isinstance(device, int):
+            inc += problem.hardware.gpu_reserve
+        return inc
+    return 0
+
+
+STRATEGIES = {
+    "sequential": sequential,
+    "balanced": balanced,
+    "balanced_low_0": balanced_low_0,
+}
