@@ -1,0 +1,53 @@
+"""The one place tests and benchmarks get their models from.
+
+Each function builds its model once into a cache folder and returns the folder on later calls (and in
+later runs). The cache is ``$LOADMASTER_TEST_CACHE`` or ``<repo>/.cache/test-models`` (git-ignored).
+Builds are atomic, so two processes asking at once both end up with the same complete folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from service.model_factory import build_demo_model, build_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A quick demo-model variant for tests: same architecture and tokenizer, far fewer training steps.
+TEST_DEMO_STEPS = 12
+
+
+def cache_dir() -> Path:
+    """Folder holding every cached test model."""
+    return Path(os.environ.get("LOADMASTER_TEST_CACHE") or REPO_ROOT / ".cache" / "test-models")
+
+
+def tiny_llama_dir() -> Path:
+    """Llama, 4 layers, grouped-query attention (4 query / 2 KV heads), untied head; ~1 MB fp32, sharded."""
+    return build_model("llama", cache_dir() / "tiny-llama", size="tiny")
+
+
+def tiny_gpt2_dir() -> Path:
+    """GPT-2, 4 layers, lm_head tied to transformer.wte; ~1.5 MB fp32, sharded."""
+    return build_model("gpt2", cache_dir() / "tiny-gpt2", size="tiny")
+
+
+def tiny_moe_dir() -> Path:
+    """Mixtral, 4 layers, 4 experts with top-2 routing; ~1.5 MB fp32, sharded (per-expert keys on disk)."""
+    return build_model("mixtral", cache_dir() / "tiny-mixtral", size="tiny")
+
+
+def llama_100m_dir(dtype: str = "float32") -> Path:
+    """Llama with ~105M parameters (benchmarks only; a few seconds to build, ~420 MB in fp32)."""
+    return build_model("llama", cache_dir() / f"llama-100m-{dtype}", size="100m", dtype=dtype)
+
+
+def llama_1b_dir(dtype: str = "bfloat16") -> Path:
+    """Llama with ~1B parameters in >= 4 shards (benchmarks only; ~2 GB in bf16, ~4 GB in fp32)."""
+    return build_model("llama", cache_dir() / f"llama-1b-{dtype}", size="1b", dtype=dtype)
+
+
+def demo_model_dir() -> Path:
+    """A briefly trained demo-architecture Llama (few steps) for tests that want text-like behaviour."""
+    return build_demo_model(cache_dir() / "demo-quick", steps=TEST_DEMO_STEPS)
