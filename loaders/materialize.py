@@ -1,0 +1,206 @@
+"""Putting each tensor on its planned device, straight from the shards.
+
+* resident on the CPU: positioned reads into the tensor's final memory, by a small pool of reader threads
+  (``preadv`` releases the GIL), in file order;
+* on a GPU: chunked reads into two pinned staging buffers, each copied to the GPU asynchronously while the next
+  chunk is read, so GPU-bound weights never exist as a full CPU copy;
+* ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously;
+* ``"disk"``: a zero-copy memory map of the shard when the stored dtype is the one run; otherwise (a cast, or a
+  fused MoE tensor assembled from per-expert keys) converted once into the offload folder and mapped from there.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from loaders.checkpoint_layout import TensorSource, piece_shape, to_torch_index
+from loaders.offload_folder import OffloadFolder
+from loaders.progress import LoadStats, ProgressReporter
+from loaders.safetensors_index import CheckpointIndex, ShardEntry
+from loaders.shard_reader import ShardReader, byte_view
+from planner.types import DeviceId
+
+log = logging.getLogger(__name__)
+
+STAGING_CHUNK = 64 * 1024 * 1024
+
+
+def default_offload_folder(model_path: Path) -> Path:
+    """Where converted disk tensors go when the caller names no folder: a per-model cache directory."""
+    base = os.environ.get("LOADMASTER_OFFLOAD_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loadmaster", "offload")
+    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
+    return Path(base) / f"{model_path.resolve().name}-{digest}"
+
+
+class Materializer:
+    """Reads a checkpoint's tensors onto their devices and remembers what it cost (``stats``)."""
+
+    def __init__(self, index: CheckpointIndex, run_dtype: torch.dtype, keep_fp32: list[str],
+                 reporter: ProgressReporter, *, offload_folder=None, model_path: Path, has_gpu: bool,
+                 workers: Optional[int] = None):
+        self.index = index
+        self.run_dtype = run_dtype
+        self._keep_fp32 = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in keep_fp32]
+        self.reporter = reporter
+        self.offload_folder = Path(offload_folder) if offload_folder is not None else None
+        self.model_path = model_path
+        self.has_gpu = has_gpu
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.reader = ShardReader()
+        self.stats = LoadStats()
+        #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
+        self.disk_ranges: dict[str, tuple[str, int, int]] = {}
+        self._staging: Optional[_PinnedStaging] = None
+
+    # -- dtype ----------------------------------------------------------------------------------------------
+    def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
+        if not stored.is_floating_point:
+            return stored
+        if any(r.search(name) for r in self._keep_fp32):
+            return torch.float32
+        return self.run_dtype
+
+    def _count(self, device: str, nbytes: int) -> None:
+        self.stats.bytes_per_device[device] = self.stats.bytes_per_device.get(device, 0) + nbytes
+
+    # -- entry point ---------------------------------------------------------------------------------------
+    def materialize(self, sources: Mapping[str, TensorSource], devices: Mapping[str, DeviceId]
+                    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        cpu_jobs, gpu_jobs, to_convert = [], [], []
+        for name, src in sources.items():
+            dev = devices[name]
+            stored = self.index[src.pieces[0].key].dtype
+            dtype = self.target_dtype(name, stored)
+            if dev == "disk":
+                if src.is_plain and dtype == stored:
+                    entry = self.index[src.pieces[0].key]
+                    out[name] = self.reader.mapped(entry)
+                    self.disk_ranges[name] = (entry.file, entry.start, entry.end)
+                    self.stats.zero_copy_bytes += entry.nbytes
+                    self._count("disk", entry.nbytes)
+                    self.reporter.advance(entry.nbytes)
+                else:
+                    to_convert.append((name, src, dtype))
+            elif isinstance(dev, int):
+                gpu_jobs.append((name, src, dtype, torch.device("cuda", dev)))
+            else:
+                cpu_jobs.append((name, src, dtype))
+
+        cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
+        pin = self.has_gpu
+        if cpu_jobs:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-read") as pool:
+                for name, t in zip([j[0] for j in cpu_jobs],
+                                   pool.map(lambda j: self._load_cpu(j[1], j[2], pin), cpu_jobs)):
+                    out[name] = t
+                    self._count("cpu", t.numel() * t.element_size())
+        for name, src, dtype, dev in sorted(gpu_jobs, key=lambda j: self._file_order(j[1])):
+            t = self._load_gpu(src, dtype, dev)
+            out[name] = t
+            self._count(f"cuda:{dev.index}", t.numel() * t.element_size())
+        if to_convert:
+            self._serve_from_offload_folder(to_convert, out)
+        self.reader.close_files()
+        return out
+
+    def _file_order(self, src: TensorSource) -> tuple[str, int]:
+        e = self.index[src.pieces[0].key]
+        return e.file, e.start
+
+    # -- CPU -----------------------------------------------------------------------------------------------
+    def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+        dest = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
+        for piece in src.pieces:
+            entry = self.index[piece.key]
+            view = dest[to_torch_index(piece.index)] if piece.index else dest
+            if entry.dtype == dtype and view.is_contiguous():
+                self.reader.read_into(entry, view)
+            else:
+                view.copy_(self.reader.read(entry).view(piece_shape(src.shape, piece.index)))
+            self.stats.bytes_read += entry.nbytes
+            self.reporter.advance(entry.nbytes)
+        return dest
+
+    # -- GPU -----------------------------------------------------------------------------------------------
+    def _load_gpu(self, src: TensorSource, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = _PinnedStaging(STAGING_CHUNK)
+        dest = torch.empty(src.shape, dtype=dtype, device=device)
+        for piece in src.pieces:
+            entry = self.index[piece.key]
+            view = dest[to_torch_index(piece.index)] if piece.index else dest
+            if entry.dtype == dtype and view.is_contiguous():
+                self._staging.upload(self.reader, entry, view)
+            else:
+                tmp = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+                self._staging.upload(self.reader, entry, tmp)
+                view.copy_(tmp.view(view.shape))
+            self.stats.bytes_read += entry.nbytes
+            self.reporter.advance(entry.nbytes)
+        self._staging.synchronize()
+        return dest
+
+    # -- disk, converted -----------------------------------------------------------------------------------
+    def _serve_from_offload_folder(self, jobs, out: dict[str, torch.Tensor]) -> None:
+        folder = OffloadFolder(self.offload_folder or default_offload_folder(self.model_path),
+                               model_path=self.model_path, dtype=self.run_dtype, sources=self.index.files)
+        specs = {name: (src.shape, dtype) for name, src, dtype in jobs}
+        self.reporter.set_phase("offloading")
+        if not folder.is_valid_for(specs):
+            by_name = {name: (src, dtype) for name, src, dtype in jobs}
+            written = folder.write(specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1]))
+            self.stats.offload_bytes_written += written
+        else:
+            log.info("reusing offload folder %s", folder.path)
+            for _, src, _ in jobs:
+                self.reporter.advance(sum(self.index[p.key].nbytes for p in src.pieces))
+        for name, entry in folder.entries().items():
+            if name in specs:
+                out[name] = self.reader.mapped(entry)
+                self.disk_ranges[name] = (entry.file, entry.start, entry.end)
+                self._count("disk", entry.nbytes)
+
+
+class _PinnedStaging:
+    """Two pinned host buffers: chunk k+1 is read from disk while chunk k is copied to the GPU."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events = [None, None]
+        self.turn = 0
+
+    def upload(self, reader: ShardReader, entry: ShardEntry, dest: torch.Tensor) -> None:
+        dest_bytes = dest.reshape(-1).view(torch.uint8)
+        done = 0
+        while done < entry.nbytes:
+            n = min(self.chunk, entry.nbytes - done)
+            i = self.turn
+            if self.events[i] is not None:
+                self.events[i].synchronize()  # the copy that last used this buffer has finished
+            buf = self.bufs[i]
+            piece = ShardEntry(entry.key, entry.file, torch.uint8, (n,), entry.start + done, entry.start + done + n)
+            reader.read_into(piece, buf[:n])
+            dest_bytes[done:done + n].copy_(buf[:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[i] = ev
+            self.turn ^= 1
+            done += n
+
+    def synchronize(self) -> None:
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+
+
+__all__ = ["Materializer", "default_offload_folder", "byte_view"]
