@@ -139,15 +139,38 @@ def _solve(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy:
         close = difflib.get_close_matches(str(strategy), STRATEGY_NAMES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise PlanError(f"unknown strategy {strategy!r}{hint}; use one of {', '.join(STRATEGY_NAMES)} or a dict")
-    problem = make_problem(skeleton, hardware, workload)
+    first_failure: tuple[Problem, FillResult, str, list[str]] | None = None
+    for problem in _fallbacks(make_problem(skeleton, hardware, workload)):
+        solved = _solve_named(skeleton, problem, workload, strategy)
+        if solved[1].assignment is not None:
+            if problem.excluded:
+                skipped = ", ".join(device_label(d) for d in sorted(problem.excluded))
+                solved[3].append(f"{skipped} left unused: too small to hold the compute buffers a GPU needs here")
+            return solved
+        first_failure = first_failure or solved
+    assert first_failure is not None
+    return first_failure
+
+
+def _fallbacks(problem: Problem):
+    """The problem as asked, then without its first GPU(s), then without GPUs: a GPU too small to hold the
+    compute buffers should be skipped, not fail the plan."""
+    yield problem
+    gpus = [d.id for d in problem.hardware.gpus]
+    for k in range(1, len(gpus) + 1):
+        yield replace(problem, excluded=frozenset(gpus[:k]))
+
+
+def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strategy: str) -> tuple[Problem, FillResult, str, list[str]]:
     if strategy != "auto":
         return problem, strategies.STRATEGIES[strategy](problem), strategy, [f"strategy {strategy} as requested"]
+    hardware = problem.hardware
 
     candidates: list[tuple[str, Problem, FillResult]] = []
     for name in ("balanced", "sequential"):
         candidates.append((name, problem, strategies.STRATEGIES[name](problem)))
     seq = candidates[-1][2]
-    if hardware.gpus and hardware.get("cpu") and seq.assignment and any(not isinstance(d, int) for d in seq.assignment):
+    if problem.gpus and hardware.get("cpu") and seq.assignment and any(not isinstance(d, int) for d in seq.assignment):
         pinned_problem = replace(problem, pinned=_embedding_pins(skeleton, problem))
         if pinned_problem.pinned:
             candidates.append(("sequential+embeddings_on_cpu", pinned_problem, strategies.sequential(pinned_problem)))

@@ -44,10 +44,20 @@ class Problem:
     logits: int  # on the device that computes the head
     follows: dict[int, int] = field(default_factory=dict)  # item -> earlier item it must share a device with
     pinned: dict[int, DeviceId] = field(default_factory=dict)  # item -> device
+    #: Devices left out of this plan (a GPU too small to compute on is skipped rather than failing the plan).
+    excluded: frozenset[DeviceId] = frozenset()
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.hardware.devices if d.id not in self.excluded)
+
+    @property
+    def gpus(self) -> tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.kind == "gpu")
 
     @property
     def main_gpu(self) -> DeviceId | None:
-        gpus = self.hardware.gpus
+        gpus = self.gpus
         return gpus[0].id if gpus else None
 
     def computes_on(self, device: DeviceId) -> DeviceId:
@@ -115,7 +125,7 @@ class FillResult:
 
 def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
     """Greedy contiguous fill of ``problem.items`` under ``limits`` (devices absent from ``limits`` are unused)."""
-    order = [d.id for d in problem.hardware.devices if d.id in limits]
+    order = [d.id for d in problem.devices if d.id in limits]
     load: dict[DeviceId, int] = {d: 0 for d in order}
     started: set[DeviceId] = set()
     assignment: list[DeviceId] = []
@@ -181,11 +191,11 @@ def fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResult
 
 
 def _full_limits(problem: Problem) -> dict[DeviceId, int]:
-    return {d.id: d.capacity for d in problem.hardware.devices}
+    return {d.id: d.capacity for d in problem.devices}
 
 
 def _gpus(problem: Problem) -> list[Device]:
-    return [d for d in problem.hardware.gpus if d.capacity > 0]
+    return [d for d in problem.gpus if d.capacity > 0]
 
 
 def sequential(problem: Problem) -> FillResult:
