@@ -1,0 +1,200 @@
+"""The FastAPI application: ``create_app(settings)`` wires routes, middleware, error envelopes and the lifecycle.
+
+The app starts answering at once; the model loads on a background thread (``/health/ready`` says how far).
+Every error leaves as ``{"error", "error_type"}`` (OpenAI's ``{"error": {...}}`` with 400 under ``/v1``), with a
+request id in the ``X-Request-Id`` header and in the log line; tracebacks stay in the log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from planner.errors import LoadmasterError
+from service import openai_routes, plan_routes, routes
+from service.errors import OverloadedError, ServiceError
+from service.memory import memory_gauges, memory_report, weight_bytes_by_device
+from service.metrics import Metrics
+from service.model_loading import Loader, LoadedModel, ModelHost, load_model
+from service.runtime import Runtime
+from service.security import OPEN_PATHS, check_api_key
+from service.settings import ServiceSettings
+
+log = logging.getLogger("service")
+
+
+def _is_openai(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_response(path: str, status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
+    if _is_openai(path):
+        if error_type == "validation" and status == 422:
+            status = 400
+        body: dict[str, Any] = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+    else:
+        body = {"error": message, "error_type": error_type}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware: request id, API key, body-size limit, and per-route request metrics."""
+
+    def __init__(self, app: Any, settings: ServiceSettings, metrics: Metrics):
+        self.app = app
+        self.settings = settings
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        rid = "".join(ch for ch in rid if ch.isalnum() or ch in "-_.")[:64] or uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = rid
+        path = scope.get("path", "")
+        started = time.perf_counter()
+        status_holder = {"status": 500}
+
+        async def send_wrapped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_holder["status"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", rid.encode())]
+            await send(message)
+
+        async def reply(resp: JSONResponse) -> None:
+            await resp(scope, receive, send_wrapped)
+
+        try:
+            if self.settings.api_key and path not in OPEN_PATHS:
+                try:
+                    check_api_key(headers.get("authorization"), self.settings.api_key)
+                except ServiceError as exc:
+                    log.info("request %s refused: %s", rid, exc)
+                    await reply(error_response(path, 401, str(exc), exc.error_type, {"WWW-Authenticate": "Bearer"}))
+                    return
+            limit = self.settings.max_body_bytes
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                await reply(self._too_large(path, rid, limit))
+                return
+            received = 0
+
+            async def receive_limited() -> dict:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise _TooLarge()
+                return message
+
+            try:
+                await self.app(scope, receive_limited, send_wrapped)
+            except _TooLarge:
+                await reply(self._too_large(path, rid, limit))
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or ("unmatched" if status_holder["status"] == 404 else path)
+            self.metrics.request_done(label, status_holder["status"], time.perf_counter() - started)
+
+    @staticmethod
+    def _too_large(path: str, rid: str, limit: int) -> JSONResponse:
+        log.info("request %s refused: body over %d bytes", rid, limit)
+        return error_response(path, 422, f"The request body is larger than {limit} bytes; send a smaller one.", "validation")
+
+
+def _rid(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", "-"))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        log.info("request %s: %s (%s)", _rid(request), exc, exc.error_type)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, OverloadedError) else None
+        return error_response(request.url.path, exc.status_code, str(exc), exc.error_type, headers)
+
+    @app.exception_handler(LoadmasterError)
+    async def loadmaster_error(request: Request, exc: LoadmasterError) -> JSONResponse:
+        log.info("request %s: %s (%s)", _rid(request), exc, exc.error_type)
+        return error_response(request.url.path, 422, str(exc), exc.error_type)
+
+    @app.exception_handler(FastAPIValidationError)
+    async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        message = "Invalid request: " + "; ".join(parts)
+        log.info("request %s: %s", _rid(request), message)
+        return error_response(request.url.path, 422, message, "validation")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "validation" if exc.status_code < 500 else "generation"
+        return error_response(request.url.path, exc.status_code, str(exc.detail), error_type, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = _rid(request)
+        log.error("request %s failed with an unexpected error", rid, exc_info=exc)
+        return error_response(
+            request.url.path, 500, f"Internal error (request id {rid}); the server logged the details.", "generation"
+        )
+
+
+def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastAPI:
+    """Build the app. ``loader`` replaces the default plan-then-load (the tests use it to hold a load back)."""
+    metrics = Metrics()
+    host = ModelHost(settings, loader or load_model)
+    runtime = Runtime(settings, host, metrics)
+
+    def on_ready(loaded: LoadedModel) -> None:
+        runtime.weight_bytes = weight_bytes_by_device(loaded.model)
+
+    host.on_ready(on_ready)
+    metrics.memory_reader = lambda: memory_gauges(
+        memory_report(runtime.loaded.model if runtime.loaded else None, runtime.loaded.plan if runtime.loaded else None,
+                      runtime.weight_bytes)
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        host.start()
+        yield
+        runtime.shutdown()
+
+    app = FastAPI(
+        title="loadmaster",
+        version=routes.VERSION,
+        description="Big-model inference with planned device maps: TGI and OpenAI routes, /plan dry runs.",
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    app.state.settings = settings
+    _install_error_handlers(app)
+    app.include_router(routes.router)
+    app.include_router(openai_routes.router)
+    app.include_router(plan_routes.router)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    return app
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

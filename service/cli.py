@@ -1,0 +1,168 @@
+"""The ``loadmaster`` command: ``serve``, ``demo``, and the lead's ``plan`` / ``estimate``.
+
+Flags map one to one onto :class:`~service.settings.ServiceSettings` fields; a flag not given leaves the field to
+its ``LOADMASTER_*`` environment variable, then to its default. Bad input exits 2 with one line, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from planner.errors import LoadmasterError
+from service.settings import ServiceSettings
+
+log = logging.getLogger("service")
+
+#: Flags of ``serve`` besides the planner's: (flag, type, help). Each is the settings field of the same name.
+SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("--host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 in Docker)"),
+    ("--port", int, "port to listen on (default 8080)"),
+    ("--served-model-name", str, "name reported by /info and /v1/models (default: the directory's name)"),
+    ("--max-concurrent-requests", int, "requests queued + running; more get 429 (default 128)"),
+    ("--max-batch-size", int, "sequences decoded together per step (default 32)"),
+    ("--max-input-tokens", int, "longest prompt in tokens (default 1024)"),
+    ("--max-total-tokens", int, "prompt + generated tokens per request (default 2048)"),
+    ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
+    ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
+    ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
+    ("--log-level", str, "debug, info, warning or error (default info)"),
+)
+
+
+def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
+    from service.plan_cli import add_planner_flags
+
+    if with_model:
+        parser.add_argument("model", nargs="?", default=None, help="model directory (or set LOADMASTER_MODEL)")
+        parser.add_argument("--demo", action="store_true", default=None,
+                            help="build (once, cached) and serve the embedded demo model")
+    add_planner_flags(parser)
+    g = parser.add_argument_group("server")
+    for flag, typ, help_text in SERVE_FLAGS:
+        g.add_argument(flag, type=typ, default=None, help=help_text)
+    g.add_argument("--api-key", action="append", default=None,
+                   help="accepted Bearer key, repeatable (or LOADMASTER_API_KEY=k1,k2); health stays open")
+    g.add_argument("--model-root", action="append", default=None,
+                   help="directory /plan may read models from, repeatable (or LOADMASTER_MODEL_ROOT=a,b)")
+    # The planner flags' own defaults would hide the environment: unset means "not given" here.
+    parser.set_defaults(strategy=None, batch_size=None, complete=None)
+
+
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSettings:
+    """Settings from the flags that were given; the rest come from ``LOADMASTER_*`` or the defaults."""
+    values = {
+        name: getattr(args, name)
+        for name in ServiceSettings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    values.update(overrides)
+    return ServiceSettings(**values)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def curl_example(settings: ServiceSettings) -> str:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    auth = f" -H 'Authorization: Bearer {settings.api_key[0]}'" if settings.api_key else ""
+    return (
+        f"curl -s http://{host}:{settings.port}/generate{auth} -H 'Content-Type: application/json' "
+        "-d '{\"inputs\": \"Once upon a time\", \"parameters\": {\"max_new_tokens\": 30}}'"
+    )
+
+
+def serve(settings: ServiceSettings) -> int:
+    """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish."""
+    import uvicorn
+
+    from service.app import create_app
+    from service.model_loading import planner_kwargs, resolve_model_dir
+
+    _configure_logging(settings.log_level)
+    if not settings.demo:
+        resolve_model_dir(settings)  # a missing directory is a usage error now, not a failed load later
+    planner_kwargs(settings)  # so are unreadable planner flags
+    app = create_app(settings)
+    runtime = app.state.runtime
+
+    class DrainingServer(uvicorn.Server):
+        """Marks the service as draining the moment a stop signal arrives (readiness 503, no new requests)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            runtime.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=settings.grace_period,
+        access_log=False,
+    )
+    log.info("listening on http://%s:%d (model loads in the background; GET /health/ready)", settings.host, settings.port)
+    log.info("try: %s", curl_example(settings))
+    DrainingServer(config).run()
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return serve(settings_from_args(args))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    return serve(settings_from_args(args, demo=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from service import plan_cli
+
+    parser = argparse.ArgumentParser(
+        prog="loadmaster", description="Plan device maps, load big models, and serve them over HTTP."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    s = sub.add_parser("serve", help="serve a model over HTTP (TGI and OpenAI routes, /plan, /metrics)",
+                       description="Serve a model. Every flag is also an environment variable LOADMASTER_<FLAG>.")
+    _add_serve_flags(s, with_model=True)
+    s.set_defaults(func=run_serve)
+    d = sub.add_parser("demo", help="build (once) and serve the embedded demo model",
+                       description="Same as 'serve --demo'.")
+    _add_serve_flags(d, with_model=False)
+    d.set_defaults(func=run_demo)
+    plan_cli.register(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+            parts.append(f"{where}: {err.get('msg')}")
+        return "invalid settings: " + "; ".join(parts)
+    return " ".join(str(exc).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (LoadmasterError, ValueError, OSError) as exc:
+        sys.stderr.write(f"loadmaster: error: {_one_line(exc)}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""The engine: the one owner of the model, running continuous batching on a thread of its own.
+
+Requests arrive through :meth:`Engine.submit` into a bounded queue. The engine thread loops:
+
+1. admit waiting requests while the batch has room: prefill each alone, choose its first token, merge its cache
+   into the running batch (:mod:`service.batch`);
+2. run one decode step for every active sequence together, choose each sequence's next token on its own row;
+3. drop sequences that finished, were cancelled by their client, or failed.
+
+Events (:class:`TokenEvent`, then :class:`FinishEvent` or :class:`ErrorEvent`) go to each request's ``sink``,
+which the HTTP side turns into responses. An out-of-memory error in a step fails that step's sequences only.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from service.batch import DecodeBatch, prefill, stackable
+from service.errors import GenerationError, NotReadyError, OverloadedError
+from service.sampling import SamplingParams, TokenChooser
+
+log = logging.getLogger(__name__)
+
+#: Tokens of the prompt kept as context when decoding generated text piecewise (keeps leading spaces right).
+_DECODE_CONTEXT = 5
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request: token ids in, limits and sampling settled."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    request_id: str = "-"
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. On a sequence's last token, ``final`` carries the finish (also sent on its own)."""
+
+    id: int
+    text: str
+    logprob: float
+    special: bool
+    final: "FinishEvent | None" = None
+
+
+@dataclass
+class FinishEvent:
+    """The end of a sequence. ``text`` is all generated text, including a matched stop sequence.
+
+    ``stop_at`` is where the matched stop sequence starts in ``text`` (OpenAI routes cut there).
+    """
+
+    reason: str  # "length" | "eos_token" | "stop_sequence"
+    text: str
+    generated_tokens: int
+    prompt_tokens: int
+    seed: int | None
+    tokens: list[TokenEvent]
+    stop_at: int | None = None
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    error_type: str = "generation"
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class EngineMetrics(Protocol):
+    """What the engine reports; :class:`service.metrics.Metrics` implements it."""
+
+    def engine_state(self, batch_size: int, queue_length: int) -> None: ...
+    def queued(self, seconds: float) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+
+
+class _NoMetrics:
+    def engine_state(self, batch_size: int, queue_length: int) -> None:
+        pass
+
+    def queued(self, seconds: float) -> None:
+        pass
+
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        pass
+
+
+class Ticket:
+    """The caller's handle on a submitted request: cancel it when the client goes away."""
+
+    def __init__(self, engine: "Engine", seq: "_Sequence"):
+        self._engine = engine
+        self._seq = seq
+
+    def cancel(self) -> None:
+        if not self._seq.cancelled.is_set():
+            self._seq.cancelled.set()
+            self._engine._wake()
+
+
+class _Sequence:
+    """Engine-side state of one request."""
+
+    def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], tokenizer: Any, eos: set[int]):
+        self.request = request
+        self.sink = sink
+        self.cancelled = threading.Event()
+        self.done = False
+        self.chooser = TokenChooser.create(request.params)
+        self.generated: list[int] = []
+        self.tokens: list[TokenEvent] = []
+        self.text = ""
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.enqueued_at = time.perf_counter()
+        self._context = list(request.prompt_ids[-_DECODE_CONTEXT:])
+        self._prefix = 0  # offsets into context + generated, for piecewise decoding
+        self._read = len(self._context)
+        self._max_stop = max((len(s) for s in request.stop), default=0)
+
+    def history(self) -> torch.Tensor | None:
+        if self.request.params.repetition_penalty in (None, 1.0):
+            return None
+        return torch.tensor(self.request.prompt_ids + self.generated, dtype=torch.long)
+
+    def _delta(self, final: bool) -> str:
+        ids = self._context + self.generated
+        before = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(ids)
+            return after[len(before) :]
+        return ""
+
+    def accept(self, token: int, logprob: float) -> FinishEvent | None:
+        """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
+        self.generated.append(token)
+        special = token in self.tokenizer.all_special_ids
+        is_eos = token in self.eos
+        n = len(self.generated)
+        final = is_eos or n >= self.request.max_new_tokens
+        delta = self._delta(final)
+        old_len = len(self.text)
+        self.text += delta
+        ev = TokenEvent(id=token, text=delta, logprob=logprob, special=special)
+        self.tokens.append(ev)
+        finish = None
+        if self._max_stop and delta:
+            start = max(0, old_len - self._max_stop + 1)
+            hits = [(i, s) for s in self.request.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                at, stop = min(hits)
+                self.text = self.text[: at + len(stop)]
+                finish = self._finish("stop_sequence", stop_at=at)
+        if finish is None and is_eos:
+            finish = self._finish("eos_token")
+        if finish is None and n >= self.request.max_new_tokens:
+            finish = self._finish("length")
+        ev.final = finish
+        self.sink(ev)
+        return finish
+
+    def _finish(self, reason: str, stop_at: int | None = None) -> FinishEvent:
+        self.done = True
+        return FinishEvent(
+            reason=reason,
+            text=self.text,
+            generated_tokens=len(self.generated),
+            prompt_tokens=len(self.request.prompt_ids),
+            seed=self.chooser.seed,
+            tokens=self.tokens,
+            stop_at=stop_at,
+        )
+
+    def fail(self, message: str, error_type: str = "generation") -> None:
+        self.done = True
+        self.sink(ErrorEvent(message=message, error_type=error_type))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """The device token ids must be on: where the input embeddings live (or the first GPU of the device map)."""
+    try:
+        weight = model.get_input_embeddings().weight
+        if weight.device.type != "meta":
+            return weight.device
+    except (AttributeError, NotImplementedError):
+        pass
+    gpus = sorted(d for d in getattr(model, "hf_device_map", {}).values() if isinstance(d, int))
+    return torch.device(f"cuda:{gpus[0]}") if gpus else torch.device("cpu")
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class Engine:
+    """Owns the model; batches the sequences of concurrent requests. Thread-safe ``submit``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 32,
+        max_queue: int = 128,
+        metrics: EngineMetrics | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.metrics = metrics or _NoMetrics()
+        self.device = input_device(model)
+        self.eos = eos_ids(model, tokenizer)
+        self._pending: deque[_Sequence] = deque()
+        self._groups: list[DecodeBatch] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- caller side -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="loadmaster-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Ticket:
+        seq = _Sequence(request, sink, self.tokenizer, self.eos)
+        with self._cv:
+            if self._stopping:
+                raise NotReadyError("The server is shutting down; send the request to another replica.")
+            if len(self._pending) >= self.max_queue:
+                raise OverloadedError(f"The queue is full ({self.max_queue} waiting); retry shortly.")
+            self._pending.append(seq)
+            self._cv.notify()
+        return Ticket(self, seq)
+
+    @property
+    def active(self) -> int:
+        return sum(len(g) for g in self._groups)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._pending)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still queued or running get a ``not_ready`` error."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # -- engine thread -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._pending and not self._groups:
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    room = self.max_batch_size - self.active
+                    newcomers = []
+                    while room > 0 and self._pending:
+                        seq = self._pending.popleft()
+                        if seq.cancelled.is_set():
+                            continue
+                        newcomers.append(seq)
+                        room -= 1
+                for seq in newcomers:
+                    self._admit(seq)
+                self._decode_step()
+                self.metrics.engine_state(self.active, len(self._pending))
+        except Exception:  # pragma: no cover - a bug in the loop itself; never leave clients hanging
+            log.exception("engine loop crashed")
+        finally:
+            self._fail_all("The server is shutting down; the request was not completed.", "not_ready")
+            self.metrics.engine_state(0, 0)
+
+    def _fail_all(self, message: str, error_type: str) -> None:
+        with self._cv:
+            pending, self._pending = list(self._pending), deque()
+        for seq in pending + [s for g in self._groups for s in g.items]:
+            if not seq.done:
+                seq.fail(message, error_type)
+        self._groups = []
+
+    def _admit(self, seq: _Sequence) -> None:
+        now = time.perf_counter()
+        self.metrics.queued(now - seq.enqueued_at)
+        rid = seq.request.request_id
+        try:
+            logits, cache = prefill(self.model, self.device, seq.request.prompt_ids)
+            token, logprob = seq.chooser.choose(logits, seq.history())
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with its request id
+            self._step_failed([seq], exc, "prefill")
+            return
+        self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
+        finish = seq.accept(token, logprob)
+        if finish is not None:
+            self._finished(seq, finish)
+            return
+        if stackable(cache) and self._groups and stackable(self._groups[0].cache):
+            self._groups[0].add(seq, cache, len(seq.request.prompt_ids))
+        else:
+            group = DecodeBatch(self.model, self.device)
+            group.add(seq, cache, len(seq.request.prompt_ids))
+            if stackable(cache):
+                self._groups.insert(0, group)
+            else:
+                self._groups.append(group)
+        log.debug("request %s admitted (%d prompt tokens)", rid, len(seq.request.prompt_ids))
+
+    def _decode_step(self) -> None:
+        for group in self._groups:
+            group.keep([r for r, s in enumerate(group.items) if not s.cancelled.is_set() and not s.done])
+            if not len(group):
+                continue
+            try:
+                logits = group.step([s.generated[-1] for s in group.items])
+                choices = [s.chooser.choose(logits[r], s.history()) for r, s in enumerate(group.items)]
+            except Exception as exc:  # noqa: BLE001
+                self._step_failed(list(group.items), exc, "decode step")
+                group.keep([])
+                continue
+            for seq, (token, logprob) in zip(group.items, choices):
+                if seq.cancelled.is_set():
+                    seq.done = True
+                    continue
+                finish = seq.accept(token, logprob)
+                if finish is not None:
+                    self._finished(seq, finish)
+            group.keep([r for r, s in enumerate(group.items) if not s.done])
+        self._groups = [g for g in self._groups if len(g)]
+        self.steps += 1
+
+    def _finished(self, seq: _Sequence, finish: FinishEvent) -> None:
+        seq.done = True
+        self.metrics.tokens(finish.prompt_tokens, finish.generated_tokens)
+        seq.sink(finish)
+
+    def _step_failed(self, seqs: list[_Sequence], exc: Exception, where: str) -> None:
+        ids = ", ".join(s.request.request_id for s in seqs)
+        if is_out_of_memory(exc):
+            log.error("out of memory in %s; failing request(s) %s", where, ids)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            message = (
+                f"Out of memory during the {where} of a batch of {len(seqs)}; the request was dropped. "
+                "Retry with fewer tokens, or lower --max-batch-size / --max-total-tokens on the server."
+            )
+        else:
+            log.error("generation failed in %s for request(s) %s", where, ids, exc_info=exc)
+            message = f"Generation failed during the {where}: {type(exc).__name__}. The server logged the details."
+        for seq in seqs:
+            if not seq.done:
+                seq.fail(message, GenerationError.error_type)

@@ -1,0 +1,174 @@
+"""Loading the served model in the background, and the load's progress for ``/health/ready`` and ``/info``.
+
+The server listens at once; :class:`ModelHost` loads on a thread (plan first, then the loader obeys the plan) and
+records progress from the loader's callback. Routes read :class:`LoadState` and answer 503 until it is ready.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from planner.errors import LoadmasterError
+from planner.types import Plan
+from service.settings import PLANNER_FIELDS, ServiceSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """What the engine needs, and what ``/info`` reports about it."""
+
+    model: Any
+    tokenizer: Any
+    path: Path
+    name: str
+    plan: Plan | None
+    dtype: str
+    quantization: str | None
+
+
+@dataclass
+class LoadState:
+    """Progress of the background load. Written by the loading thread, read by the routes."""
+
+    phase: str = "starting"  # starting | planning | loading | warming | ready | failed
+    bytes_done: int = 0
+    bytes_total: int = 0
+    error: str | None = None
+    error_type: str | None = None
+    started_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    def to_dict(self) -> dict[str, Any]:
+        fraction = self.bytes_done / self.bytes_total if self.bytes_total else (1.0 if self.ready else 0.0)
+        out: dict[str, Any] = {
+            "status": self.phase,
+            "progress": round(min(fraction, 1.0), 4),
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "elapsed_s": round((self.ready_at or time.time()) - self.started_at, 3),
+        }
+        if self.error:
+            out["error"] = self.error
+            out["error_type"] = self.error_type
+        return out
+
+
+def planner_kwargs(settings: ServiceSettings) -> dict[str, Any]:
+    """The settings as ``planner.plan`` keyword arguments, parsed exactly as ``loadmaster plan`` parses flags."""
+    from service.plan_cli import planner_kwargs as cli_kwargs
+
+    ns = argparse.Namespace(**{name: getattr(settings, name) for name in PLANNER_FIELDS})
+    ns.max_memory = settings.max_memory or None
+    ns.batch_size = settings.planned_batch_size()
+    ns.context = settings.planned_context()
+    return dict(cli_kwargs(ns))
+
+
+def resolve_model_dir(settings: ServiceSettings) -> Path:
+    """The directory to serve: ``--demo`` builds (or reuses) the demo model, otherwise ``MODEL``."""
+    if settings.demo:
+        from service.model_factory import build_demo_model
+
+        return Path(build_demo_model())
+    if not settings.model:
+        raise ValueError("No model to serve: pass a model directory (loadmaster serve DIR) or --demo.")
+    path = Path(settings.model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors.")
+    return path.resolve()
+
+
+def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
+    """Plan, then load the model and tokenizer the plan says where. Runs on the loading thread."""
+    import planner
+
+    path = resolve_model_dir(settings)
+    kwargs = planner_kwargs(settings)
+    if settings.context is None:  # plan for what the server will allow, which the model's positions cap
+        from service.plan_routes import skeleton_positions
+
+        positions = skeleton_positions(str(path))
+        if positions:
+            kwargs["context"] = min(kwargs["context"], positions)
+    the_plan = planner.plan(str(path), **kwargs)
+    from loaders import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(
+        str(path), device_map=the_plan, offload_folder=settings.offload_folder, progress=progress
+    )
+    model.eval()
+    name = settings.served_model_name or path.name
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        name=name,
+        plan=the_plan,
+        dtype=the_plan.workload.dtype,
+        quantization=the_plan.workload.quantization,
+    )
+
+
+Loader = Callable[[ServiceSettings, Callable[[Any], None]], LoadedModel]
+
+
+class ModelHost:
+    """Runs the load on a thread and holds its result: the loaded model, or the error that stopped it."""
+
+    def __init__(self, settings: ServiceSettings, loader: Loader = load_model):
+        self.settings = settings
+        self.loader = loader
+        self.state = LoadState()
+        self.loaded: LoadedModel | None = None
+        self._thread: threading.Thread | None = None
+        self._on_ready: list[Callable[[LoadedModel], None]] = []
+
+    def on_ready(self, callback: Callable[[LoadedModel], None]) -> None:
+        self._on_ready.append(callback)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._load, name="loadmaster-load", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _progress(self, update: Any) -> None:
+        self.state.phase = "loading"
+        self.state.bytes_done = int(getattr(update, "bytes_done", 0))
+        self.state.bytes_total = int(getattr(update, "bytes_total", 0))
+
+    def _load(self) -> None:
+        self.state.phase = "planning"
+        try:
+            loaded = self.loader(self.settings, self._progress)
+            self.state.phase = "warming"
+            for callback in self._on_ready:
+                callback(loaded)
+            self.loaded = loaded
+            self.state.bytes_done = max(self.state.bytes_done, self.state.bytes_total)
+            self.state.ready_at = time.time()
+            self.state.phase = "ready"
+            log.info("model %s ready in %.1fs", loaded.name, self.state.ready_at - self.state.started_at)
+        except (LoadmasterError, ValueError, OSError) as exc:
+            self.state.error = str(exc)
+            self.state.error_type = getattr(exc, "error_type", "not_ready")
+            self.state.phase = "failed"
+            log.error("loading the model failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a failed load must be reported, not kill the server
+            self.state.error = f"{type(exc).__name__}: {exc}"
+            self.state.error_type = "not_ready"
+            self.state.phase = "failed"
+            log.exception("loading the model failed")

@@ -1,0 +1,206 @@
+"""TGI-compatible generation routes, health, info and metrics.
+
+``POST /generate`` and ``POST /generate_stream`` take TGI's body and answer in TGI's shapes, and ``POST /``
+dispatches on ``"stream"`` as TGI does, which is where huggingface_hub's ``InferenceClient`` posts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from service.engine import ErrorEvent, FinishEvent, TokenEvent
+from service.memory import memory_report
+from service.runtime import EngineStream, request_id_of, runtime_of, sse
+from service.validation import TGIRequest
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+VERSION = "0.1.0"
+CLIENT_CLOSED = 499
+
+
+def _token(ev: TokenEvent) -> dict[str, Any]:
+    return {"id": ev.id, "text": ev.text, "logprob": ev.logprob, "special": ev.special}
+
+
+def _error_body(ev: ErrorEvent) -> dict[str, Any]:
+    return {"error": ev.message, "error_type": ev.error_type}
+
+
+async def _start(request: Request, body: TGIRequest) -> EngineStream:
+    """Validate (before anything streams), take a slot, submit. Raises the service's errors."""
+    runtime = runtime_of(request)
+    engine, validator, _ = runtime.require_ready()
+    gen = validator.tgi(body, request_id_of(request))
+    slot = runtime.acquire()
+    try:
+        return EngineStream(engine, gen, slot)
+    except BaseException:
+        slot.release()
+        raise
+
+
+def _status_of(ev: ErrorEvent) -> int:
+    return {"validation": 422, "overloaded": 429, "not_ready": 503}.get(ev.error_type, 500)
+
+
+@router.post("/generate", tags=["TGI"], summary="Generate text (TGI shape)")
+async def generate(request: Request, body: TGIRequest) -> Response:
+    stream = await _start(request, body)
+    try:
+        final = await stream.wait_final(request)
+    finally:
+        stream.close()
+    if final is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(final, ErrorEvent):
+        log.error("request %s failed: %s", request_id_of(request), final.message)
+        return JSONResponse(_error_body(final), status_code=_status_of(final))
+    text = (body.inputs + final.text) if body.parameters.return_full_text else final.text
+    out: dict[str, Any] = {"generated_text": text}
+    if body.parameters.details:
+        out["details"] = {
+            "finish_reason": final.reason,
+            "generated_tokens": final.generated_tokens,
+            "seed": final.seed,
+            "prefill": [],
+            "tokens": [_token(t) for t in final.tokens],
+        }
+    return JSONResponse(out)
+
+
+@router.post("/generate_stream", tags=["TGI"], summary="Generate text as server-sent events (TGI shape)")
+async def generate_stream(request: Request, body: TGIRequest) -> Response:
+    stream = await _start(request, body)
+    rid = request_id_of(request)
+    full_prefix = body.inputs if body.parameters.return_full_text else ""
+
+    async def events() -> AsyncIterator[bytes]:
+        index = 0
+        try:
+            async for ev in stream.events():
+                if isinstance(ev, TokenEvent):
+                    index += 1
+                    data: dict[str, Any] = {
+                        "index": index, "token": _token(ev), "generated_text": None, "details": None, "top_tokens": None,
+                    }
+                    if ev.final is not None:
+                        stream.finished = True
+                        data["generated_text"] = full_prefix + ev.final.text
+                        data["details"] = {
+                            "finish_reason": ev.final.reason,
+                            "generated_tokens": ev.final.generated_tokens,
+                            "input_length": ev.final.prompt_tokens,
+                            "seed": ev.final.seed,
+                        }
+                        yield sse(data)
+                        return
+                    yield sse(data)
+                elif isinstance(ev, ErrorEvent):
+                    log.error("request %s failed: %s", rid, ev.message)
+                    yield sse(_error_body(ev))
+                    return
+        finally:
+            stream.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/", tags=["TGI"], summary="TGI compatibility: /generate or /generate_stream by the 'stream' field")
+async def compat_generate(request: Request, body: TGIRequest) -> Response:
+    if body.stream:
+        return await generate_stream(request, body)
+    response = await generate(request, body)
+    if response.status_code == 200 and isinstance(response, JSONResponse):
+        # TGI's "/" answers a list of one result
+        import json
+
+        return JSONResponse([json.loads(bytes(response.body))])
+    return response
+
+
+@router.get("/health", tags=["health"], summary="Liveness: the process answers")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/health/ready", tags=["health"], summary="Readiness: 200 once the model is loaded, else 503 + progress")
+async def ready(request: Request) -> Response:
+    runtime = runtime_of(request)
+    state = runtime.host.state.to_dict()
+    if runtime.draining:
+        state["status"] = "draining"
+        return JSONResponse(state, status_code=503)
+    if runtime.engine is None or not runtime.host.state.ready:
+        return JSONResponse(state, status_code=503)
+    return JSONResponse(state)
+
+
+@router.get("/info", tags=["info"], summary="Model, dtype, plan in force, device map, memory, limits, version")
+async def info(request: Request) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    s = runtime.settings
+    loaded = runtime.loaded
+    out: dict[str, Any] = {
+        "version": VERSION,
+        "status": runtime.host.state.to_dict(),
+        "limits": {
+            "max_concurrent_requests": s.max_concurrent_requests,
+            "max_batch_size": s.max_batch_size,
+            "max_input_tokens": min(s.max_input_tokens, runtime.max_total_tokens - 1),
+            "max_total_tokens": runtime.max_total_tokens,
+            "default_max_new_tokens": s.default_max_new_tokens,
+            "max_body_bytes": s.max_body_bytes,
+        },
+        "model_id": None,
+    }
+    if loaded is None:
+        return out
+    model = loaded.model
+    out.update(
+        {
+            "model_id": loaded.name,
+            "model_path": str(loaded.path),
+            "architecture": type(model).__name__,
+            "dtype": loaded.dtype,
+            "quantization": loaded.quantization,
+            "device_map": getattr(model, "hf_device_map", None) or (loaded.plan.device_map if loaded.plan else None),
+            "plan": loaded.plan.to_dict() if loaded.plan else None,
+            "memory": memory_report(model, loaded.plan, runtime.weight_bytes),
+            "load_stats": _plain(getattr(model, "load_stats", None)),
+        }
+    )
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Load stats as JSON: dataclasses and objects become dicts; anything odd becomes its string."""
+    import dataclasses
+
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__"):
+        return _plain(vars(value))
+    return str(value)
+
+
+@router.get("/metrics", tags=["info"], summary="Prometheus metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    runtime = runtime_of(request)
+    return PlainTextResponse(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def now() -> float:
+    return time.perf_counter()

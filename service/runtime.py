@@ -1,0 +1,174 @@
+"""What the routes share at run time: settings, load state, engine, admission control and engine streams.
+
+Admission is counted here, on the event loop: a generation request holds a slot from validation until its
+response ends (or its client goes away), and a request beyond ``max_concurrent_requests`` is refused at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+
+from service.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest
+from service.errors import NotReadyError, OverloadedError
+from service.metrics import Metrics
+from service.model_loading import LoadedModel, ModelHost
+from service.settings import ServiceSettings
+from service.validation import Validator
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """The service's shared state, one per app (``app.state.runtime``)."""
+
+    def __init__(self, settings: ServiceSettings, host: ModelHost, metrics: Metrics):
+        self.settings = settings
+        self.host = host
+        self.metrics = metrics
+        self.engine: Engine | None = None
+        self.validator: Validator | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.max_total_tokens = settings.max_total_tokens
+        self.weight_bytes: dict[str, int] | None = None
+        host.on_ready(self._start_engine)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def _start_engine(self, loaded: LoadedModel) -> None:
+        s = self.settings
+        max_total = s.max_total_tokens
+        limit = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and 0 < limit < max_total:
+            log.warning("max_total_tokens %d exceeds the model's %d positions; using %d", max_total, limit, limit)
+            max_total = limit
+        self.max_total_tokens = max_total
+        self.validator = Validator(
+            loaded.tokenizer,
+            max_input_tokens=min(s.max_input_tokens, max_total - 1),
+            max_total_tokens=max_total,
+            default_max_new_tokens=s.default_max_new_tokens,
+        )
+        engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            max_batch_size=s.max_batch_size,
+            max_queue=s.max_concurrent_requests,
+            metrics=self.metrics,
+        )
+        engine.start()
+        self.engine = engine
+
+    def shutdown(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            self.engine.stop()
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.host.loaded
+
+    # -- admission -------------------------------------------------------------------------------------------------
+    def require_ready(self) -> tuple[Engine, Validator, LoadedModel]:
+        if self.draining:
+            raise NotReadyError("The server is shutting down and accepts no new requests.")
+        loaded = self.host.loaded
+        if self.engine is None or self.validator is None or loaded is None:
+            st = self.host.state
+            if st.phase == "failed":
+                raise NotReadyError(f"The model failed to load: {st.error}")
+            raise NotReadyError(
+                f"The model is still loading ({st.phase}, {100 * st.to_dict()['progress']:.0f}%); "
+                "retry when GET /health/ready answers 200."
+            )
+        return self.engine, self.validator, loaded
+
+    def acquire(self) -> "Slot":
+        if self.in_flight >= self.settings.max_concurrent_requests:
+            self.metrics.rejected += 1
+            raise OverloadedError(
+                f"The server is at its limit of {self.settings.max_concurrent_requests} concurrent requests; "
+                "retry after the Retry-After delay.",
+                retry_after=1,
+            )
+        self.in_flight += 1
+        self.metrics.in_flight = self.in_flight
+        return Slot(self)
+
+
+class Slot:
+    """One admitted request. ``release`` is idempotent, so every exit path may call it."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.runtime.in_flight -= 1
+            self.runtime.metrics.in_flight = self.runtime.in_flight
+
+
+class EngineStream:
+    """An engine request seen from the event loop: an async iterator of its events, cancellable."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, slot: Slot):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.slot = slot
+        self.request = request
+        self.finished = False
+        self.ticket = engine.submit(request, self._sink)
+
+    def _sink(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.queue.get()
+            yield event
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                self.finished = True
+                return
+
+    def close(self) -> None:
+        """End of the response: cancel the sequence if it is still running and free the slot at once."""
+        if not self.finished:
+            self.ticket.cancel()
+        self.slot.release()
+
+    async def wait_final(self, request: Request, poll: float = 0.2) -> FinishEvent | ErrorEvent | None:
+        """Wait for the last event of a non-streaming request; ``None`` (and cancelled) if the client left."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), timeout=poll)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    log.info("request %s: client disconnected; cancelled", self.request.request_id)
+                    self.close()
+                    return None
+                continue
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                self.finished = True
+                return event
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def request_id_of(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
+
+
+def sse(data: Any, prefix: str = "data:") -> bytes:
+    """One server-sent event. TGI writes ``data:{json}``; OpenAI writes ``data: {json}`` (``prefix="data: "``)."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"{prefix}{payload}\n\n".encode()

@@ -1,0 +1,74 @@
+"""API keys and model-path confinement.
+
+Keys are compared in constant time (``hmac.compare_digest``) against every configured key, so the time taken says
+nothing about how much of a key was right. ``/plan`` may only read model directories under the configured roots:
+``..`` components, absolute paths elsewhere and symlinks that lead out are refused.
+"""
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Iterable
+
+from service.errors import AuthError, NotFoundError, RequestValidationError
+
+#: Routes open without a key: probes must work for orchestrators that hold no secrets.
+OPEN_PATHS = frozenset({"/health", "/health/ready"})
+
+
+def bearer_token(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def check_api_key(header: str | None, keys: Iterable[str]) -> None:
+    """Raise :class:`AuthError` unless ``header`` is ``Bearer <one of keys>`` (case-sensitive, constant time)."""
+    token = bearer_token(header)
+    if token is None:
+        raise AuthError("This server needs an API key: send 'Authorization: Bearer <key>'.")
+    given = token.encode()
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key.encode())
+    if not ok:
+        raise AuthError("The API key is not valid.")
+
+
+class PathEscapeError(RequestValidationError):
+    """A model path that points outside the configured model roots."""
+
+    status_code = 403
+
+
+def resolve_under_roots(name: str, roots: Iterable[str]) -> Path:
+    """The real directory ``name`` names under one of ``roots``; refuse anything that would leave them."""
+    real_roots = [Path(r).expanduser().resolve() for r in roots]
+    if not real_roots:
+        raise NotFoundError(
+            "This server has no model roots configured, so /plan can only plan the served model or an inline "
+            "config; start it with --model-root DIR to allow model directories."
+        )
+    if "\x00" in name or not name.strip():
+        raise RequestValidationError("The model path is empty or contains a NUL byte.")
+    path = Path(name)
+    if ".." in path.parts:
+        raise PathEscapeError(f"The model path {name!r} contains '..'; name a directory under the model roots.")
+    candidates = [path] if path.is_absolute() else [root / path for root in real_roots]
+    inside_any = False
+    for candidate in candidates:
+        real = candidate.resolve()
+        if not any(real == root or real.is_relative_to(root) for root in real_roots):
+            continue
+        inside_any = True
+        if real.is_dir():
+            return real
+    if not inside_any:
+        raise PathEscapeError(
+            f"The model path {name!r} is outside the configured model roots (absolute path elsewhere, or a "
+            "symlink that leads out); name a directory under the model roots."
+        )
+    raise NotFoundError(f"No model directory {name!r} under the model roots.")

@@ -1,0 +1,86 @@
+"""The service's configuration: one pydantic-settings model read from flags and ``LOADMASTER_*`` variables.
+
+Every ``loadmaster serve`` flag is a field here, so ``--max-batch-size 8`` and ``LOADMASTER_MAX_BATCH_SIZE=8`` are
+the same setting; flags given on the command line win over the environment, which wins over the defaults.
+List settings (``api_key``, ``model_root``, ``max_memory``) accept a comma-separated string in the environment.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+#: Settings that are the planner's inputs (the same flags as ``loadmaster plan``).
+PLANNER_FIELDS = (
+    "max_memory", "gpus", "strategy", "complete", "dtype", "quantization", "batch_size", "context", "gpu_reserve",
+    "offload_folder",
+)
+
+CommaList = Annotated[list[str], NoDecode]
+
+
+class ServiceSettings(BaseSettings):
+    """What ``loadmaster serve`` runs: the model, how it is planned, the HTTP listener and the limits."""
+
+    model_config = SettingsConfigDict(env_prefix="LOADMASTER_", extra="ignore", validate_default=True)
+
+    # The model to serve and how it is placed.
+    model: str | None = Field(None, description="Model directory (sharded safetensors + config + tokenizer).")
+    demo: bool = Field(False, description="Build (once, cached) and serve the embedded demo model.")
+    served_model_name: str | None = Field(None, description="Name reported by /info and /v1/models.")
+    max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
+    gpus: str | None = Field(None, description="Declared GPUs NxSIZE, to plan for hardware that is not here.")
+    strategy: str = Field("auto", description="auto, balanced, balanced_low_0, sequential, or a JSON map / @file.")
+    complete: bool = Field(False, description="Let the planner place modules a custom map leaves out.")
+    dtype: str | None = None
+    quantization: str | None = None
+    batch_size: int | None = Field(None, ge=1, description="Planned batch size (default: max_batch_size).")
+    context: int | None = Field(None, ge=1, description="Planned context length (default: max_total_tokens).")
+    gpu_reserve: str | None = Field(None, description="Held back per GPU for the CUDA context (default 512MiB).")
+    offload_folder: str | None = None
+
+    # The listener.
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    api_key: CommaList = Field(default_factory=list, description="Bearer keys; when set, all but /health* need one.")
+    model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
+    grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
+    log_level: str = "info"
+
+    # Limits.
+    max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
+    max_batch_size: int = Field(32, ge=1, description="Sequences decoded together in one step.")
+    max_input_tokens: int = Field(1024, ge=1)
+    max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
+    default_max_new_tokens: int = Field(100, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+
+    @field_validator("api_key", "model_root", "max_memory", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            out: list[str] = []
+            for item in value:
+                out.extend(part.strip() for part in str(item).split(",") if part.strip())
+            return out
+        return value
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> "ServiceSettings":
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(
+                f"max_input_tokens ({self.max_input_tokens}) must be below max_total_tokens "
+                f"({self.max_total_tokens}), or no token could be generated; raise --max-total-tokens."
+            )
+        return self
+
+    def planned_batch_size(self) -> int:
+        return self.batch_size or self.max_batch_size
+
+    def planned_context(self) -> int:
+        return self.context or self.max_total_tokens
