@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import gc
 import json
 import logging
 import os
@@ -264,39 +265,6 @@ def _sizes(cfg: Any) -> dict[str, int]:
 # the walk
 
 
-def _tied_aliases(model: "torch.nn.Module") -> tuple[dict[str, str], tuple[tuple[str, ...], ...]]:
-    """alias name -> source name, and the groups (source first) — from declared ties and shared objects."""
-    first_name: dict[int, str] = {}
-    alias: dict[str, str] = {}
-    for n, t in model.named_parameters(remove_duplicate=False):
-        src = first_name.setdefault(id(t), n)
-        if src != n:
-            alias[n] = src
-    for n, t in model.named_buffers(remove_duplicate=False):
-        src = first_name.setdefault(id(t), n)
-        if src != n:
-            alias[n] = src
-    declared = getattr(model, "all_tied_weights_keys", None) or {}
-    known = set(first_name.values()) | set(alias)
-    for target, source in dict(declared).items():
-        if target != source and target in known and source in known:
-            alias.setdefault(target, source)
-    # resolve chains (a -> b -> c) and drop anything that would make a source an alias of itself
-    resolved: dict[str, str] = {}
-    for a in alias:
-        seen = {a}
-        s = alias[a]
-        while s in alias and s not in seen:
-            seen.add(s)
-            s = alias[s]
-        if s != a:
-            resolved[a] = s
-    groups: dict[str, list[str]] = {}
-    for a, s in resolved.items():
-        groups.setdefault(s, [s]).append(a)
-    return resolved, tuple(tuple(g) for g in groups.values())
-
-
 class _BlockBuilder:
     __slots__ = ("name", "tensors", "no_split", "layer_index", "is_head", "is_embedding")
 
@@ -314,7 +282,14 @@ class _BlockBuilder:
                      self.is_embedding)
 
 
-def _walk(model: "torch.nn.Module", alias: Mapping[str, str], no_split: set[str]) -> list[Block]:
+def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tuple[tuple[str, ...], ...]]:
+    """One pre-order pass over the module tree: blocks (rules 1-6 of the module docstring) and tied groups.
+
+    The traversal is iterative and visits a module once per name it is registered under (like
+    ``named_modules(remove_duplicate=False)``), so a tensor reachable under two names is seen under both: the first
+    name in registration order keeps it, later names become aliases. Names declared in
+    ``model.all_tied_weights_keys`` are aliases of their declared source even when the objects differ.
+    """
     import torch.nn as nn
 
     try:
@@ -330,14 +305,25 @@ def _walk(model: "torch.nn.Module", alias: Mapping[str, str], no_split: set[str]
         out_emb = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         out_emb = None
+    declared = {str(t): str(s) for t, s in dict(getattr(model, "all_tied_weights_keys", None) or {}).items()
+                if t != s}
 
-    blocks: list[Block] = []
+    dtype_names: dict[Any, str] = {}
+    first_name: dict[int, str] = {}  # id(tensor) -> the name that owns it
+    alias: dict[str, str] = {}  # alias name -> source name
+    held_back: list[tuple[_BlockBuilder, TensorSpec]] = []  # declared aliases, in case their source never shows
+    builders: list[_BlockBuilder] = []
     module_lists: set[str] = set()
     current: _BlockBuilder | None = None  # the open no-split block, if any
     current_prefix = ""
-    for mname, mod in model.named_modules():
+    stack: list[tuple[str, Any]] = [("", model)]
+    while stack:
+        mname, mod = stack.pop()
+        children = mod._modules
+        if children:
+            base = mname + "." if mname else ""
+            stack.extend(reversed([(base + k, c) for k, c in children.items() if c is not None]))
         if current is not None and not mname.startswith(current_prefix):
-            blocks.append(current.build())
             current = None
         if isinstance(mod, nn.ModuleList):
             module_lists.add(mname)
@@ -349,43 +335,74 @@ def _walk(model: "torch.nn.Module", alias: Mapping[str, str], no_split: set[str]
                 owner = current = _BlockBuilder(mname, no_split=True, layer_index=idx)
                 current_prefix = mname + "."
             else:
-                is_head = out_emb is not None and mod is out_emb
-                owner = _BlockBuilder(mname, is_head=is_head,
+                owner = _BlockBuilder(mname, is_head=out_emb is not None and mod is out_emb,
                                       is_embedding=(in_emb is not None and mod is in_emb)
                                       or isinstance(mod, nn.Embedding))
+            builders.append(owner)
         prefix = mname + "." if mname else ""
         quantizable_weight = isinstance(mod, linear_types) and mod is not out_emb
-        for pname, p in mod._parameters.items():
-            if p is None:
+        for group, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            if not group:
                 continue
-            full = prefix + pname
-            if full in alias:
-                continue
-            owner.tensors.append(TensorSpec(full, tuple(p.shape), str(p.dtype).replace("torch.", ""), "parameter",
-                                            quantizable_weight and pname == "weight"))
-        if mod._buffers:
-            nonpersistent = mod._non_persistent_buffers_set
-            for bname, b in mod._buffers.items():
-                if b is None:
+            nonpersistent = () if is_param else mod._non_persistent_buffers_set
+            for tname, t in group.items():
+                if t is None:
                     continue
-                full = prefix + bname
-                if full in alias:
+                full = prefix + tname
+                src = first_name.setdefault(id(t), full)
+                if src != full:
+                    alias[full] = src
                     continue
-                kind = "buffer_nonpersistent" if bname in nonpersistent else "buffer"
-                owner.tensors.append(TensorSpec(full, tuple(b.shape), str(b.dtype).replace("torch.", ""), kind))
-        if owner is not current and (owner.tensors or owner.is_head):
-            blocks.append(owner.build())
-    if current is not None:
-        blocks.append(current.build())
-    return blocks
+                dtype = dtype_names.get(t.dtype)
+                if dtype is None:
+                    dtype = dtype_names[t.dtype] = str(t.dtype).replace("torch.", "")
+                if is_param:
+                    spec = TensorSpec(full, tuple(t.shape), dtype, "parameter",
+                                      quantizable_weight and tname == "weight")
+                else:
+                    spec = TensorSpec(full, tuple(t.shape), dtype,
+                                      "buffer_nonpersistent" if tname in nonpersistent else "buffer")
+                if full in declared:
+                    alias[full] = declared[full]
+                    held_back.append((owner, spec))
+                    del first_name[id(t)]  # let the declared source own this object if it is shared
+                    continue
+                owner.tensors.append(spec)
+    # a declared alias whose source never appeared is a real tensor after all
+    owned = set(first_name.values())
+    for builder, spec in held_back:
+        src, visited = alias[spec.name], {spec.name}
+        while src not in owned and src in alias and src not in visited:
+            visited.add(src)
+            src = alias[src]
+        if src in owned:
+            alias[spec.name] = src
+        else:
+            del alias[spec.name]
+            builder.tensors.append(spec)
+    groups: dict[str, list[str]] = {}
+    for a, src in alias.items():
+        groups.setdefault(src, [src]).append(a)
+    blocks: list[Block] = []
+    seen_head = False  # a head module registered under two names is visited twice: keep its first block
+    for b in builders:
+        if b.tensors or (b.is_head and not seen_head):
+            blocks.append(b.build())
+            seen_head = seen_head or b.is_head
+    return blocks, tuple(tuple(g) for g in groups.values())
 
 
 def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) -> Skeleton:
     """Walk a (meta or real) model into a Skeleton; see the module docstring for the rules."""
     cfg = getattr(model, "config", None)
     no_split = set(getattr(model, "_no_split_modules", None) or ())
-    alias, groups = _tied_aliases(model)
-    blocks = _walk(model, alias, no_split)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the walk allocates ~1 object per tensor; collecting over a large module graph is the slow part
+    try:
+        blocks, groups = _walk(model, no_split)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     n_layers = sum(1 for b in blocks if b.layer_index is not None)
     kv = kv_geometry(cfg, n_layers or None) if cfg is not None else None
     sizes = _sizes(cfg) if cfg is not None else {}

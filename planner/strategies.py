@@ -27,11 +27,12 @@ Strategies then choose the limits:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from planner.sizing import SizedBlock
 from planner.types import Device, DeviceId, Hardware
 
-_BISECT_STEPS = 40
+_BISECT_STEPS = 24  # resolves utilisation to 1e-7 of capacity
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,22 @@ class Problem:
     #: Devices left out of this plan (a GPU too small to compute on is skipped rather than failing the plan).
     excluded: frozenset[DeviceId] = frozenset()
 
-    @property
+    @cached_property
+    def costs(self) -> tuple[list[int], list[int]]:
+        """Per item: bytes on a device that computes it (weights, KV cache, logits for the head), and bytes on a
+        device that only stores it (weights)."""
+        own = [it.weight + it.kv + (self.logits if it.is_head else 0) for it in self.items]
+        return own, [it.weight for it in self.items]
+
+    @cached_property
     def devices(self) -> tuple[Device, ...]:
         return tuple(d for d in self.hardware.devices if d.id not in self.excluded)
 
-    @property
+    @cached_property
     def gpus(self) -> tuple[Device, ...]:
         return tuple(d for d in self.devices if d.kind == "gpu")
 
-    @property
+    @cached_property
     def main_gpu(self) -> DeviceId | None:
         gpus = self.gpus
         return gpus[0].id if gpus else None
@@ -124,69 +132,78 @@ class FillResult:
 
 
 def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
-    """Greedy contiguous fill of ``problem.items`` under ``limits`` (devices absent from ``limits`` are unused)."""
+    """Greedy contiguous fill of ``problem.items`` under ``limits`` (devices absent from ``limits`` are unused).
+
+    This is the planner's inner loop (run a few dozen times per plan by the bisection), so it works on plain
+    lists of precomputed costs rather than on the dataclasses.
+    """
     order = [d.id for d in problem.devices if d.id in limits]
-    load: dict[DeviceId, int] = {d: 0 for d in order}
-    started: set[DeviceId] = set()
-    assignment: list[DeviceId] = []
-    cursor = 0
+    pos = {d: k for k, d in enumerate(order)}
+    lim = [limits[d] for d in order]
+    load = [0] * len(order)
+    started = [False] * len(order)
+    computes = [problem.computes_on(d) == d for d in order]
+    start_cost = [
+        (problem.activation + (problem.hardware.gpu_reserve if isinstance(d, int) else 0)) if computes[k] else 0
+        for k, d in enumerate(order)
+    ]
+    own, weight = problem.costs
+    follows, pinned = problem.follows, problem.pinned
+    placed: list[int] = []
+    cursor, n_dev = 0, len(order)
 
-    def increment(item: SizedBlock, dev: DeviceId) -> int:
-        runs_on = problem.computes_on(dev)
-        inc = item.weight
-        if runs_on == dev:
-            inc += item.kv
-            if item.is_head:
-                inc += problem.logits
-            if dev not in started:
-                inc += problem.activation
-                if isinstance(dev, int):
-                    inc += problem.hardware.gpu_reserve
-        return inc
+    def cost(i: int, k: int) -> int:
+        c = own[i] if computes[k] else weight[i]
+        return c if started[k] else c + start_cost[k]
 
-    for i, item in enumerate(problem.items):
-        if i in problem.follows or i in problem.pinned:
-            dev = assignment[problem.follows[i]] if i in problem.follows else problem.pinned[i]
-            if dev not in load:
-                return FillResult(None, i, increment(item, dev))
-            inc = increment(item, dev)
-            if load[dev] + inc > limits[dev]:
-                return FillResult(None, i, inc)
-            load[dev] += inc
-            started.add(dev)
-            assignment.append(dev)
+    for i in range(len(own)):
+        if i in follows or i in pinned:
+            dev = order[placed[follows[i]]] if i in follows else pinned[i]
+            k = pos.get(dev)
+            if k is None:
+                return FillResult(None, i, own[i])
+            c = cost(i, k)
+            if load[k] + c > lim[k]:
+                return FillResult(None, i, c)
+            load[k] += c
+            started[k] = True
+            placed.append(k)
             continue
-        while cursor < len(order):
-            dev = order[cursor]
-            inc = increment(item, dev)
-            if load[dev] + inc <= limits[dev]:
-                load[dev] += inc
-                started.add(dev)
-                assignment.append(dev)
+        while cursor < n_dev:
+            c = own[i] if computes[cursor] else weight[i]
+            if not started[cursor]:
+                c += start_cost[cursor]
+            if load[cursor] + c <= lim[cursor]:
+                load[cursor] += c
+                started[cursor] = True
+                placed.append(cursor)
                 break
             cursor += 1
         else:
-            return FillResult(None, i, item.weight)
-    return FillResult(assignment)
+            return FillResult(None, i, weight[i])
+    return FillResult([order[k] for k in placed])
 
 
 def fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
-    """``fill``, then lower the first GPU's limit until the overhead offloading puts on it fits too."""
-    limits = dict(limits)
-    capacity = {d.id: d.capacity for d in problem.hardware.devices}
+    """``fill``, then lower the fill limit of a device that ends up over its limit (the first GPU, which also
+    holds what offloaded blocks need to compute) by the excess, until the plan is consistent."""
+    target = {d: min(limits[d], dev.capacity) for d in limits for dev in problem.devices if dev.id == d}
+    fill_limits = dict(target)
     for _ in range(len(problem.items) + 2):
-        result = fill(problem, limits)
+        result = fill(problem, fill_limits)
         if result.assignment is None:
             return result
+        if all(problem.computes_on(d) == d for d in set(result.assignment)):
+            return result  # nothing offloaded: fill's own accounting is already exact
         loads = compute_loads(problem, result.assignment)
-        over = {d: loads.total(d) - min(capacity[d], limits[d]) for d in limits}
+        over = {d: loads.total(d) - target[d] for d in target}
         over = {d: v for d, v in over.items() if v > 0}
         if not over:
             return result
         for dev, excess in over.items():
-            if limits[dev] - excess < 0:
+            if fill_limits[dev] - excess < 0:
                 return FillResult(None, None, excess)
-            limits[dev] -= excess
+            fill_limits[dev] -= excess
     return FillResult(None, None, 0)
 
 

@@ -1,0 +1,227 @@
+"""Planner benchmark: loadmaster's planner against accelerate's, on the same meta models and max_memory.
+
+For each real architecture (built by transformers on the meta device from its published config) and a
+synthetic MoE with over 150k tensors, it measures, in one run:
+
+- planning time: ours (walk the meta model into a Skeleton + plan) against accelerate
+  (``get_balanced_memory`` + ``infer_auto_device_map``), best of a few repeats;
+- for batch 8 at context 4096, per device: each planner's planned total against the real need of its map
+  (weights + KV cache + activations + logits, computed by one sizing model for both), and whether that need
+  exceeds the device.
+
+Prints a table and writes JSON (``--out``). Run: ``.venv/bin/python bench/plan.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from planner.api import make_problem, make_workload, plan  # noqa: E402
+from planner.hardware import build_hardware, device_label  # noqa: E402
+from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
+from planner.strategies import compute_loads  # noqa: E402
+from planner.types import DeviceId, Skeleton  # noqa: E402
+from planner.units import format_bytes, parse_size  # noqa: E402
+from tests.planner.real_configs import REAL_CONFIGS  # noqa: E402
+
+log = logging.getLogger("bench.plan")
+GPUS = 4
+GPU_SIZE = "24GiB"
+CPU_SIZE = "512GiB"
+BATCH, CONTEXT = 8, 4096
+
+
+def meta_model(cfg: dict) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = config_from_dict(cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+
+
+class _MoELayer(nn.Module):
+    def __init__(self, hidden: int, inter: int, experts: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden // 4, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden // 4, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden, inter) for _ in range(experts))
+        self.norm = nn.LayerNorm(hidden)
+
+
+class SyntheticMoE(nn.Module):
+    """An MoE with one nn.Linear per expert projection, as unfused MoE checkpoints are laid out: many tensors."""
+
+    _no_split_modules = ["_MoELayer"]
+
+    def __init__(self, layers: int = 40, experts: int = 1280, hidden: int = 1024, inter: int = 256, vocab: int = 32000) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(_MoELayer(hidden, inter, experts) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+
+def synthetic_skeleton_fields(model: SyntheticMoE) -> Skeleton:
+    """Our skeleton of the synthetic MoE; it has no transformers config, so the geometry is filled in here."""
+    from dataclasses import replace
+
+    from planner.types import KVGeometry
+
+    skel = skeleton_from_model(model, name="synthetic-moe")
+    hidden = model.embed_tokens.embedding_dim
+    return replace(
+        skel,
+        kv=KVGeometry(len(model.layers), 8, hidden // 32),
+        vocab_size=model.embed_tokens.num_embeddings,
+        hidden_size=hidden,
+        intermediate_size=2 * model.layers[0].experts[0].w1.out_features,
+        num_attention_heads=32,
+        default_dtype="bfloat16",
+    )
+
+
+def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def accelerate_map(model: nn.Module, max_memory: dict) -> dict[str, Any]:
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    balanced = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=torch.bfloat16)
+    return infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split, dtype=torch.bfloat16)
+
+
+def needs_of_map(skel: Skeleton, device_map: dict[str, Any], max_memory: dict) -> dict[DeviceId, int]:
+    """Real need per device of any device map: our sizing of weights + KV + activations + logits (no reserve)."""
+    hw = build_hardware(max_memory, gpu_reserve=0)
+    workload = make_workload(skel, "bf16", None, BATCH, CONTEXT)
+    problem = make_problem(skel, hw, workload)
+    keys = sorted(device_map, key=len, reverse=True)
+
+    def device_of(name: str) -> DeviceId:
+        for k in keys:
+            if k == "" or name == k or name.startswith(k + "."):
+                v = device_map[k]
+                return v if isinstance(v, int) or v in ("cpu", "disk") else int(str(v).split(":")[-1])
+        raise KeyError(name)
+
+    assignment = [device_of(b.tensors[0].name if b.tensors else b.name) for b in skel.blocks]
+    loads = compute_loads(problem, assignment)
+    return {d.id: loads.total(d.id) for d in hw.devices}
+
+
+def bench_one(name: str, model: nn.Module, skel_fn: Callable[[nn.Module], Skeleton], max_memory: dict, repeats: int) -> dict[str, Any]:
+    def ours() -> Any:
+        skel = skel_fn(model)
+        return skel, plan(skel, max_memory=max_memory, strategy="auto", dtype="bf16", batch_size=BATCH, context=CONTEXT)
+
+    t_ours, (skel, our_plan) = best_time(ours, repeats)
+    t_plan_only, _ = best_time(lambda: plan(skel, max_memory=max_memory, strategy="auto", dtype="bf16", batch_size=BATCH, context=CONTEXT), repeats)
+    t_acc, acc = best_time(lambda: accelerate_map(model, max_memory), max(1, repeats if name != "synthetic-moe" else 1))
+    acc_need = needs_of_map(skel, acc, max_memory)
+    caps = {k if not str(k).isdigit() else int(k): parse_size(v) for k, v in max_memory.items()}
+    devices = []
+    for b in our_plan.budgets:
+        cap = caps[b.device]
+        devices.append({
+            "device": device_label(b.device), "capacity": cap,
+            "ours_total": b.total, "ours_over": b.total > cap,
+            "accelerate_need": acc_need.get(b.device, 0), "accelerate_over": acc_need.get(b.device, 0) > cap,
+        })
+    n_tensors = sum(len(b.tensors) for b in skel.blocks)
+    return {
+        "model": name, "tensors": n_tensors, "ours_seconds": t_ours, "ours_plan_only_seconds": t_plan_only,
+        "accelerate_seconds": t_acc, "speedup": t_acc / t_ours if t_ours else float("inf"),
+        "ours_strategy": our_plan.strategy, "ours_offloaded": our_plan.offloaded_bytes,
+        "ours_decode_tokens_per_s": our_plan.prediction.decode_tokens_per_s, "devices": devices,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan.json"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default=",".join(list(REAL_CONFIGS) + ["synthetic-moe"]))
+    ap.add_argument("--moe-layers", type=int, default=40)
+    ap.add_argument("--moe-experts", type=int, default=1280)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    max_memory: dict[Any, str] = {i: GPU_SIZE for i in range(GPUS)}
+    max_memory["cpu"] = CPU_SIZE
+    results = []
+    for name in args.models.split(","):
+        log.info("building %s on the meta device", name)
+        if name == "synthetic-moe":
+            with torch.device("meta"):
+                model = SyntheticMoE(layers=args.moe_layers, experts=args.moe_experts).to(torch.bfloat16)
+            skel_fn: Callable[[nn.Module], Skeleton] = synthetic_skeleton_fields  # type: ignore[assignment]
+        else:
+            model = meta_model(REAL_CONFIGS[name])
+            skel_fn = lambda m, n=name: skeleton_from_model(m, name=n)  # noqa: E731
+        log.info("planning %s", name)
+        results.append(bench_one(name, model, skel_fn, max_memory, args.repeats))
+        del model
+        gc.collect()
+
+    print(f"\nPlanning on {GPUS}x{GPU_SIZE} + cpu {CPU_SIZE}, bf16, batch {BATCH} x context {CONTEXT}\n")
+    print(f"{'model':<14} {'tensors':>8} {'ours':>9} {'(plan)':>9} {'accelerate':>11} {'speedup':>8}  strategy")
+    for r in results:
+        print(f"{r['model']:<14} {r['tensors']:>8} {r['ours_seconds'] * 1e3:>7.1f}ms {r['ours_plan_only_seconds'] * 1e3:>7.1f}ms "
+              f"{r['accelerate_seconds'] * 1e3:>9.1f}ms {r['speedup']:>7.1f}x  {r['ours_strategy']}")
+    print(f"\nPer device at batch {BATCH} x context {CONTEXT}: planned total (ours) and real need of the map "
+          "(weights + KV + activations + logits); '!' = over capacity")
+    print(f"{'model':<14} {'device':<6} {'capacity':>9} {'ours':>10} {'accelerate':>11}")
+    for r in results:
+        for d in r["devices"]:
+            print(f"{r['model']:<14} {d['device']:<6} {format_bytes(d['capacity']):>9} "
+                  f"{format_bytes(d['ours_total']) + ('!' if d['ours_over'] else ' '):>10} "
+                  f"{format_bytes(d['accelerate_need']) + ('!' if d['accelerate_over'] else ' '):>11}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpus": GPUS, "gpu_size": GPU_SIZE, "cpu": CPU_SIZE, "batch": BATCH, "context": CONTEXT,
+                               "results": results}, indent=2))
+    print(f"\nwrote {out}")
+    return 0 if not any(d["ours_over"] for r in results for d in r["devices"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
