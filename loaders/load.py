@@ -70,8 +70,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_device_map(path, device_map: DeviceMapArg, *, max_memory, dtype, quantization, workload
-                       ) -> tuple[dict, Optional[Plan]]:
+def resolve_device_map(path, device_map: DeviceMapArg, *, max_memory, dtype, quantization, workload,
+                       offload_folder=None) -> tuple[dict, Optional[Plan]]:
     """The device map to obey. A Plan is taken as is; a strategy string asks the planner; a dict is normalised."""
     if isinstance(device_map, Plan):
         return normalize_map(device_map.device_map), device_map
@@ -89,7 +89,7 @@ def resolve_device_map(path, device_map: DeviceMapArg, *, max_memory, dtype, qua
             log.warning("planner.plan is unavailable; loading everything on the CPU")
             return {"": "cpu"}, None
         p = make_plan(str(path), max_memory=max_memory, strategy=device_map, dtype=_dtype_name(dtype),
-                      quantization=quantization, **workload)
+                      quantization=quantization, offload_folder=offload_folder, **workload)
         return normalize_map(p.device_map), p
     if isinstance(device_map, Mapping):
         return normalize_map(device_map), None
@@ -130,7 +130,8 @@ def load_model(
     config = read_config(path)
     run_dtype = resolve_dtype(dtype, config, index)
     dmap, plan = resolve_device_map(path, device_map, max_memory=max_memory, dtype=run_dtype,
-                                    quantization=quantization, workload=workload)
+                                    quantization=quantization, workload=workload,
+                                    offload_folder=offload_folder)
     if quantization:
         from loaders.quantized import load_quantized
 
