@@ -385,3 +385,36 @@ def test_stored_dtype_comes_from_headers(tmp_path):
     assert {t.dtype for t in skel.tensors() if t.kind == "parameter"} == {"bfloat16"}
     assert {t.dtype for t in skel.tensors() if t.kind != "parameter"} == {"float32"}
     assert skel.default_dtype == "bfloat16" and skel.checkpoint_keys == {}
+
+
+class _Declared(nn.Module):
+    """Ties declared the transformers way, between distinct objects, plus a module registered under two names."""
+
+    all_tied_weights_keys = {"out.weight": "inp.weight"}
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Embedding(6, 4)
+        self.mid = nn.Linear(4, 4)
+        self.again = self.mid  # the same module under a second name
+        self.out = nn.Linear(4, 6, bias=False)  # its own Parameter object, but declared tied to inp.weight
+
+    def get_output_embeddings(self):
+        return self.out
+
+
+def test_declared_ties_and_shared_modules():
+    skel = skeleton_from_model(_Declared(), name="declared")
+    assert [t.name for t in skel.tensors()] == ["inp.weight", "mid.weight", "mid.bias"]
+    assert set(skel.tied_groups) == {("inp.weight", "out.weight"), ("mid.weight", "again.weight"),
+                                     ("mid.bias", "again.bias")}
+    assert [b.name for b in skel.blocks] == ["inp", "mid", "out"] and skel.blocks[-1].is_head
+
+
+def test_declared_tie_to_a_missing_source_keeps_the_tensor():
+    class Broken(_Declared):
+        all_tied_weights_keys = {"out.weight": "nowhere.weight"}
+
+    skel = skeleton_from_model(Broken(), name="broken")
+    assert "out.weight" in {t.name for t in skel.tensors()}
+    assert all("out.weight" not in g for g in skel.tied_groups)
