@@ -418,3 +418,16 @@ def test_declared_tie_to_a_missing_source_keeps_the_tensor():
     skel = skeleton_from_model(Broken(), name="broken")
     assert "out.weight" in {t.name for t in skel.tensors()}
     assert all("out.weight" not in g for g in skel.tied_groups)
+
+
+def test_corrupt_shard_in_a_model_dir_is_a_header_error(tmp_path, tiny_llama):
+    from planner.errors import HeaderError
+
+    _copy_weights(tiny_llama, tmp_path)
+    shutil.copy(tiny_llama / "config.json", tmp_path / "config.json")
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    os_size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(os_size - 3)
+    with pytest.raises(HeaderError, match=shard.name):
+        load_skeleton(tmp_path)
