@@ -90,7 +90,8 @@ def test_mixtral_full_size_checkpoint_maps_every_key(tmp_path):
     for b in skel.blocks:
         stored = sum(ck.tensors[k].nbytes for k in skel.checkpoint_keys.get(b.name, ()))
         assert stored == sum(int(t.numel * DTYPE_BYTES[t.dtype]) for t in b.tensors if t.kind == "parameter")
-    assert len(skel.checkpoint_keys["model.layers.31"]) == 8 * 3 + 1 + 4 + 2  # experts (w1 w2 w3), router, q k v o, two norms
+    # 8 experts x (w1 w2 w3), the router, q k v o, two norms
+    assert len(skel.checkpoint_keys["model.layers.31"]) == 8 * 3 + 1 + 4 + 2
     assert [b.name for b in skel.blocks] == [b.name for b in meta.blocks]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from planner.errors import ModelSourceError
 from planner.safetensors_header import read_checkpoint_headers, write_sparse_checkpoint
@@ -43,7 +43,8 @@ def _assert_matches_loaded_model(skel: Skeleton, model: nn.Module) -> None:
     tensors = _tensor_map(skel)
     aliases = {a: g[0] for g in skel.tied_groups for a in g[1:]}
     seen = set()
-    for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+    everything = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for n, t in everything:
         n = aliases.get(n, n)
         assert n in tensors, f"{n} is missing from the skeleton"
         shape, dtype, _ = tensors[n]
