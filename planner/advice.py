@@ -50,11 +50,16 @@ def largest_batch(skeleton: Skeleton, hardware: Hardware, workload: Workload, st
 def _shortfall(problem: Problem) -> tuple[dict[DeviceId, int], int]:
     """Per-device need when the last device is allowed to overflow, and the total bytes missing."""
     devices = problem.hardware.devices
-    limits = {d.id: d.capacity for d in devices}
     last = devices[-1].id
-    limits[last] = 1 << 62
-    overflow = strategies.fill(problem, limits)
-    assignment = overflow.assignment
+    unlimited = replace(problem.hardware, devices=devices[:-1] + (replace(devices[-1], capacity=1 << 62),))
+    from planner.api import _fallbacks
+
+    assignment = None
+    for candidate in _fallbacks(replace(problem, hardware=unlimited)):
+        assignment = strategies.sequential(candidate).assignment
+        if assignment is not None:
+            problem = candidate
+            break
     if assignment is None:  # pins that overflow their device: charge them there, everything free to the last device
         assignment = []
         for i in range(len(problem.items)):

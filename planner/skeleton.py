@@ -74,8 +74,14 @@ def _known_model_types() -> list[str]:
 
 
 def _unknown_architecture(what: str, source: str) -> ModelSourceError:
-    near = difflib.get_close_matches(what.lower(), _known_model_types(), n=5, cutoff=0.5)
-    hint = f" Nearest known model_type names: {', '.join(near)}." if near else ""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    stem = re.sub(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration|Model)$", "", what).lower()
+    near = difflib.get_close_matches(stem, _known_model_types(), n=5, cutoff=0.5)
+    if what[:1].isupper():  # a class name: also suggest causal-LM class names
+        classes = [c for c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() if isinstance(c, str)]
+        near += difflib.get_close_matches(what, classes, n=3, cutoff=0.6)
+    hint = f" Nearest known names: {', '.join(near)}." if near else ""
     return ModelSourceError(
         f"{source}: architecture {what!r} is not known to the installed transformers.{hint} "
         "Fix model_type/architectures in the config, or upgrade transformers."
@@ -520,6 +526,8 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
         floats = Counter(t.dtype for t in stored.values() if t.dtype.startswith(("float", "bfloat")))
         if floats:
             default = floats.most_common(1)[0][0]
+    # Complete or empty: when any stored key is not a module-tree name (fused experts, a stored tied alias, a
+    # base-model prefix), every block that stores something lists all its keys, so a loader needs no other source.
     ckpt_keys = {b: tuple(ks) for b, ks in keys_of.items()} if renamed else {}
     return Skeleton(
         name=name, architecture=skel.architecture, model_type=skel.model_type, blocks=tuple(blocks),
