@@ -432,3 +432,8 @@ def test_corrupt_shard_in_a_model_dir_is_a_header_error(tmp_path, tiny_llama):
         f.truncate(os_size - 3)
     with pytest.raises(HeaderError, match=shard.name):
         load_skeleton(tmp_path)
+
+
+def test_misspelt_class_name_gets_suggestions():
+    with pytest.raises(ModelSourceError, match=r"Nearest known names:.*LlamaForCausalLM"):
+        load_skeleton({"architectures": ["LLamaForCausalLM"]})
