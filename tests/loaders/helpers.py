@@ -1,0 +1,43 @@
+"""Shared helpers for the loader tests: a reference model per checkpoint, and equivalence checks."""
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+MAX_ABS_DIFF = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(path: str, dtype: str = "float32") -> torch.nn.Module:
+    """Plain transformers on the same weights: the ground truth every loaded model is compared with."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+
+def prompt(vocab: int, length: int = 9, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def assert_equivalent(model: torch.nn.Module, path, dtype: str = "float32", new_tokens: int = 8) -> float:
+    """Logits within MAX_ABS_DIFF of plain transformers' and identical greedy tokens. Returns the max diff."""
+    ref = reference_model(str(path), dtype)
+    ids = prompt(ref.config.vocab_size)
+    with torch.no_grad():
+        a = ref(ids).logits
+        b = model(ids).logits
+    diff = (a.float() - b.float()).abs().max().item()
+    assert diff <= MAX_ABS_DIFF, f"logits differ from transformers' by {diff}"
+    g_ref = ref.generate(ids[:1], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    g_new = model.generate(ids[:1], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    assert torch.equal(g_ref, g_new), f"greedy tokens differ: {g_ref.tolist()} vs {g_new.tolist()}"
+    return diff
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A private copy of a fixture checkpoint that a test may damage."""
+    shutil.copytree(src, dst)
+    return dst
