@@ -444,24 +444,25 @@ def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name
 
 
 def _block_of_key(key: str, tensor_block: Mapping[str, str], block_names: set[str],
-                  base_prefix: str) -> str | None:
-    """The block a checkpoint key belongs to: exact tensor name, else the longest block name that is a dotted
-    prefix of it (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0``), else the same
-    with the model's ``base_model_prefix`` prepended (old GPT-2 checkpoints store ``h.0...``)."""
-    for k in (key, f"{base_prefix}.{key}" if base_prefix else None):
-        if k is None:
-            continue
+                  base_prefix: str) -> tuple[str | None, str | None]:
+    """(block, tensor name) a checkpoint key belongs to. The tensor name is set when the key IS a tensor of the
+    module tree (directly, or with the model's ``base_model_prefix`` prepended: old GPT-2 checkpoints store
+    ``h.0...``). Otherwise the block is the longest block name that is a dotted prefix of the key
+    (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0``) and the tensor name is None."""
+    candidates = (key, f"{base_prefix}.{key}") if base_prefix else (key,)
+    for k in candidates:
         b = tensor_block.get(k)
         if b is not None:
-            return b
+            return b, k
+    for k in candidates:
         pos = len(k)
         while pos > 0:
             pos = k.rfind(".", 0, pos)
             if pos <= 0:
                 break
             if k[:pos] in block_names:
-                return k[:pos]
-    return None
+                return k[:pos], None
+    return None, None
 
 
 def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: str, name: str) -> Skeleton:
@@ -471,14 +472,18 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     alias_source = {a: g[0] for g in skel.tied_groups for a in g[1:]}
     block_names = {b.name for b in skel.blocks}
     keys_of: dict[str, list[str]] = {}
+    key_of_tensor: dict[str, str] = {}  # module-tree name -> the stored key holding exactly that tensor
     unmatched: list[str] = []
     renamed = False
     for key in stored:
-        b = _block_of_key(alias_source.get(key, key), tensor_block, block_names, base_prefix)
+        is_alias = key in alias_source
+        b, tname = _block_of_key(alias_source.get(key, key), tensor_block, block_names, base_prefix)
         if b is None:
             unmatched.append(key)
             continue
         keys_of.setdefault(b, []).append(key)
+        if tname is not None and not is_alias:
+            key_of_tensor.setdefault(tname, key)
         if key not in tensor_block:
             renamed = True
     if unmatched:
@@ -489,11 +494,13 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     shape_mismatch = []
     for blk in skel.blocks:
         keys = keys_of.get(blk.name, [])
-        other_dtypes = Counter(stored[k].dtype for k in keys if k not in tensor_block)
+        exact = {key_of_tensor[t.name] for t in blk.tensors if t.name in key_of_tensor}
+        other_dtypes = Counter(stored[k].dtype for k in keys if k not in exact and k not in alias_source)
         fused_dtype = other_dtypes.most_common(1)[0][0] if other_dtypes else None
         new_tensors = []
         for t in blk.tensors:
-            h = stored.get(t.name)
+            k = key_of_tensor.get(t.name)
+            h = stored[k] if k is not None else None
             if h is not None:
                 if h.shape != t.shape:
                     shape_mismatch.append(f"{t.name}: model {list(t.shape)}, checkpoint {list(h.shape)}")
@@ -510,16 +517,18 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
 
     # cross-check: bytes stored vs bytes the model needs for what the checkpoint holds (tied tensors once)
     stored_bytes = sum(stored[k].nbytes for ks in keys_of.values() for k in ks if k not in alias_source)
-    in_ckpt = set(stored)
+    in_ckpt = set(key_of_tensor)
     need = 0
     for blk in blocks:
         for t in blk.tensors:
             if t.kind == "parameter" or (t.kind == "buffer" and t.name in in_ckpt):
                 need += int(t.numel * DTYPE_BYTES[t.dtype])
-    if stored_bytes != need:
+    if stored_bytes < need:
         log.warning("%s: the checkpoint stores %d bytes of the model's tensors but the %s built from config.json "
                     "needs %d; config and weights may not belong together", name, stored_bytes,
                     skel.architecture, need)
+    elif stored_bytes > need:  # e.g. legacy buffers (old GPT-2 attn.bias masks) that transformers now ignores
+        log.info("%s: the checkpoint stores %d bytes more than the model uses", name, stored_bytes - need)
 
     default = skel.default_dtype
     if default == "float32" and stored:

@@ -437,3 +437,21 @@ def test_corrupt_shard_in_a_model_dir_is_a_header_error(tmp_path, tiny_llama):
 def test_misspelt_class_name_gets_suggestions():
     with pytest.raises(ModelSourceError, match=r"Nearest known names:.*LlamaForCausalLM"):
         load_skeleton({"architectures": ["LLamaForCausalLM"]})
+
+
+def test_legacy_gpt2_layout_without_prefix(tmp_path, caplog):
+    """Hub GPT-2 checkpoints store ``h.0...`` without ``transformer.``, plus legacy attention-mask buffers."""
+    cfg = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16)
+    meta = skeleton_from_config(cfg)
+    stored = {t.name.removeprefix("transformer."): ("float16", t.shape) for t in meta.tensors()}
+    stored.update({f"h.{i}.attn.bias": ("float32", (1, 1, 16, 16)) for i in range(2)})
+    write_sparse_checkpoint(tmp_path, stored, shards=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger=SKELETON_LOG):
+        skel = skeleton_from_dir(tmp_path)
+    assert not [r for r in caplog.records if r.name == SKELETON_LOG]  # extra legacy buffers are not a mismatch
+    assert sorted(k for ks in skel.checkpoint_keys.values() for k in ks) == sorted(stored)
+    assert "h.1.attn.bias" in skel.checkpoint_keys["transformer.h.1"]
+    assert skel.checkpoint_keys["transformer.wte"] == ("wte.weight",)
+    assert {t.dtype for t in skel.tensors()} == {"float16"}  # stored dtype applied through the prefix
+    assert [b.name for b in skel.blocks] == [b.name for b in meta.blocks]
