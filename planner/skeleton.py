@@ -13,11 +13,12 @@ Three sources, one result:
 
 Walking rules (the contract the planner relies on)
 --------------------------------------------------
-1. Blocks come in ``named_modules()`` order (pre-order registration order), which is execution order for
-   transformers' causal LMs: embeddings, decoder layers by index, final norm, head.
+1. Blocks come in ``named_modules()`` order (pre-order, children in registration order), which is execution order
+   for transformers' causal LMs: embeddings, decoder layers by index, final norm, (rotary embedding), head.
 2. A module whose class name is in the model's ``_no_split_modules`` is ONE block (``no_split=True``) holding every
    parameter and buffer of its subtree, persistent or not; its descendants form no blocks of their own. If it sits
-   in an ``nn.ModuleList`` its position there is ``layer_index`` (the KV-cache layer it owns).
+   in an ``nn.ModuleList`` its position there is ``layer_index`` (the KV-cache layer it owns). Within any block,
+   tensors are in module pre-order, each module's parameters before its buffers.
 3. Any other module that directly owns (``recurse=False``) at least one tensor is a block of just those tensors.
    Modules owning nothing form no block — except the output embedding (rule 5).
 4. Tensor names are the full dotted names of the module tree (for Llama/GPT-2 these equal the checkpoint keys).
@@ -35,7 +36,13 @@ Walking rules (the contract the planner relies on)
 7. Dtypes are the meta tensors' dtypes: the model is built in the config's ``dtype`` (as transformers does), buffers
    keep the dtype the architecture gives them. ``default_dtype`` is the config's dtype, else ``float32``.
 
-Everything is one linear pass: no step is quadratic in the number of tensors.
+Everything is one linear pass (iterative, garbage collection paused): no step is quadratic in the number of tensors.
+
+From a checkpoint directory, stored dtypes replace the meta dtypes where a stored key is a module-tree tensor, and
+``Skeleton.checkpoint_keys`` is filled (for every block, complete) as soon as any stored key is not a module-tree
+name: a key belongs to the block whose name is its longest dotted prefix (fused MoE experts), or to the block of the
+tensor it names once the model's ``base_model_prefix`` is prepended; a stored tied alias belongs to its source's
+block.
 """
 from __future__ import annotations
 
