@@ -134,8 +134,9 @@ def config_from_dict(d: Mapping[str, Any], source: str = "config") -> "Pretraine
     d["model_type"] = model_type
     try:
         return CONFIG_MAPPING[model_type].from_dict(d)
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise ModelSourceError(f"{source}: not a valid {model_type} config: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' config validators raise many types; all mean "bad config"
+        detail = " ".join(str(e).split())
+        raise ModelSourceError(f"{source}: not a valid {model_type} config: {detail}") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -179,16 +180,23 @@ def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     errors = []
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(cfg)
-        except ValueError as e:  # no causal-LM class registered for this config
-            errors.append(str(e).splitlines()[0])
-        for arch in getattr(cfg, "architectures", None) or []:
-            cls = getattr(transformers, str(arch), None)
-            if cls is not None and hasattr(cls, "_from_config"):
-                return cls._from_config(cfg)
+            if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                return AutoModelForCausalLM.from_config(cfg)
+            for arch in getattr(cfg, "architectures", None) or []:
+                cls = getattr(transformers, str(arch), None)
+                if cls is not None and hasattr(cls, "_from_config"):
+                    return cls._from_config(cfg)
+        except Exception as e:  # noqa: BLE001 - whatever the modeling code raises, the config is the cause
+            detail = " ".join(str(e).split())
+            raise ModelSourceError(
+                f"transformers could not build the {cfg.model_type} model from this config: {detail}"
+            ) from None
+        errors.append("no class registered for AutoModelForCausalLM")
     raise ModelSourceError(
         f"transformers has no causal-LM class for model_type {cfg.model_type!r} "
         f"(architectures={getattr(cfg, 'architectures', None)}): {'; '.join(errors)}. "

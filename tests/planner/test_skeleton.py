@@ -455,3 +455,10 @@ def test_legacy_gpt2_layout_without_prefix(tmp_path, caplog):
     assert skel.checkpoint_keys["transformer.wte"] == ("wte.weight",)
     assert {t.dtype for t in skel.tensors()} == {"float16"}  # stored dtype applied through the prefix
     assert [b.name for b in skel.blocks] == [b.name for b in meta.blocks]
+
+
+def test_invalid_config_values_are_model_source_errors():
+    with pytest.raises(ModelSourceError, match=r"not a valid llama config.*not a multiple"):
+        load_skeleton(dict(model_type="llama", hidden_size=10, num_attention_heads=3))
+    with pytest.raises(ModelSourceError, match="no causal-LM class for model_type 't5'"):
+        load_skeleton(dict(model_type="t5"))
