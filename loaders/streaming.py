@@ -127,13 +127,28 @@ class StreamedBlock:
     nbytes: int = 0
 
     def layout(self) -> int:
+        """Give each distinct host tensor an aligned offset; tied tensors (one host, two modules) share theirs."""
         pos = 0
+        placed: dict[int, int] = {}
         for t in self.tensors:
-            pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            t.offset = pos
-            pos += t.nbytes
+            key = id(t.host)
+            if key not in placed:
+                pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+                placed[key] = pos
+                pos += t.nbytes
+            t.offset = placed[key]
         self.nbytes = pos
         return pos
+
+    def unique(self) -> list["StreamedTensor"]:
+        """One StreamedTensor per distinct host tensor (what must actually be copied)."""
+        seen: set[int] = set()
+        out = []
+        for t in self.tensors:
+            if id(t.host) not in seen:
+                seen.add(id(t.host))
+                out.append(t)
+        return out
 
 
 @dataclass
@@ -193,7 +208,7 @@ class BlockStreamer:
         slot.block = i
         self.loads += 1
         if not block.staged:
-            for t in block.tensors:
+            for t in block.unique():
                 self.backend.copy(self._view(slot.buffer, t), t.host, side)
             slot.ready = self.backend.record(side)
             slot.pending = None
@@ -202,9 +217,9 @@ class BlockStreamer:
         def stage_then_copy():
             if slot.staging_free is not None:
                 self.backend.host_wait(slot.staging_free)  # the last H2D copy out of this staging buffer ended
-            for t in block.tensors:  # disk -> pinned RAM: page faults on the map happen here, off the GPU's path
+            for t in block.unique():  # disk -> pinned RAM: page faults on the map happen here, off the GPU's path
                 self._view(slot.staging, t).copy_(t.host)
-            for t in block.tensors:
+            for t in block.unique():
                 self.backend.copy(self._view(slot.buffer, t), self._view(slot.staging, t), side)
             slot.ready = self.backend.record(side)
             slot.staging_free = slot.ready
@@ -227,10 +242,10 @@ class BlockStreamer:
             self._issue(i, s)
         slot = self.slots[s]
         self._cur_slot = s
-        self._running.add(s)
         if slot.pending is not None:
             slot.pending.result()
             slot.pending = None
+        self._running.add(s)  # from here until after(i), nothing may be copied into this slot
         self.backend.wait(self.backend.compute_stream(), slot.ready)
         for t in self.blocks[i].tensors:
             view = self._view(slot.buffer, t)
@@ -346,11 +361,11 @@ def build_blocks(model: torch.nn.Module, entries: list[str], placement: Mapping[
             items += [(leaf, b, False) for leaf, b in sub._buffers.items()]
             for leaf, t, is_param in items:
                 full = f"{prefix}.{leaf}" if prefix else leaf
-                if t is None or id(t) in seen or t.device.type != "cpu":
+                if t is None or (id(sub), leaf) in seen or t.device.type != "cpu":
                     continue
                 if full in placement and entry_of(full, device_map) != key:
                     continue
-                seen.add(id(t))
+                seen.add((id(sub), leaf))
                 out.append(StreamedTensor(sub, leaf, t.data if is_param else t, is_param=is_param))
         return out
 
