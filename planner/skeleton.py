@@ -175,14 +175,16 @@ def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
 
 
 def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
-    """Instantiate the causal-LM class of ``cfg`` on the meta device (no storage is allocated)."""
+    """Instantiate the causal-LM class of ``cfg`` on the meta device (no storage is allocated).
+
+    The class is AutoModelForCausalLM's for the config's model_type, else the first class named in
+    ``architectures`` that transformers exports (e.g. an encoder-decoder ``T5ForConditionalGeneration``).
+    """
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    errors = []
     with torch.device("meta"):
         try:
             if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -196,10 +198,9 @@ def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
             raise ModelSourceError(
                 f"transformers could not build the {cfg.model_type} model from this config: {detail}"
             ) from None
-        errors.append("no class registered for AutoModelForCausalLM")
     raise ModelSourceError(
         f"transformers has no causal-LM class for model_type {cfg.model_type!r} "
-        f"(architectures={getattr(cfg, 'architectures', None)}): {'; '.join(errors)}. "
+        f"(architectures={getattr(cfg, 'architectures', None)}). "
         "Name a causal-LM class in 'architectures' (e.g. 'LlamaForCausalLM')."
     )
 
