@@ -167,9 +167,9 @@ def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strat
     hardware = problem.hardware
 
     candidates: list[tuple[str, Problem, FillResult]] = []
-    for name in ("balanced", "sequential"):
+    for name in ("sequential", "balanced"):  # on ties sequential wins: fewer hops for the same headroom
         candidates.append((name, problem, strategies.STRATEGIES[name](problem)))
-    seq = candidates[-1][2]
+    seq = candidates[0][2]
     if problem.gpus and hardware.get("cpu") and seq.assignment and any(not isinstance(d, int) for d in seq.assignment):
         pinned_problem = replace(problem, pinned=_embedding_pins(skeleton, problem))
         if pinned_problem.pinned:
