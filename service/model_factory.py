@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MARKER_NAME = "loadmaster_build.json"
 BUILD_FORMAT = 1
+STALE_AFTER_S = 3600.0  # a temporary build folder this old belongs to a crashed build
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0..3, in this order
@@ -80,11 +82,11 @@ DEMO_SPEC = dict(
     hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
     num_key_value_heads=2, max_position_embeddings=1024,
 )
-DEMO_STEPS = 150
+DEMO_STEPS = 200
 DEMO_SEQ_LEN = 96
 DEMO_BATCH = 16
 DEMO_LR = 3e-3
-DEMO_MAX_SECONDS = 75.0
+DEMO_MAX_SECONDS = 90.0
 
 
 # --------------------------------------------------------------------------------------------- text
@@ -183,13 +185,38 @@ def _atomic_build_dir(out_dir: Path) -> Iterator[Path]:
     absent or complete. If another process finished first, its (identical) build is kept.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_leftovers(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield tmp
+        _make_shareable(tmp)
         _install(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_leftovers(out_dir: Path, max_age_s: float = STALE_AFTER_S) -> None:
+    """Delete temporary folders that crashed builds of ``out_dir`` left behind long ago."""
+    now = time.time()
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+        for leftover in out_dir.parent.glob(pattern):
+            try:
+                if now - leftover.stat().st_mtime > max_age_s:
+                    logger.info("removing stale build leftover %s", leftover)
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except FileNotFoundError:
+                pass
+
+
+def _make_shareable(directory: Path) -> None:
+    """Give the build ordinary permissions (mkdtemp and atomic shard writes use owner-only modes)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _install(tmp: Path, out_dir: Path) -> None:
@@ -225,6 +252,11 @@ def _write_marker(directory: Path, recipe: dict[str, Any], **extra: Any) -> None
 
 
 # ----------------------------------------------------------------------------------------- models
+
+
+def _transformers_version() -> str:
+    """Recorded in build markers (read from metadata, so a cache hit never imports transformers)."""
+    return importlib.metadata.version("transformers")
 
 
 def _torch_dtype(dtype: str):
@@ -351,12 +383,11 @@ def build_model(
     if (kind, size) not in MODEL_SPECS:
         known = ", ".join(f"{k}/{s}" for k, s in MODEL_SPECS)
         raise ValueError(f"no model recipe for kind={kind!r} size={size!r}; known recipes: {known}")
-    _torch_dtype(dtype)  # validate early
-    import transformers
-
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     recipe = dict(
         kind=kind, size=size, dtype=dtype, seed=seed, max_shard_size=max_shard_size,
-        tokenizer=tokenizer_fingerprint(), transformers=transformers.__version__,
+        tokenizer=tokenizer_fingerprint(), transformers=_transformers_version(),
     )
     if _is_complete(out_dir, recipe):
         return out_dir
@@ -450,17 +481,16 @@ def build_demo_model(
     ``max_seconds`` exist so tests can build a quicker variant; the folder records what was done in
     ``loadmaster_build.json`` (including the first and last training loss).
     """
-    import torch
-    import transformers
-
     out_dir = Path(out_dir).expanduser().resolve() if out_dir is not None else default_demo_dir()
     recipe = dict(
         kind="demo", spec=DEMO_SPEC, steps=steps, seed=seed, seq_len=DEMO_SEQ_LEN, batch=DEMO_BATCH,
-        lr=DEMO_LR, tokenizer=tokenizer_fingerprint(), transformers=transformers.__version__,
+        lr=DEMO_LR, tokenizer=tokenizer_fingerprint(), transformers=_transformers_version(),
     )
     if _is_complete(out_dir, recipe):
         return out_dir
     _check_target(out_dir)
+
+    import torch
 
     started = time.perf_counter()
     logger.info("building the demo model into %s (about a minute on 2 CPU cores)", out_dir)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,21 @@ def test_a_complete_build_is_reused_and_foreign_folders_are_refused(tmp_path: Pa
         build_model("gpt2", foreign)
     with pytest.raises(ValueError, match="known recipes"):
         build_model("gpt2", tmp_path / "x", size="1b")
+
+
+def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_path: Path):
+    out = tmp_path / "shared"
+    code = f"from service.model_factory import build_model; print(build_model('gpt2', {str(out)!r}))"
+    repo = Path(__file__).resolve().parent.parent
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert all(stdout.strip() == str(out) for stdout, _ in results)
+    assert [p.name for p in tmp_path.iterdir()] == ["shared"], "no temporary folders may remain"
+    assert shard_digests(out) == shard_digests(build_model("gpt2", tmp_path / "solo"))
 
 
 @pytest.mark.parametrize(("size", "low", "high"), [("100m", 90e6, 120e6), ("1b", 0.9e9, 1.2e9)])
