@@ -46,10 +46,6 @@ def error_response(path: str, status: int, message: str, error_type: str, header
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """Pure ASGI middleware: request id, API key, body-size limit, and per-route request metrics."""
 
@@ -93,21 +89,30 @@ class GuardMiddleware:
             if length is not None and length.isdigit() and int(length) > limit:
                 await reply(self._too_large(path, rid, limit))
                 return
-            received = 0
-
-            async def receive_limited() -> dict:
-                nonlocal received
+            # Read the whole body first (it is small by construction), so an oversized chunked body is
+            # refused here, before the app parses anything.
+            body = bytearray()
+            while True:
                 message = await receive()
-                if message["type"] == "http.request":
-                    received += len(message.get("body", b""))
-                    if received > limit:
-                        raise _TooLarge()
-                return message
+                if message["type"] != "http.request":
+                    await self.app(scope, receive, send_wrapped)  # a disconnect: let the app see it
+                    return
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    await reply(self._too_large(path, rid, limit))
+                    return
+                if not message.get("more_body", False):
+                    break
+            replayed = False
 
-            try:
-                await self.app(scope, receive_limited, send_wrapped)
-            except _TooLarge:
-                await reply(self._too_large(path, rid, limit))
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send_wrapped)
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("unmatched" if status_holder["status"] == 404 else path)

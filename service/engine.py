@@ -247,6 +247,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.peak_batch = 0  # most sequences one decode step has served (tests and /info read it)
 
     # -- caller side -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -346,6 +347,7 @@ class Engine:
         log.debug("request %s admitted (%d prompt tokens)", rid, len(seq.request.prompt_ids))
 
     def _decode_step(self) -> None:
+        self.peak_batch = max(self.peak_batch, self.active)
         for group in self._groups:
             group.keep([r for r, s in enumerate(group.items) if not s.cancelled.is_set() and not s.done])
             if not len(group):

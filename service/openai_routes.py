@@ -112,7 +112,6 @@ def _stream_response(
                     continue
                 stream.finished = True
                 final = ev.final
-                hold.push(ev.text)
                 rest = hold.finish(_final_text(final))
                 yield sse(make_chunk(rest, FINISH[final.reason], ev), "data: ")
                 if include_usage:

@@ -165,7 +165,7 @@ class Validator:
         if len(items) > MAX_STOP_SEQUENCES:
             raise RequestValidationError(f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed (got {len(items)}).")
         if any(not s for s in items):
-            raise RequestValidationError("Stop sequences must be non-empty strings.")
+            raise RequestValidationError("stop sequences must be non-empty strings.")
         return tuple(items)
 
     @staticmethod

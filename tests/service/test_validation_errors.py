@@ -1,0 +1,100 @@
+"""Every validation error path: 422 with the envelope on TGI routes, 400 in OpenAI's shape under /v1."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+BAD_PARAMETERS = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 0}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"typical_p": 2}, "typical_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 10_000}, "max_total_tokens"),
+    ({"max_new_tokens": "many"}, "max_new_tokens"),
+    ({"do_sample": "perhaps"}, "do_sample"),
+    ({"stop": "not-a-list"}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"best_of": 2}, "best_of"),
+    ({"seed": -1}, "seed"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
+@pytest.mark.parametrize("params,mentions", BAD_PARAMETERS)
+def test_bad_parameters_are_422_before_any_stream(client: httpx.Client, route: str, params: dict, mentions: str) -> None:
+    r = client.post(route, json={"inputs": "Hello", "parameters": params})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"].startswith("application/json")  # never an event stream
+    body = r.json()
+    assert body["error_type"] == "validation"
+    assert mentions in body["error"]
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize(
+    "payload,mentions",
+    [
+        ({"inputs": ""}, "empty"),
+        ({"inputs": 123}, "inputs"),
+        ({"parameters": {}}, "inputs"),
+        ({"inputs": "word " * 400}, "max_input_tokens"),
+        ([1, 2, 3], "body"),
+    ],
+)
+def test_bad_inputs_are_422(client: httpx.Client, payload, mentions: str) -> None:
+    r = client.post("/generate", json=payload)
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation" and mentions in r.json()["error"]
+
+
+def test_malformed_json_is_422(client: httpx.Client) -> None:
+    r = client.post("/generate", content=b'{"inputs": "x",', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+
+
+def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Client, server) -> None:
+    big = {"inputs": "x" * (server.settings.max_body_bytes + 10)}
+    r = client.post("/generate", json=big)
+    assert r.status_code == 422 and "larger than" in r.json()["error"]
+
+    def chunks():
+        yield b'{"inputs": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "larger than" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "route,body,mentions",
+    [
+        ("/v1/completions", {"prompt": "Hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "Hi", "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 3}, "empty"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 100000}, "max_total_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+        ("/v1/chat/completions", {"messages": []}, "empty"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                  "max_tokens": -3}, "max_tokens"),
+    ],
+)
+def test_openai_routes_answer_400_in_openai_shape(client: httpx.Client, route: str, body: dict, mentions: str) -> None:
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "validation" and mentions in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_unknown_route_is_404_in_the_envelope(client: httpx.Client) -> None:
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error_type"] == "validation"
