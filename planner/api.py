@@ -186,8 +186,8 @@ def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strat
     near = [s for s in scored if s[3] >= best_tps * 0.99]
     near.sort(key=lambda s: (s[4], s[5]))
     name, p, r, tps, util, hops = near[0]
-    others = "; ".join(f"{s[0]}: {s[3]:.1f} tok/s, peak GPU use {s[4]:.0%}, {s[5]} hops" for s in scored if s[0] != name)
-    why = f"auto chose {name}: predicted {tps:.1f} tok/s, peak GPU use {util:.0%}, {hops} hops"
+    others = "; ".join(f"{s[0]}: {s[3]:.3g} tok/s, peak GPU use {s[4]:.0%}, {s[5]} hops" for s in scored if s[0] != name)
+    why = f"auto chose {name}: predicted {tps:.3g} tok/s, peak GPU use {util:.0%}, {hops} hops"
     if others:
         why += f" (vs {others})"
     return p, r, f"auto:{name}", [why]
@@ -231,8 +231,10 @@ def _assemble(skeleton: Skeleton, problem: Problem, assignment: list[DeviceId], 
         why = ""
         if a in problem.follows:
             why = f" (tied to {skeleton.blocks[problem.follows[a]].name})"
+        elif a in problem.pinned and strategy_name.endswith("embeddings_on_cpu"):
+            why = " (input embeddings: decode reads one row per token, so they are offloaded first)"
         elif a in problem.pinned:
-            why = " (pinned)"
+            why = " (as the custom map says)"
         elif problem.computes_on(dev) != dev:
             why = " (offloaded: did not fit on faster devices)"
         reasons.append(f"{device_label(dev)} <- {span}{why}{util}")

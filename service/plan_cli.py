@@ -93,6 +93,27 @@ def _short(name: str) -> str:
     return name.replace("model.layers.", "layers.").replace("transformer.h.", "h.")
 
 
+def _compress_runs(device_map: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``model.layers.0`` .. ``model.layers.10`` on one device print as ``model.layers.0-10``, for reading only."""
+    out: list[tuple[str, Any]] = []
+    run: tuple[str, int, int, Any] | None = None  # prefix, first, last, device
+    for key, dev in device_map.items():
+        prefix, _, index = key.rpartition(".")
+        if index.isdigit() and run and run[0] == prefix and run[2] + 1 == int(index) and run[3] == dev:
+            run = (prefix, run[1], int(index), dev)
+            continue
+        if run:
+            out.append((f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else ""), run[3]))
+            run = None
+        if index.isdigit() and prefix:
+            run = (prefix, int(index), int(index), dev)
+        else:
+            out.append((key, dev))
+    if run:
+        out.append((f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else ""), run[3]))
+    return out
+
+
 def format_plan(plan: Plan) -> str:
     w = plan.workload
     q = f", {w.quantization}" if w.quantization else ""
@@ -120,13 +141,13 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"offloaded: {format_bytes(plan.offloaded_bytes)}",
-        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.1f} tokens/s "
+        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s "
         f"(batch {w.batch_size})",
         f"cost model: {p.cost_model}",
         "",
         "device map:",
     ]
-    for k, v in plan.device_map.items():
+    for k, v in _compress_runs(plan.device_map):
         lines.append(f"  {k or '(whole model)'}: {v}")
     lines.append("")
     lines.append("why:")
