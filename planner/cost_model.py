@@ -40,26 +40,24 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
     cpu_free = (cpu.capacity - loads.total("cpu")) if cpu else 0
     warm = disk_bytes <= cpu_free
 
-    seconds: dict[str, float] = {}
-
-    def add(dev: DeviceId, s: float) -> None:
-        seconds[_label(dev)] = seconds.get(_label(dev), 0.0) + s
-
+    seconds_by_dev: dict[DeviceId, float] = {}
+    rate_of: dict[DeviceId, float] = {}
+    for dev_id, dev in by_id.items():
+        if isinstance(dev_id, int):
+            rate_of[dev_id] = dev.bandwidth
+        elif dev_id == "cpu":
+            rate_of[dev_id] = dev.link_bandwidth if has_gpu else dev.bandwidth
+        elif warm and cpu is not None:
+            rate_of[dev_id] = cpu.link_bandwidth if has_gpu else cpu.bandwidth
+        else:
+            rate_of[dev_id] = dev.bandwidth
+    runs = problem.runs_on
     for item, dev in zip(problem.items, assignment):
-        runs_on = problem.computes_on(dev)
-        if isinstance(dev, int):
-            rate = by_id[dev].bandwidth
-        elif dev == "cpu":
-            rate = by_id["cpu"].link_bandwidth if has_gpu else by_id["cpu"].bandwidth
-        else:  # disk
-            if warm and cpu is not None:
-                rate = cpu.link_bandwidth if has_gpu else cpu.bandwidth
-            else:
-                rate = by_id["disk"].bandwidth
-        add(dev, item.read_per_token / rate)
+        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + item.read_per_token / rate_of[dev]
         if item.kv:
-            kv_dev = by_id.get(runs_on)
-            add(runs_on, item.kv / (kv_dev.bandwidth if kv_dev else 1e12))
+            runs_on = runs[dev]
+            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / by_id[runs_on].bandwidth
+    seconds = {_label(d): v for d, v in seconds_by_dev.items()}
     step = sum(seconds.values())
     tps = batch_size / step if step > 0 else float("inf")
 

@@ -56,6 +56,20 @@ class Problem:
         return own, [it.weight for it in self.items]
 
     @cached_property
+    def runs_on(self) -> dict[DeviceId, DeviceId]:
+        """Device -> the device that computes what is placed on it, for every device of the hardware."""
+        return {d.id: self.computes_on(d.id) for d in self.hardware.devices}
+
+    @cached_property
+    def head_items(self) -> tuple[int, ...]:
+        return tuple(i for i, it in enumerate(self.items) if it.is_head)
+
+    @cached_property
+    def memo(self) -> dict[tuple, "FillResult"]:
+        """fill_consistent results by limits: strategies that fall back to one another share the work."""
+        return {}
+
+    @cached_property
     def devices(self) -> tuple[Device, ...]:
         return tuple(d for d in self.hardware.devices if d.id not in self.excluded)
 
@@ -98,20 +112,27 @@ class Loads:
 def compute_loads(problem: Problem, assignment: list[DeviceId]) -> Loads:
     """Exact per-device bytes of a complete assignment (the numbers the plan reports and checks)."""
     loads = Loads()
+    weights, kvs, act = loads.weights, loads.kv, loads.activations
+    own, weight = problem.costs
+    runs = problem.runs_on
     used_compute: set[DeviceId] = set()
     offloaded_max = 0
-    for item, dev in zip(problem.items, assignment):
-        loads.weights[dev] = loads.weights.get(dev, 0) + item.weight
-        runs_on = problem.computes_on(dev)
+    for i, dev in enumerate(assignment):
+        w = weight[i]
+        weights[dev] = weights.get(dev, 0) + w
+        runs_on = runs[dev]
         used_compute.add(runs_on)
-        if item.kv:
-            loads.kv[runs_on] = loads.kv.get(runs_on, 0) + item.kv
-        if item.is_head and problem.logits:
-            loads.activations[runs_on] = loads.activations.get(runs_on, 0) + problem.logits
-        if runs_on != dev:
-            offloaded_max = max(offloaded_max, item.weight)
+        kv = problem.items[i].kv
+        if kv:
+            kvs[runs_on] = kvs.get(runs_on, 0) + kv
+        if runs_on != dev and w > offloaded_max:
+            offloaded_max = w
+    if problem.logits:
+        for i in problem.head_items:
+            runs_on = runs[assignment[i]]
+            act[runs_on] = act.get(runs_on, 0) + problem.logits
     for dev in used_compute:
-        loads.activations[dev] = loads.activations.get(dev, 0) + problem.activation
+        act[dev] = act.get(dev, 0) + problem.activation
         if isinstance(dev, int):
             loads.reserve[dev] = problem.hardware.gpu_reserve
     if offloaded_max:
@@ -119,7 +140,7 @@ def compute_loads(problem: Problem, assignment: list[DeviceId]) -> Loads:
         # Without a GPU the CPU computes in place from memory maps: one block's pages are the working set.
         main = problem.computes_on("cpu")
         copies = 2 if isinstance(main, int) else 1
-        loads.activations[main] = loads.activations.get(main, 0) + copies * offloaded_max
+        act[main] = act.get(main, 0) + copies * offloaded_max
     return loads
 
 
@@ -187,6 +208,14 @@ def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
 def fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
     """``fill``, then lower the fill limit of a device that ends up over its limit (the first GPU, which also
     holds what offloaded blocks need to compute) by the excess, until the plan is consistent."""
+    key = tuple(sorted(limits.items(), key=lambda kv: str(kv[0])))
+    if key in problem.memo:
+        return problem.memo[key]
+    problem.memo[key] = result = _fill_consistent(problem, limits)
+    return result
+
+
+def _fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
     target = {d: min(limits[d], dev.capacity) for d in limits for dev in problem.devices if dev.id == d}
     fill_limits = dict(target)
     for _ in range(len(problem.items) + 2):
