@@ -1,0 +1,192 @@
+"""Shared pieces of the loader benchmarks: isolated runs, page-cache control, decode timing, tables and JSON.
+
+Each contender runs in a fresh Python process (``run_isolated``) so that its peak RSS is its own and nothing it
+imported or cached helps the next one. The child prints one JSON line; the parent collects them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+# -- processes ---------------------------------------------------------------------------------------------------
+def run_isolated(script: Path, spec: dict, timeout: float = 1800) -> dict:
+    """Run ``script --worker SPEC`` in a fresh interpreter and return the dict its worker printed."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
+    return {"error": f"worker exited with {proc.returncode}: {tail}"}
+
+
+def emit(result: dict) -> None:
+    """Called by a worker: hand its result to the parent."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_rss_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+# -- page cache --------------------------------------------------------------------------------------------------
+def drop_cache(paths: Iterable[Path]) -> int:
+    """Evict the files' pages from the page cache (``POSIX_FADV_DONTNEED``). Mapped, touched pages stay."""
+    n = 0
+    for p in paths:
+        p = Path(p)
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else []
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd) if os.access(f, os.W_OK) else None
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def disk_read_bandwidth(path: Path, limit: int = 1 << 30) -> float:
+    """Cold sequential read rate of one file (bytes/s): the ceiling for a cold-cache decode."""
+    drop_cache([path])
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    done = 0
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while done < limit:
+            n = f.readinto(view)
+            if not n:
+                break
+            done += n
+    dt = time.perf_counter() - t
+    drop_cache([path])
+    return done / dt if dt > 0 else 0.0
+
+
+# -- decode timing -----------------------------------------------------------------------------------------------
+class TokenClock:
+    """A transformers streamer that timestamps every generated token (the first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: int = 1000) -> dict:
+    """Greedy generation from a fixed prompt: first-token latency and steady decode tokens/s."""
+    import torch
+
+    ids = torch.arange(1, prompt_len + 1).unsqueeze(0) % vocab
+    clock = TokenClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=clock, pad_token_id=0)
+    first = clock.times[0] - t0
+    steady = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
+    return {"first_token_s": first, "decode_tok_s": steady, "tokens": out[0, prompt_len:].tolist()}
+
+
+def decode_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every tensor except embedding tables (one row each)."""
+    import torch
+
+    total = 0
+    seen = set()
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    head_id = id(head.weight) if head is not None else None
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in emb_ids and id(p) != head_id:
+            total += p.shape[-1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    if head_id is not None and head_id in emb_ids:
+        total += 0  # tied head: counted once, in full, as the head
+    return total
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int) and abs(v) >= 1 << 20:
+        return f"{v / (1 << 30):.2f} GiB"
+    return str(v)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str:
+    """Render rows as a Markdown table (also readable in a terminal); returns the text it printed."""
+    head = [title for _, title in columns]
+    body = [[fmt(r.get(key)) for key, _ in columns] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in body]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "load_average": os.getloadavg()}
