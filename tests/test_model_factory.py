@@ -101,6 +101,18 @@ def test_same_seed_gives_same_bytes_and_another_seed_does_not(tmp_path: Path, ti
     assert shard_digests(other) != shard_digests(tiny_llama)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
+def test_fast_instantiation_matches_a_normally_constructed_model(kind: str):
+    config = model_factory._make_config(kind, model_factory.MODEL_SPECS[(kind, "tiny")], make_tokenizer(), "float32")
+    fast = model_factory._instantiate(config, "float32", seed=0)
+    normal = AutoModelForCausalLM.from_config(config)
+    assert dict(fast.named_buffers()).keys() == dict(normal.named_buffers()).keys()
+    for name, buffer in normal.named_buffers():
+        assert torch.equal(dict(fast.named_buffers())[name], buffer), name
+    assert fast.state_dict().keys() == normal.state_dict().keys()
+    assert fast.all_tied_weights_keys == normal.all_tied_weights_keys
+
+
 def test_a_complete_build_is_reused_and_foreign_folders_are_refused(tmp_path: Path):
     out = build_model("gpt2", tmp_path / "m", max_shard_size="300KB")
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
