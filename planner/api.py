@@ -23,7 +23,7 @@ from planner.sizing import (
     normalize_quantization,
     size_blocks,
 )
-from planner.strategies import FillResult, Problem, compute_loads
+from planner.strategies import FillResult, Loads, Problem, compute_loads
 from planner.types import DeviceBudget, DeviceId, Hardware, Plan, Skeleton, Workload
 from planner.units import format_bytes
 
@@ -179,7 +179,8 @@ def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strat
         return problem, seq, "auto", []
     scored = []
     for name, p, r in feasible:
-        loads = compute_loads(p, r.assignment)  # type: ignore[arg-type]
+        loads = r.loads or compute_loads(p, r.assignment)  # type: ignore[arg-type]
+        r.loads = loads
         tps = predict(p, r.assignment, loads, workload.batch_size).decode_tokens_per_s  # type: ignore[arg-type]
         scored.append((name, p, r, tps, _max_gpu_util(p, r.assignment), _hops(r.assignment)))  # type: ignore[arg-type]
     best_tps = max(s[3] for s in scored)
@@ -203,9 +204,12 @@ def _runs(skeleton: Skeleton, assignment: list[DeviceId]) -> list[tuple[DeviceId
     return runs
 
 
-def _assemble(skeleton: Skeleton, problem: Problem, assignment: list[DeviceId], workload: Workload, strategy_name: str, reasons: list[str]) -> Plan:
+def _assemble(
+    skeleton: Skeleton, problem: Problem, assignment: list[DeviceId], workload: Workload, strategy_name: str,
+    reasons: list[str], known_loads: Loads | None = None,
+) -> Plan:
     hw = problem.hardware
-    loads = compute_loads(problem, assignment)
+    loads = known_loads or compute_loads(problem, assignment)
     placement = {b.name: dev for b, dev in zip(skeleton.blocks, assignment)}
     budgets = []
     for d in hw.devices:
@@ -311,7 +315,7 @@ def plan(
         from planner.advice import explain_no_fit
 
         raise PlanError(explain_no_fit(skeleton, hardware, workload, problem, result, strategy, advise))
-    return _assemble(skeleton, problem, result.assignment, workload, name, reasons)
+    return _assemble(skeleton, problem, result.assignment, workload, name, reasons, result.loads)
 
 
 def fits(model: Any, **kwargs: Any) -> bool:

@@ -23,20 +23,17 @@ def merge_device_map(skeleton: Skeleton, placement: Mapping[str, DeviceId]) -> d
     falls back to naming its own tensors one by one when its subtree is mixed.
     """
     blocks = {b.name: b for b in skeleton.blocks}
-    children: dict[str, list[str]] = {}
+    children: dict[str, dict[str, None]] = {}  # node -> its child nodes, in order (a dict as an ordered set)
     devices_below: dict[str, set[DeviceId]] = {}
     for b in skeleton.blocks:
         dev = placement[b.name]
-        path = b.name.split(".") if b.name else []
-        for depth in range(len(path) + 1):
-            node = ".".join(path[:depth])
-            devices_below.setdefault(node, set()).add(dev)
-            if depth < len(path):
-                child = ".".join(path[: depth + 1])
-                kids = children.setdefault(node, [])
-                if not kids or kids[-1] != child:
-                    if child not in kids:
-                        kids.append(child)
+        node = ""
+        devices_below.setdefault("", set()).add(dev)
+        for part in b.name.split(".") if b.name else ():
+            child = f"{node}.{part}" if node else part
+            children.setdefault(node, {})[child] = None
+            devices_below.setdefault(child, set()).add(dev)
+            node = child
     out: dict[str, DeviceId] = {}
 
     def visit(node: str) -> None:

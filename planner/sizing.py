@@ -60,7 +60,7 @@ def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
     """
     if t.dtype not in DTYPE_BYTES:
         raise PlanError(f"tensor {t.name} has unsupported dtype {t.dtype!r}")
-    n = t.numel
+    n = math.prod(t.shape)
     if workload.quantization and t.quantizable and len(t.shape) == 2:
         if workload.quantization == "int8":
             return n + int(t.shape[0]) * 4
@@ -71,7 +71,7 @@ def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
 
 
 def block_bytes(block: Block, workload: Workload) -> int:
-    return sum(tensor_bytes(t, workload) for t in block.tensors)
+    return sum([tensor_bytes(t, workload) for t in block.tensors])
 
 
 def kv_bytes_per_layer(skeleton: Skeleton, workload: Workload) -> int:
@@ -118,8 +118,15 @@ class SizedBlock:
 def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
     kv_layer = kv_bytes_per_layer(skeleton, workload)
     out = []
+    sized: dict[tuple, int] = {}  # (shape, dtype, kind, quantizable) -> bytes: layers repeat the same tensors
     for b in skeleton.blocks:
-        w = block_bytes(b, workload)
+        w = 0
+        for t in b.tensors:
+            key = t[1:]
+            n = sized.get(key)
+            if n is None:
+                n = sized[key] = tensor_bytes(t, workload)
+            w += n
         if b.is_embedding and not b.is_head:
             rows = max(b.tensors[0].shape[0], 1) if b.tensors and b.tensors[0].shape else 1
             read = int(w / rows) * workload.batch_size

@@ -210,10 +210,27 @@ def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
 
 
 def _cfg_get(cfg: Any, *names: str) -> Any:
+    """The first of ``names`` the config sets. Instance attributes are read directly: transformers' config
+    ``__getattribute__`` is slow on misses, so ``getattr`` is kept for aliases (``attribute_map``) and class-level
+    properties, the only other places a value can come from."""
+    if isinstance(cfg, Mapping):
+        for n in names:
+            v = cfg.get(n)
+            if v is not None:
+                return v
+        return None
+    own = vars(cfg) if hasattr(cfg, "__dict__") else {}
     for n in names:
-        v = cfg.get(n) if isinstance(cfg, Mapping) else getattr(cfg, n, None)
+        v = own.get(n)
         if v is not None:
             return v
+    cls = type(cfg)
+    aliases = getattr(cls, "attribute_map", None) or {}
+    for n in names:
+        if n in aliases or hasattr(cls, n):
+            v = getattr(cfg, n, None)
+            if v is not None:
+                return v
     return None
 
 

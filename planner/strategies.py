@@ -150,6 +150,8 @@ class FillResult:
     #: When the fill failed: the block that did not fit and what it needed.
     stuck_item: int | None = None
     stuck_need: int = 0
+    #: The exact loads of ``assignment``, when they were computed on the way.
+    loads: Loads | None = None
 
 
 def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
@@ -228,6 +230,7 @@ def _fill_consistent(problem: Problem, limits: dict[DeviceId, int]) -> FillResul
         over = {d: loads.total(d) - target[d] for d in target}
         over = {d: v for d, v in over.items() if v > 0}
         if not over:
+            result.loads = loads
             return result
         for dev, excess in over.items():
             if fill_limits[dev] - excess < 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 DeviceId = Union[int, str]  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
 
@@ -20,13 +20,15 @@ DTYPE_BYTES: dict[str, float] = {
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     """One parameter or buffer, by its name in the transformers module tree.
 
     ``kind`` is ``parameter``, ``buffer`` or ``buffer_nonpersistent`` (a buffer that is not in the checkpoint but
     still occupies memory on its device). ``quantizable`` marks the weight of a linear layer that bitsandbytes
     would replace; everything else stays in the compute dtype under quantization.
+
+    A NamedTuple rather than a dataclass: a 70B model has hundreds of them and MoE models hundreds of thousands,
+    and building a tuple is several times cheaper than a frozen dataclass, which the planning time shows.
     """
 
     name: str
