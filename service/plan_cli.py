@@ -33,6 +33,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context", type=int, default=None, help="tokens per sequence, prompt + output (default 2048)")
     g.add_argument("--gpu-reserve", default=None, metavar="SIZE", help="held back per GPU for the CUDA context (default 512MiB)")
     g.add_argument("--offload-folder", default=None, help="folder for disk offload; makes disk usable by the plan")
+    g.add_argument("--bandwidth", action="append", default=None, metavar="KIND=RATE",
+                   help="override a cost-model bandwidth per second, repeatable: gpu=3.3TB, cpu=80GB, link=50GB, disk=7GB")
 
 
 def parse_max_memory(entries: list[str] | None) -> dict[str, str] | None:
@@ -45,6 +47,22 @@ def parse_max_memory(entries: list[str] | None) -> dict[str, str] | None:
                 raise PlanError(f"--max-memory {part!r} must look like DEV=SIZE, e.g. 0=20GiB or cpu=64GiB")
             dev, size = part.split("=", 1)
             out[dev.strip()] = size.strip()
+    return out
+
+
+def parse_bandwidths(entries: list[str] | None) -> dict[str, float] | None:
+    """``gpu=3.3TB`` -> ``{"gpu": 3.3e12}`` (bytes per second; the units of sizes)."""
+    if not entries:
+        return None
+    from planner.units import parse_size
+
+    out: dict[str, float] = {}
+    for entry in entries:
+        for part in entry.split(","):
+            if "=" not in part:
+                raise PlanError(f"--bandwidth {part!r} must look like KIND=RATE, e.g. gpu=3.3TB or disk=2GB")
+            kind, rate = part.split("=", 1)
+            out[kind.strip()] = float(parse_size(rate.strip().removesuffix("/s")))
     return out
 
 
@@ -80,6 +98,7 @@ def planner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_reserve": args.gpu_reserve,
         "offload_folder": args.offload_folder,
         "complete": args.complete,
+        "bandwidths": parse_bandwidths(getattr(args, "bandwidth", None)),
     }
 
 
