@@ -77,7 +77,7 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
 # How many shards a default build aims for: even tiny models must exercise the sharded-index path.
 TARGET_SHARDS = {"tiny": 3, "100m": 4, "1b": 5}
 
-# The demo model: a few million parameters, trained for a minute at most on two CPU cores.
+# The demo model: ~2M parameters, trained for 200 steps (30-80 s on two CPU cores, capped at 90 s).
 DEMO_SPEC = dict(
     hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
     num_key_value_heads=2, max_position_embeddings=1024,
@@ -387,7 +387,7 @@ def build_model(
     size: str = "tiny",
     dtype: str = "float32",
     seed: int = 0,
-    max_shard_size: str | None = None,
+    max_shard_size: str | int | None = None,
 ) -> Path:
     """Build a random-weight model of ``kind`` ("llama", "gpt2", "mixtral") into ``out_dir`` and return it.
 
@@ -516,7 +516,7 @@ def build_demo_model(
     seed: int = 0,
     max_seconds: float = DEMO_MAX_SECONDS,
 ) -> Path:
-    """Build (once) the embedded demo model: a ~3M-parameter Llama briefly trained on the bundled text.
+    """Build (once) the embedded demo model: a ~2M-parameter Llama briefly trained on the bundled text.
 
     Takes about a minute on two CPU cores the first time and returns at once afterwards. ``steps`` and
     ``max_seconds`` exist so tests can build a quicker variant; the folder records what was done in
