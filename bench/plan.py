@@ -175,6 +175,21 @@ def bench_one(name: str, model: nn.Module, skel_fn: Callable[[nn.Module], Skelet
     }
 
 
+def scaling(points: tuple[int, ...] = (1_000, 10_000, 100_000), repeats: int = 3) -> list[dict[str, Any]]:
+    """Planning time of synthetic Skeletons (no torch) against their tensor count: it should grow linearly."""
+    from tests.planner.synthetic import llama_like
+
+    rows = []
+    for n in points:
+        skel = llama_like(layers=max(1, n // 9), hidden=64, intermediate=128, vocab=1000)
+        tensors = sum(len(b.tensors) for b in skel.blocks)
+        mm = {i: "64MiB" for i in range(4)}
+        mm["cpu"] = "64GiB"
+        t, _ = best_time(lambda: plan(skel, max_memory=mm, strategy="auto", dtype="bf16", context=256, gpu_reserve=0), repeats)
+        rows.append({"tensors": tensors, "seconds": t, "us_per_tensor": t / tensors * 1e6})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan.json"))
@@ -215,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['model']:<14} {d['device']:<6} {format_bytes(d['capacity']):>9} "
                   f"{format_bytes(d['ours_total']) + ('!' if d['ours_over'] else ' '):>10} "
                   f"{format_bytes(d['accelerate_need']) + ('!' if d['accelerate_over'] else ' '):>11}")
+    scale = scaling()
+    print("\nPlanning time against model size (synthetic skeletons, auto strategy, 4 GPUs + cpu):")
+    print(f"{'tensors':>8} {'seconds':>9} {'us/tensor':>10}")
+    for row in scale:
+        print(f"{row['tensors']:>8} {row['seconds']:>9.4f} {row['us_per_tensor']:>10.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpus": GPUS, "gpu_size": GPU_SIZE, "cpu": CPU_SIZE, "batch": BATCH, "context": CONTEXT,
-                               "results": results}, indent=2))
+                               "results": results, "scaling": scale}, indent=2))
     print(f"\nwrote {out}")
     return 0 if not any(d["ours_over"] for r in results for d in r["devices"]) else 1
 
