@@ -41,7 +41,7 @@ def module_for_entry(model: torch.nn.Module, key: str) -> torch.nn.Module:
 
 
 class DiskReadahead:
-    """Forward pre-hooks that, as disk block i starts, ask the kernel to read block i+1's bytes ahead."""
+    """Forward pre-hooks that, as disk block i starts, ask the kernel to read its bytes and block i+1's ahead."""
 
     def __init__(self, reader, blocks: list[tuple[str, list[tuple[str, int, int]]]]):
         self.reader = reader
@@ -49,10 +49,13 @@ class DiskReadahead:
         self.handles = []
 
     def install(self, model: torch.nn.Module) -> None:
-        for i, (key, _) in enumerate(self.blocks):
+        for i, (key, own) in enumerate(self.blocks):
             nxt = self.blocks[(i + 1) % len(self.blocks)][1]
             mod = module_for_entry(model, key)
-            self.handles.append(mod.register_forward_pre_hook(self._hook(nxt)))
+            # Its own bytes first (a no-op when cached; after eviction it turns 4 KiB faults into large reads),
+            # then the next block's, which the kernel reads while this block computes.
+            ranges = own + nxt if len(self.blocks) > 1 else own
+            self.handles.append(mod.register_forward_pre_hook(self._hook(ranges)))
 
     def _hook(self, ranges):
         reader = self.reader
