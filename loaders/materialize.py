@@ -99,10 +99,10 @@ class Materializer:
         pin = self.has_gpu
         if cpu_jobs:
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-read") as pool:
-                for name, t in zip([j[0] for j in cpu_jobs],
-                                   pool.map(lambda j: self._load_cpu(j[1], j[2], pin), cpu_jobs)):
+                for (name, src, _), t in zip(cpu_jobs, pool.map(lambda j: self._load_cpu(j[1], j[2], pin), cpu_jobs)):
                     out[name] = t
                     self._count("cpu", t.numel() * t.element_size())
+                    self.stats.bytes_read += sum(self.index[p.key].nbytes for p in src.pieces)
         for name, src, dtype, dev in sorted(gpu_jobs, key=lambda j: self._file_order(j[1])):
             t = self._load_gpu(src, dtype, dev)
             out[name] = t
@@ -126,7 +126,6 @@ class Materializer:
                 self.reader.read_into(entry, view)
             else:
                 view.copy_(self.reader.read(entry).view(piece_shape(src.shape, piece.index)))
-            self.stats.bytes_read += entry.nbytes
             self.reporter.advance(entry.nbytes)
         return dest
 
@@ -159,6 +158,7 @@ class Materializer:
             by_name = {name: (src, dtype) for name, src, dtype in jobs}
             written = folder.write(specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1]))
             self.stats.offload_bytes_written += written
+            self.stats.bytes_read += sum(self.index[p.key].nbytes for _, src, _ in jobs for p in src.pieces)
         else:
             log.info("reusing offload folder %s", folder.path)
             for _, src, _ in jobs:
