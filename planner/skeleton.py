@@ -362,10 +362,10 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
         if children:
             base = mname + "." if mname else ""
             stack.extend(reversed([(base + k, c) for k, c in children.items() if c is not None]))
+            if isinstance(mod, nn.ModuleList):
+                module_lists.add(mname)
         if current is not None and not mname.startswith(current_prefix):
             current = None
-        if isinstance(mod, nn.ModuleList):
-            module_lists.add(mname)
         owner = current
         if owner is None:
             if type(mod).__name__ in no_split:
@@ -378,9 +378,12 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
                                       is_embedding=(in_emb is not None and mod is in_emb)
                                       or isinstance(mod, nn.Embedding))
             builders.append(owner)
+        params, buffers = mod._parameters, mod._buffers
+        if not params and not buffers:
+            continue
         prefix = mname + "." if mname else ""
-        quantizable_weight = isinstance(mod, linear_types) and mod is not out_emb
-        for group, is_param in ((mod._parameters, True), (mod._buffers, False)):
+        quantizable_weight = bool(params) and isinstance(mod, linear_types) and mod is not out_emb
+        for group, is_param in ((params, True), (buffers, False)):
             if not group:
                 continue
             nonpersistent = () if is_param else mod._non_persistent_buffers_set
