@@ -144,20 +144,35 @@ class EngineStream:
             self.ticket.cancel()
         self.slot.release()
 
-    async def wait_final(self, request: Request, poll: float = 0.2) -> FinishEvent | ErrorEvent | None:
+    async def wait_final(self, request: Request) -> FinishEvent | ErrorEvent | None:
         """Wait for the last event of a non-streaming request; ``None`` (and cancelled) if the client left."""
-        while True:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), timeout=poll)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    log.info("request %s: client disconnected; cancelled", self.request.request_id)
-                    self.close()
-                    return None
-                continue
-            if isinstance(event, (FinishEvent, ErrorEvent)):
-                self.finished = True
-                return event
+
+        async def final() -> FinishEvent | ErrorEvent:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return event
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message.get("type") == "http.disconnect":
+                    return
+
+        done_task = asyncio.ensure_future(final())
+        gone_task = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (done_task, gone_task):
+                if not task.done():
+                    task.cancel()
+        if done_task.done() and not done_task.cancelled():
+            self.finished = True
+            return done_task.result()
+        log.info("request %s: client disconnected; cancelled", self.request.request_id)
+        self.close()
+        return None
 
 
 def runtime_of(request: Request) -> Runtime:
