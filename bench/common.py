@@ -30,6 +30,22 @@ def run_isolated(script: Path, spec: dict, timeout: float = 1800) -> dict:
     return {"error": f"worker exited with {proc.returncode}: {tail}"}
 
 
+def best_of(script: Path, spec: dict, repeats: int) -> dict:
+    """Run a contender ``repeats`` times (fresh process each) and keep the run that got ready fastest.
+
+    The machine is shared: a neighbour's burst can double any single measurement, so each figure is the best
+    of a few runs, and every run's time to ready is kept in ``ready_s_runs``.
+    """
+    runs = [run_isolated(script, spec) for _ in range(max(1, repeats))]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    best = min(ok, key=lambda r: r["ready_s"])
+    best["ready_s_runs"] = [r["ready_s"] for r in ok]
+    best["decode_tok_s_runs"] = [r["decode_tok_s"] for r in ok]
+    return best
+
+
 def emit(result: dict) -> None:
     """Called by a worker: hand its result to the parent."""
     print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -124,8 +140,13 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              streamer=clock, pad_token_id=0)
     first = clock.times[0] - t0
-    steady = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
-    return {"first_token_s": first, "decode_tok_s": steady, "tokens": out[0, prompt_len:].tolist()}
+    gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
+    # The median gap, not the mean: on a shared 2-core machine a neighbour's burst stalls a whole step (torch's
+    # threads wait for the slowest), and one such stall would otherwise dominate a short run.
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    mean_rate = len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0
+    return {"first_token_s": first, "decode_tok_s": 1.0 / median if median else 0.0, "decode_tok_s_mean": mean_rate,
+            "tokens": out[0, prompt_len:].tolist()}
 
 
 def decode_bytes_per_token(model) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import disk_read_bandwidth, machine, print_table, run_isolated, write_json  # noqa: E402
+from bench.common import best_of, disk_read_bandwidth, machine, print_table, write_json  # noqa: E402
 from bench.load import warm  # noqa: E402
 
 LOAD_SCRIPT = Path(__file__).resolve().parent / "load.py"
@@ -43,7 +43,8 @@ def half_on_disk_map(path: Path) -> tuple[dict, int]:
 
 COLUMNS = [("label", "contender"), ("ready_s", "ready s"), ("offload_written", "offload written"),
            ("first_token_s", "first token s"), ("decode_tok_s", "decode tok/s"), ("decode_gb_s", "GB/s"),
-           ("vs_accelerate", "x accelerate"), ("vs_resident", "x resident"), ("load_rss", "load RSS"),
+           ("vs_accelerate", "x accelerate"), ("vs_resident", "x resident"), ("cold_read_gb_s", "cold read GB/s"),
+           ("load_rss", "load RSS"),
            ("same_tokens", "same tokens")]
 
 
@@ -52,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--contenders", default="loadmaster,accelerate,transformers")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="fresh-process runs per contender (best kept)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload.json"))
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     for run in runs:
         spec = {**run, "path": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens,
                 "offload_folder": str(work / run["contender"])}
-        r = run_isolated(LOAD_SCRIPT, spec)
+        r = best_of(LOAD_SCRIPT, spec, args.repeats)
         r.setdefault("label", run["label"])
         if "tokens" in r:
             ref_tokens = ref_tokens or r["tokens"]
