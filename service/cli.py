@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -99,6 +100,10 @@ def serve(settings: ServiceSettings) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             runtime.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutdown; a drained SIGTERM is a clean exit (status 0)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list) and sig == signal.SIGTERM:
+                captured[:] = [s for s in captured if s != signal.SIGTERM]
 
     config = uvicorn.Config(
         app,

@@ -280,6 +280,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        else:
+            self._fail_all("The server is shutting down; the request was not completed.", "not_ready")
 
     def _wake(self) -> None:
         with self._cv:

@@ -70,6 +70,7 @@ def planner_kwargs(settings: ServiceSettings) -> dict[str, Any]:
 
     ns = argparse.Namespace(**{name: getattr(settings, name) for name in PLANNER_FIELDS})
     ns.max_memory = settings.max_memory or None
+    ns.bandwidth = settings.bandwidth or None
     ns.batch_size = settings.planned_batch_size()
     ns.context = settings.planned_context()
     return dict(cli_kwargs(ns))

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 #: Settings that are the planner's inputs (the same flags as ``loadmaster plan``).
 PLANNER_FIELDS = (
     "max_memory", "gpus", "strategy", "complete", "dtype", "quantization", "batch_size", "context", "gpu_reserve",
-    "offload_folder",
+    "offload_folder", "bandwidth",
 )
 
 CommaList = Annotated[list[str], NoDecode]
@@ -39,6 +39,7 @@ class ServiceSettings(BaseSettings):
     context: int | None = Field(None, ge=1, description="Planned context length (default: max_total_tokens).")
     gpu_reserve: str | None = Field(None, description="Held back per GPU for the CUDA context (default 512MiB).")
     offload_folder: str | None = None
+    bandwidth: CommaList = Field(default_factory=list, description="Cost-model rates KIND=RATE (gpu=3.3TB, ...).")
 
     # The listener.
     host: str = "127.0.0.1"
@@ -51,12 +52,12 @@ class ServiceSettings(BaseSettings):
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
     max_batch_size: int = Field(32, ge=1, description="Sequences decoded together in one step.")
-    max_input_tokens: int = Field(1024, ge=1)
+    max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")
     max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
     default_max_new_tokens: int = Field(100, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
 
-    @field_validator("api_key", "model_root", "max_memory", mode="before")
+    @field_validator("api_key", "model_root", "max_memory", "bandwidth", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if value is None:
@@ -72,6 +73,8 @@ class ServiceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_limits(self) -> "ServiceSettings":
+        if self.max_input_tokens is None:
+            self.max_input_tokens = min(1024, self.max_total_tokens - 1)
         if self.max_input_tokens >= self.max_total_tokens:
             raise ValueError(
                 f"max_input_tokens ({self.max_input_tokens}) must be below max_total_tokens "

@@ -1,0 +1,101 @@
+"""GET /info, /metrics and /docs on the main server, and generation errors reaching clients over HTTP."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.service.conftest import LiveServer, settings_for
+from tests.service.test_engine import _FailingForward
+
+
+def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, tiny_llama: Path) -> None:
+    info = client.get("/info").json()
+    assert info["model_id"] == "tiny-llama" and info["architecture"] == "LlamaForCausalLM"
+    assert info["dtype"] == "float32" and info["quantization"] is None
+    assert info["device_map"] == {"": "cpu"} and info["plan"]["device_map"] == {"": "cpu"}
+    cpu = info["memory"]["cpu"]
+    assert cpu["planned"]["weights"] == info["plan"]["budgets"][0]["weights"]
+    weights = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
+    assert 0.9 * weights <= cpu["measured"]["weights"] <= weights  # parameters + buffers actually in RAM
+    assert info["limits"]["max_batch_size"] == 16 and info["limits"]["max_total_tokens"] == 512
+    assert info["version"] and info["status"]["status"] == "ready"
+    assert info["load_stats"]["seconds"] >= 0
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_count_requests_tokens_and_memory(client: httpx.Client) -> None:
+    before = _samples(client.get("/metrics").text)
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 200
+    client.post("/generate", json={"inputs": ""})  # a 422
+    resp = client.get("/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    for line in text.splitlines():  # every sample line is `name{labels} number`
+        if line and not line.startswith("#"):
+            assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+', line), line
+    after = _samples(text)
+    key_ok = 'loadmaster_requests_total{route="/generate",status="200"}'
+    key_bad = 'loadmaster_requests_total{route="/generate",status="422"}'
+    assert after[key_ok] == before.get(key_ok, 0) + 1
+    assert after[key_bad] == before.get(key_bad, 0) + 1
+    assert after["loadmaster_generated_tokens_total"] == before["loadmaster_generated_tokens_total"] + 5
+    assert after["loadmaster_prompt_tokens_total"] > before["loadmaster_prompt_tokens_total"]
+    assert after["loadmaster_time_to_first_token_seconds_count"] == before["loadmaster_time_to_first_token_seconds_count"] + 1
+    assert after["loadmaster_queue_duration_seconds_count"] >= 1
+    assert after['loadmaster_request_duration_seconds_count{route="/generate"}'] >= 2
+    assert after["loadmaster_generated_tokens_per_second"] > 0
+    assert "loadmaster_batch_size" in after and "loadmaster_queue_length" in after
+    assert after['loadmaster_memory_bytes{device="cpu",kind="planned"}'] > 0
+    assert after['loadmaster_memory_bytes{device="cpu",kind="measured"}'] > 0
+
+
+def test_openapi_docs_list_every_route(client: httpx.Client) -> None:
+    spec = client.get("/openapi.json").json()
+    for path in ("/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models", "/plan",
+                 "/info", "/health", "/health/ready", "/metrics"):
+        assert path in spec["paths"], path
+    assert client.get("/docs").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_gpt2: Path):
+    s = LiveServer(settings_for(tiny_gpt2)).start()
+    fault = _FailingForward(s.runtime.loaded.model, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    yield s, fault
+    s.stop()
+
+
+def test_out_of_memory_fails_the_request_cleanly_and_the_server_keeps_serving(faulty) -> None:
+    server, fault = faulty
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
+    fault.armed = True
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 500
+    assert r.json()["error_type"] == "generation" and "Out of memory" in r.json()["error"]
+    assert "Traceback" not in r.text
+
+    fault.armed = True
+    with httpx.stream("POST", server.url + "/generate_stream", json=body) as s:
+        events = [json.loads(b[len("data:"):]) for b in s.read().decode().split("\n\n") if b.strip()]
+    assert events[-1]["error_type"] == "generation" and "Out of memory" in events[-1]["error"]
+
+    fault.armed = True
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "generation"
+
+    assert httpx.post(server.url + "/generate", json=body).status_code == 200
+    assert server.runtime.in_flight == 0
