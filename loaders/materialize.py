@@ -24,7 +24,7 @@ from loaders.checkpoint_layout import TensorSource, piece_shape, to_torch_index
 from loaders.offload_folder import OffloadFolder
 from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
-from loaders.shard_reader import ShardReader, byte_view
+from loaders.shard_reader import ShardReader, byte_view, populate
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class Materializer:
     # -- CPU -----------------------------------------------------------------------------------------------
     def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
         dest = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
+        populate(dest)
         for piece in src.pieces:
             entry = self.index[piece.key]
             view = dest[to_torch_index(piece.index)] if piece.index else dest
