@@ -31,6 +31,7 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
     ("--log-level", str, "debug, info, warning or error (default info)"),
+    ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
 )
 
 
@@ -88,6 +89,10 @@ def serve(settings: ServiceSettings) -> int:
     from service.model_loading import planner_kwargs, resolve_model_dir
 
     _configure_logging(settings.log_level)
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     if not settings.demo:
         resolve_model_dir(settings)  # a missing directory is a usage error now, not a failed load later
     planner_kwargs(settings)  # so are unreadable planner flags

@@ -48,6 +48,7 @@ class ServiceSettings(BaseSettings):
     model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     log_level: str = "info"
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")

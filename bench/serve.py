@@ -1,0 +1,258 @@
+"""Serving benchmark: aggregate tokens/s and latency at 1, 4 and 16 concurrent clients against a real
+``loadmaster serve`` process, next to the baseline of calling transformers' ``generate`` once per request in turn.
+
+    .venv/bin/python bench/serve.py                       # ~100M-parameter Llama fixture, fp32
+    .venv/bin/python bench/serve.py --clients 1,4,16 --requests 32 --max-new-tokens 64 --out bench/results/serve.json
+
+Each request is greedy with a fixed ``max_new_tokens`` on a distinct prompt; tokens/s counts generated tokens
+actually returned. Latency is a whole request (HTTP round trip included for the server). The baseline runs in
+this process on the same weights and dtype, one request after another, as a user without a server would.
+Targets (issue 4): at 16 clients >= 4x the baseline's aggregate tokens/s; a lone request <= 10% slower.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("river stone light garden winter market letter window harbor forest engine silver morning story "
+         "village mountain paper station lantern bridge").split()
+
+
+def prompts(n: int) -> list[str]:
+    """Distinct prompts of varied length (8 to 40 words), reproducible."""
+    out = []
+    for i in range(n):
+        k = 8 + (i * 7) % 33
+        out.append(" ".join(WORDS[(i + j * 3) % len(WORDS)] for j in range(k)))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    idx = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[idx]
+
+
+def summarize(latencies: list[float], tokens: int, wall: float) -> dict[str, float]:
+    return {
+        "requests": len(latencies),
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "latency_p50_s": round(percentile(latencies, 50), 4),
+        "latency_p99_s": round(percentile(latencies, 99), 4),
+    }
+
+
+# -- baseline ------------------------------------------------------------------------------------------------------
+def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads: int | None) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = model.generation_config.eos_token_id
+    lat, total = [], 0
+    with torch.inference_mode():
+        ids = tok(texts[0], return_tensors="pt")
+        model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)  # warm-up
+        t0 = time.perf_counter()
+        for text in texts:
+            ids = tok(text, return_tensors="pt")
+            s = time.perf_counter()
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=eos)
+            lat.append(time.perf_counter() - s)
+            total += out.shape[1] - ids["input_ids"].shape[1]
+        wall = time.perf_counter() - t0
+    del model
+    return summarize(lat, total, wall)
+
+
+# -- server --------------------------------------------------------------------------------------------------------
+def start_server(model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port),
+           "--max-batch-size", str(max_batch), "--max-concurrent-requests", "256", "--max-total-tokens", "1024",
+           "--dtype", "float32", "--log-level", "warning"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            r = httpx.get(url + "/health/ready", timeout=5)
+            if r.status_code == 200:
+                return
+            if r.json().get("status") == "failed":
+                raise RuntimeError(f"server failed to load: {r.json().get('error')}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready in time")
+
+
+def run_clients(url: str, texts: list[str], clients: int, max_new_tokens: int) -> dict[str, Any]:
+    """``clients`` threads, each sending its share of ``texts`` one request at a time."""
+    import httpx
+
+    lat: list[float] = []
+    tokens = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+    todo = list(enumerate(texts))
+
+    def worker() -> None:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    _, text = todo.pop(0)
+                s = time.perf_counter()
+                r = c.post("/generate", json={"inputs": text, "parameters": {"max_new_tokens": max_new_tokens,
+                                                                             "details": True}})
+                dt = time.perf_counter() - s
+                with lock:
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code}: {r.text[:200]}")
+                        continue
+                    lat.append(dt)
+                    tokens[0] += r.json()["details"]["generated_tokens"]
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = summarize(lat, tokens[0], time.perf_counter() - t0)
+    out["clients"] = clients
+    out["errors"] = errors
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model directory (default: the ~100M Llama test fixture, fp32)")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (and for the baseline)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for both contenders (1 avoids OpenMP stalls on a busy shared CPU)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    args = p.parse_args(argv)
+
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from tests.models import llama_100m_dir
+
+        model_dir = llama_100m_dir()
+    levels = [int(x) for x in args.clients.split(",")]
+    texts = prompts(args.requests)
+
+    print(f"model: {model_dir}  requests/level: {args.requests}  max_new_tokens: {args.max_new_tokens}  "
+          f"threads: {args.threads or 'default'}", flush=True)
+    print("baseline: transformers generate, one request at a time ...", flush=True)
+    baseline = run_baseline(model_dir, texts, args.max_new_tokens, args.threads)
+
+    port = args.port
+    if not port:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out_path.with_suffix(".server.log")
+    proc = start_server(model_dir, port, args.max_batch_size, log_path, args.threads)
+    results = []
+    try:
+        wait_ready(url, proc)
+        run_clients(url, texts[:2], 1, 4)  # warm-up
+        for c in levels:
+            print(f"server: {c} concurrent client(s) ...", flush=True)
+            results.append(run_clients(url, texts, c, args.max_new_tokens))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    header = f"{'contender':<26} {'clients':>7} {'tokens/s':>9} {'x base':>7} {'p50 s':>8} {'p99 s':>8} {'errors':>6}"
+    print()
+    print(header)
+    print("-" * len(header))
+    base_tps = baseline["tokens_per_s"]
+    print(f"{'transformers generate':<26} {1:>7} {base_tps:>9.1f} {1.0:>7.2f} {baseline['latency_p50_s']:>8.3f} "
+          f"{baseline['latency_p99_s']:>8.3f} {0:>6}")
+    for r in results:
+        ratio = r["tokens_per_s"] / base_tps if base_tps else float("nan")
+        r["speedup_vs_baseline"] = round(ratio, 3)
+        print(f"{'loadmaster serve':<26} {r['clients']:>7} {r['tokens_per_s']:>9.1f} {ratio:>7.2f} "
+              f"{r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} {len(r['errors']):>6}")
+    lone = next((r for r in results if r["clients"] == 1), None)
+    top = next((r for r in results if r["clients"] == 16), None)
+    verdict: dict[str, Any] = {}
+    if lone:
+        slower = lone["latency_p50_s"] / baseline["latency_p50_s"] - 1
+        verdict["lone_request_slower_than_generate"] = round(slower, 4)
+        verdict["lone_target_met"] = slower <= 0.10
+        print(f"\nlone request vs bare generate (p50): {slower:+.1%}  (target <= +10%)")
+    if top:
+        verdict["speedup_at_16"] = top["speedup_vs_baseline"]
+        verdict["speedup_target_met"] = top["speedup_vs_baseline"] >= 4.0
+        print(f"aggregate tokens/s at 16 clients: {top['speedup_vs_baseline']:.2f}x baseline  (target >= 4x)")
+    import platform
+
+    import torch
+
+    record = {
+        "benchmark": "serve",
+        "model": str(model_dir),
+        "requests_per_level": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "max_batch_size": args.max_batch_size,
+        "threads": args.threads,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+                    "platform": platform.platform()},
+        "baseline": baseline,
+        "server": results,
+        "verdict": verdict,
+    }
+    out_path.write_text(json.dumps(record, indent=2))
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
