@@ -33,11 +33,22 @@ class LoadedModel:
     quantization: str | None
 
 
+@dataclass(frozen=True)
+class LoadPhase:
+    """A progress update of the service's own steps (the loader sends ``loaders.LoadProgress``)."""
+
+    phase: str
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
 @dataclass
 class LoadState:
     """Progress of the background load. Written by the loading thread, read by the routes."""
 
-    phase: str = "starting"  # starting | planning | loading | warming | ready | failed
+    #: starting | building demo model | planning | the loader's phases (validating, building, loading, offloading,
+    #: dispatching) | warming | ready | failed
+    phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
     error: str | None = None
@@ -94,6 +105,8 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     """Plan, then load the model and tokenizer the plan says where. Runs on the loading thread."""
     import planner
 
+    if settings.demo:
+        progress(LoadPhase(phase="building demo model"))
     path = resolve_model_dir(settings)
     kwargs = planner_kwargs(settings)
     if settings.context is None:  # plan for what the server will allow, which the model's positions cap
@@ -147,7 +160,8 @@ class ModelHost:
             self._thread.join(timeout)
 
     def _progress(self, update: Any) -> None:
-        self.state.phase = "loading"
+        phase = str(getattr(update, "phase", "") or "loading")
+        self.state.phase = "warming" if phase == "ready" else phase  # ready only once the engine runs
         self.state.bytes_done = int(getattr(update, "bytes_done", 0))
         self.state.bytes_total = int(getattr(update, "bytes_total", 0))
 

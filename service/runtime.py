@@ -43,7 +43,7 @@ class Runtime:
         max_total = s.max_total_tokens
         limit = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and 0 < limit < max_total:
-            log.warning("max_total_tokens %d exceeds the model's %d positions; using %d", max_total, limit, limit)
+            log.info("max_total_tokens %d exceeds the model's %d positions; using %d", max_total, limit, limit)
             max_total = limit
         self.max_total_tokens = max_total
         self.validator = Validator(
