@@ -1,7 +1,11 @@
 """Putting each tensor on its planned device, straight from the shards.
 
-* resident on the CPU: positioned reads into the tensor's final memory, by a small pool of reader threads
-  (``preadv`` releases the GIL), in file order;
+* resident on the CPU of a host without GPUs, in the stored dtype: a view of the shard's memory map whose pages
+  are mapped in at load (``MADV_POPULATE_READ``): no copy, no page faults at first use, and the bytes are
+  clean page cache the kernel could reclaim rather than anonymous memory (``LOADMASTER_RESIDENT_COPY=1``
+  copies instead);
+* resident on the CPU otherwise (a cast, fused experts): positioned reads into the tensor's final memory, by a
+  small pool of reader threads (``preadv`` releases the GIL), in file order;
 * on a GPU: chunked reads into two pinned staging buffers, each copied to the GPU asynchronously while the next
   chunk is read, so GPU-bound weights never exist as a full CPU copy;
 * ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously;
@@ -76,6 +80,8 @@ class Materializer:
                     ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         cpu_jobs, gpu_jobs, to_convert = [], [], []
+        resident_ranges: list[tuple[str, int, int]] = []
+        map_resident = not self.has_gpu and not os.environ.get("LOADMASTER_RESIDENT_COPY")
         for name, src in sources.items():
             dev = devices[name]
             stored = self.index[src.pieces[0].key].dtype
@@ -92,9 +98,21 @@ class Materializer:
                     to_convert.append((name, src, dtype))
             elif isinstance(dev, int):
                 gpu_jobs.append((name, src, dtype, torch.device("cuda", dev)))
+            elif map_resident and src.is_plain and dtype == stored:
+                # CPU-resident without a copy: a view of the shard's map, its pages mapped in below.
+                entry = self.index[src.pieces[0].key]
+                out[name] = self.reader.mapped(entry)
+                resident_ranges.append((entry.file, entry.start, entry.end))
+                self.stats.zero_copy_bytes += entry.nbytes
+                self._count("cpu", entry.nbytes)
             else:
                 cpu_jobs.append((name, src, dtype))
 
+        if resident_ranges:
+            merged = _merge(resident_ranges)
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
+                for (path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
+                    self.reporter.advance(hi - lo)
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
         pin = self.has_gpu
         if cpu_jobs:
@@ -169,6 +187,17 @@ class Materializer:
                 out[name] = self.reader.mapped(entry)
                 self.disk_ranges[name] = (entry.file, entry.start, entry.end)
                 self._count("disk", entry.nbytes)
+
+
+def _merge(ranges: list[tuple[str, int, int]], gap: int = 1 << 16) -> list[tuple[str, int, int]]:
+    """Adjacent byte ranges of the same file joined (tensors are stored back to back), largest first."""
+    out: list[tuple[str, int, int]] = []
+    for path, lo, hi in sorted(ranges):
+        if out and out[-1][0] == path and lo <= out[-1][2] + gap:
+            out[-1] = (path, out[-1][1], max(out[-1][2], hi))
+        else:
+            out.append((path, lo, hi))
+    return out
 
 
 class _PinnedStaging:

@@ -1,9 +1,10 @@
 """Reading tensor bytes out of safetensors shards: straight into a destination, or as a zero-copy memory map.
 
-``read_into`` uses positioned reads (``os.preadv``) into the destination's own memory, so a CPU-resident tensor
-costs exactly its bytes (the page cache is not this process's RSS) and no intermediate copy exists. ``mapped``
-returns a tensor backed by a private, copy-on-write memory map of the shard: the bytes stay in the page cache and
-are faulted in as the model reads them, which is what "disk" placement means on a host without GPUs.
+``mapped`` returns a tensor backed by a private, copy-on-write memory map of the shard: no copy at all. On a host
+without GPUs that is how both ``"cpu"`` tensors (made resident at load with :meth:`ShardReader.make_resident`) and
+``"disk"`` tensors (left to fault in as the model reads them) are served when no cast is needed. ``read_into``
+uses positioned reads (``os.preadv``) into a destination's own memory, for tensors that must be copied: cast,
+fused, pinned for GPU streaming, or bound for a GPU.
 """
 from __future__ import annotations
 
@@ -19,9 +20,20 @@ from loaders.errors import CheckpointError
 from loaders.safetensors_index import ShardEntry
 
 PAGE = mmap.PAGESIZE
+MADV_POPULATE_READ = 22  # Linux >= 5.14: map a file range's pages (reading them if needed) in one call
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in with one call instead of one fault per page
 _POPULATE_MIN = 1 << 20
 _libc = None
+
+
+def _get_libc():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:
+            _libc = False
+    return _libc
 
 
 def populate(t: torch.Tensor) -> None:
@@ -30,20 +42,13 @@ def populate(t: torch.Tensor) -> None:
     Page faults, not copying, dominate reads from a warm page cache into fresh memory (~10x on this project's
     VMs); batching them in the kernel saves ~10-15% of a load. Errors (older kernels) are ignored.
     """
-    global _libc
     nbytes = t.numel() * t.element_size()
-    if nbytes < _POPULATE_MIN or t.device.type != "cpu":
-        return
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            _libc = False
-    if not _libc:
+    libc = _get_libc()
+    if nbytes < _POPULATE_MIN or t.device.type != "cpu" or not libc:
         return
     lo = t.data_ptr() & ~(PAGE - 1)
     hi = (t.data_ptr() + nbytes + PAGE - 1) & ~(PAGE - 1)
-    _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE)
+    libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -60,6 +65,7 @@ class ShardReader:
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._addrs: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: str) -> int:
@@ -123,6 +129,29 @@ class ShardReader:
         hi = min(len(mm), end)
         if hi > lo:
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
+
+    def make_resident(self, path: str, start: int, end: int) -> None:
+        """Map ``[start, end)`` of a shard's memory map into this process now (reading it if not cached).
+
+        One ``MADV_POPULATE_READ`` call maps page-cache pages in large folios: a warm 2 GB checkpoint becomes
+        resident in ~0.1 s, where copying it into fresh memory costs seconds of page faults. Falls back to
+        touching one byte per page on kernels without it.
+        """
+        mm = self.mapping(path)
+        lo = (start // PAGE) * PAGE
+        hi = min(len(mm), end)
+        if hi <= lo:
+            return
+        libc = _get_libc()
+        if libc:
+            with self._lock:
+                base = self._addrs.get(path)
+                if base is None:
+                    base = self._addrs[path] = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if libc.madvise(ctypes.c_void_p(base + lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_READ) == 0:
+                return
+        touched = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=lo)[::PAGE]
+        int(touched.sum())
 
     def close_files(self) -> None:
         """Close plain file descriptors (maps stay open: mapped tensors still point into them)."""

@@ -79,16 +79,48 @@ def _mapped_ranges(model):
     return out
 
 
-def test_disk_tensors_are_views_of_the_shards(tiny_llama, tmp_path):
+def _shard_rss(model) -> int:
+    """Bytes of the shards' memory maps that are mapped into this process now (smaps Rss of those mappings)."""
+    ranges = _mapped_ranges(model)
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = any(a <= lo < b for a, b in ranges)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_cpu_and_disk_tensors_are_views_of_the_shards(tiny_llama, tmp_path):
     dm = CUSTOM_MAPS["tiny_llama"]
     model = _load(tiny_llama, dm, tmp_path)
     ranges = _mapped_ranges(model)
-    layer1 = model.model.layers[1].self_attn.q_proj.weight
-    layer0 = model.model.layers[0].self_attn.q_proj.weight
-    ptr1, ptr0 = layer1.data_ptr(), layer0.data_ptr()
-    assert any(lo <= ptr1 < hi for lo, hi in ranges), "a disk tensor must point into a shard's memory map"
-    assert not any(lo <= ptr0 < hi for lo, hi in ranges), "a cpu tensor must live in its own memory"
-    assert model.load_stats.offload_bytes_written == 0
+    for p in (model.model.layers[1].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight):
+        assert any(lo <= p.data_ptr() < hi for lo, hi in ranges), "stored-dtype tensors are zero-copy views"
+    assert model.load_stats.offload_bytes_written == 0 and model.load_stats.bytes_read == 0
+
+
+def test_cpu_share_is_resident_at_ready_and_disk_share_is_not(tiny_llama, tmp_path):
+    resident = _load(tiny_llama, {"": "cpu"}, tmp_path)
+    assert _shard_rss(resident) >= resident.load_stats.bytes_per_device["cpu"]
+    on_disk = _load(tiny_llama, {"": "disk"}, tmp_path)
+    assert _shard_rss(on_disk) < on_disk.load_stats.bytes_per_device["disk"] // 4  # nothing touched yet
+    with torch.no_grad():
+        on_disk(torch.tensor([[1, 2, 3]]))
+    assert _shard_rss(on_disk) >= on_disk.load_stats.bytes_per_device["disk"] // 2  # paged in by use
+
+
+def test_resident_copy_mode(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOADMASTER_RESIDENT_COPY", "1")
+    model = _load(tiny_llama, {"model.layers.1": "disk", "": "cpu"}, tmp_path)
+    ranges = _mapped_ranges(model)
+    p = model.model.layers[0].self_attn.q_proj.weight
+    assert not any(lo <= p.data_ptr() < hi for lo, hi in ranges), "a copied tensor lives in its own memory"
+    assert model.load_stats.bytes_read == model.load_stats.bytes_per_device["cpu"]
+    assert_equivalent(model, tiny_llama)
 
 
 def test_gpt2_head_stays_tied(tiny_gpt2, tmp_path):
