@@ -158,7 +158,7 @@ def test_disconnect_mid_stream_frees_the_batch_slot(limited: LiveServer) -> None
                                                                                        "details": True}})
             assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 3
             # the remaining long stream is still running: the new request did not wait for it to end
-            assert engine.active == 1
+            assert _wait(lambda: engine.active == 1, timeout=5) and limited.runtime.in_flight == 1
             return time.monotonic() - started
         finally:
             for cm, _ in opened:
