@@ -117,7 +117,8 @@ class Ticket:
 class _Sequence:
     """Engine-side state of one request."""
 
-    def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], tokenizer: Any, eos: set[int]):
+    def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], tokenizer: Any, eos: set[int],
+                 special: frozenset[int] = frozenset()):
         self.request = request
         self.sink = sink
         self.cancelled = threading.Event()
@@ -128,6 +129,7 @@ class _Sequence:
         self.text = ""
         self.tokenizer = tokenizer
         self.eos = eos
+        self.special = special
         self.enqueued_at = time.perf_counter()
         self._context = list(request.prompt_ids[-_DECODE_CONTEXT:])
         self._prefix = 0  # offsets into context + generated, for piecewise decoding
@@ -151,7 +153,7 @@ class _Sequence:
     def accept(self, token: int, logprob: float) -> FinishEvent | None:
         """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
         self.generated.append(token)
-        special = token in self.tokenizer.all_special_ids
+        special = token in self.special
         is_eos = token in self.eos
         n = len(self.generated)
         final = is_eos or n >= self.request.max_new_tokens
@@ -241,6 +243,7 @@ class Engine:
         self.metrics = metrics or _NoMetrics()
         self.device = input_device(model)
         self.eos = eos_ids(model, tokenizer)
+        self.special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
         self._pending: deque[_Sequence] = deque()
         self._groups: list[DecodeBatch] = []
         self._cv = threading.Condition()
@@ -255,7 +258,7 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Ticket:
-        seq = _Sequence(request, sink, self.tokenizer, self.eos)
+        seq = _Sequence(request, sink, self.tokenizer, self.eos, self.special)
         with self._cv:
             if self._stopping:
                 raise NotReadyError("The server is shutting down; send the request to another replica.")
