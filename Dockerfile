@@ -1,0 +1,65 @@
+# loadmaster: big-model inference with planned device maps, for multi-GPU hosts.
+#
+#   docker build -t loadmaster .
+#   docker run --gpus all -p 8080:8080 -v /models:/models:ro -v loadmaster-data:/data \
+#       -e LOADMASTER_MODEL=/models/my-model loadmaster
+#
+# The base is a build argument so the image can be built where registries cannot be reached (tests/docker/smoke.sh
+# builds on a local Debian base). Build-time-only inputs (a CA bundle for pip, a folder of wheels) go in
+# docker/build-extras/ and stay in the build stage: the final image holds only the virtualenv.
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_SPEC="torch==2.13.0"
+# A CUDA build of torch by default; set empty to take torch from PyPI or the wheels in build-extras.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=180
+RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+COPY docker/build-extras/ /build-extras/
+COPY pyproject.toml README.md* /src/
+COPY planner /src/planner
+COPY loaders /src/loaders
+COPY service /src/service
+RUN set -eu; \
+    if [ -f /build-extras/ca.crt ]; then export PIP_CERT=/build-extras/ca.crt; fi; \
+    if [ -d /build-extras/wheels ]; then export PIP_FIND_LINKS=/build-extras/wheels; fi; \
+    test -f /src/README.md || echo "# loadmaster" > /src/README.md; \
+    python3 -m venv /opt/loadmaster; \
+    /opt/loadmaster/bin/pip install --upgrade pip; \
+    if [ -n "${TORCH_INDEX_URL}" ]; then \
+        /opt/loadmaster/bin/pip install "${TORCH_SPEC}" --index-url "${TORCH_INDEX_URL}"; \
+    else \
+        /opt/loadmaster/bin/pip install "${TORCH_SPEC}"; \
+    fi; \
+    /opt/loadmaster/bin/pip install /src; \
+    /opt/loadmaster/bin/loadmaster --help >/dev/null
+
+FROM ${BASE_IMAGE}
+ENV DEBIAN_FRONTEND=noninteractive
+RUN if ! command -v python3 >/dev/null 2>&1; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    (getent group loadmaster || groupadd --system --gid 10001 loadmaster) \
+    && useradd --system --uid 10001 --gid loadmaster --home-dir /data --no-create-home --shell /usr/sbin/nologin loadmaster \
+    && mkdir -p /data && chown loadmaster:loadmaster /data
+COPY --from=build /opt/loadmaster /opt/loadmaster
+ENV PATH=/opt/loadmaster/bin:${PATH} \
+    PYTHONUNBUFFERED=1 \
+    HF_HOME=/data \
+    HF_HUB_OFFLINE=1 \
+    LOADMASTER_HOME=/data/loadmaster \
+    LOADMASTER_HOST=0.0.0.0 \
+    LOADMASTER_PORT=8080
+VOLUME ["/data"]
+USER loadmaster
+WORKDIR /data
+EXPOSE 8080
+# Healthy once the model is loaded; the start period covers a large load (and the demo model's first build).
+HEALTHCHECK --interval=5s --timeout=3s --start-period=600s --retries=3 \
+    CMD ["/opt/loadmaster/bin/python", "-c", "import os, sys, urllib.request; port = os.environ.get('LOADMASTER_PORT', '8080'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/health/ready', timeout=2).status == 200 else 1)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["loadmaster", "serve"]

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Prove the Docker image works on this machine: build a local Debian base (debootstrap + docker import, since no
+# registry can be reached), build the image on it (pip gets the host's CA bundle and wheel folder at build time
+# only), run it on the demo model, wait for its HEALTHCHECK to say healthy, send /generate, stop it.
+#
+# Exits 0 with "docker smoke: NOT RUN: <why>" when no Docker engine can be started here; non-zero on a failure.
+# Environment: LOADMASTER_SMOKE_KEEP=1 keeps the image; DEBIAN_MIRROR overrides the debootstrap mirror.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+BASE_TAG="loadmaster-smoke-base:bookworm"
+IMAGE="loadmaster:smoke"
+NAME="loadmaster-smoke-$$"
+EXTRAS="docker/build-extras"
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+
+say() { echo "docker smoke: $*"; }
+not_run() { say "NOT RUN: $*"; exit 0; }
+
+# -- an engine ------------------------------------------------------------------------------------------------------
+command -v docker >/dev/null 2>&1 || not_run "no docker client (apt-get install docker.io)"
+if ! docker info >/dev/null 2>&1; then
+    if command -v dockerd >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        say "starting dockerd in the background (log: /tmp/loadmaster-dockerd.log)"
+        (dockerd >/tmp/loadmaster-dockerd.log 2>&1 &)
+        for _ in $(seq 1 30); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    fi
+    docker info >/dev/null 2>&1 || not_run "no Docker engine could be started ($(tail -n 1 /tmp/loadmaster-dockerd.log 2>/dev/null || echo 'dockerd not installed or not root'))"
+fi
+
+cleanup() {
+    docker rm -f "$NAME" >/dev/null 2>&1 || true
+    rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"
+    if [ "${LOADMASTER_SMOKE_KEEP:-0}" != 1 ]; then docker rmi "$IMAGE" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+
+# -- a local Debian base ---------------------------------------------------------------------------------------------
+if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
+    command -v debootstrap >/dev/null 2>&1 || not_run "debootstrap is not installed (apt-get install debootstrap)"
+    rootfs="$(mktemp -d)"
+    say "debootstrap bookworm from $MIRROR (a few minutes)"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$MIRROR" \
+        >/tmp/loadmaster-debootstrap.log 2>&1 || { tail -n 20 /tmp/loadmaster-debootstrap.log; exit 1; }
+    tar -C "$rootfs" -c . | docker import - "$BASE_TAG" >/dev/null
+    rm -rf "$rootfs"
+fi
+
+# -- the image (CA bundle + wheels at build time only) ---------------------------------------------------------------
+mkdir -p "$EXTRAS/wheels"
+cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+[ -f "$cert" ] && cp "$cert" "$EXTRAS/ca.crt"
+for dir in ${PIP_FIND_LINKS:-/opt/wheels}; do
+    [ -d "$dir" ] || continue
+    for whl in "$dir"/*.whl; do
+        if [ -f "$whl" ]; then cp -l "$whl" "$EXTRAS/wheels/" 2>/dev/null || cp "$whl" "$EXTRAS/wheels/"; fi
+    done
+done
+say "building $IMAGE on $BASE_TAG (torch from the local wheels or PyPI; CPU, since no CUDA base can be pulled)"
+docker build --network host --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL= -t "$IMAGE" . \
+    >/tmp/loadmaster-docker-build.log 2>&1 || { tail -n 30 /tmp/loadmaster-docker-build.log; exit 1; }
+rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"
+user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
+[ -n "$user" ] && [ "$user" != root ] || { say "FAILED: the image runs as '$user', not a non-root user"; exit 1; }
+
+# -- run it on the demo model ----------------------------------------------------------------------------------------
+PY=".venv/bin/python"; [ -x "$PY" ] || PY=python3
+demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.model_factory import build_demo_model; print(build_demo_model())')"
+port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+docker run -d --name "$NAME" -p "127.0.0.1:$port:8080" -v "$demo:/models/demo-model:ro" \
+    -e LOADMASTER_MAX_MEMORY=cpu=2GiB -e LOADMASTER_GRACE_PERIOD=10 "$IMAGE" /models/demo-model >/dev/null
+say "container $NAME on port $port; waiting for HEALTHCHECK"
+status=starting
+for _ in $(seq 1 120); do
+    status="$(docker inspect -f '{{.State.Health.Status}}' "$NAME" 2>/dev/null || echo gone)"
+    [ "$status" = healthy ] && break
+    [ "$status" = gone ] || [ "$(docker inspect -f '{{.State.Running}}' "$NAME")" = false ] && break
+    sleep 2
+done
+if [ "$status" != healthy ]; then
+    say "FAILED: container is '$status'"; docker logs "$NAME" 2>&1 | tail -n 30; exit 1
+fi
+reply="$(curl -sf "http://127.0.0.1:$port/generate" -H 'Content-Type: application/json' \
+    -d '{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 20, "details": true}}')" \
+    || { say "FAILED: /generate"; docker logs "$NAME" 2>&1 | tail -n 30; exit 1; }
+echo "$reply" | "$PY" -c 'import json, sys; r = json.load(sys.stdin); assert r["details"]["generated_tokens"] == 20, r; print("docker smoke: /generate ->", repr(r["generated_text"]))'
+docker stop -t 30 "$NAME" >/dev/null
+code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME")"
+[ "$code" = 0 ] || { say "FAILED: exit code $code after SIGTERM"; docker logs "$NAME" 2>&1 | tail -n 20; exit 1; }
+say "PASSED (built on $BASE_TAG, healthy, /generate answered, stopped cleanly)"
