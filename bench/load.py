@@ -97,6 +97,8 @@ def worker(spec: dict) -> dict:
     if spec.get("contender") == "accelerate":
         import accelerate  # noqa: F401
     torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
     dtype = getattr(torch, spec["dtype"])
     folder = spec.get("offload_folder")
     if folder:
@@ -164,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process runs per contender (best kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "load.json"))
     args = ap.parse_args(argv)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
         ref_tokens = None
         for contender in args.contenders.split(","):
             spec = {"contender": contender, "path": str(path), "dtype": dtype, "device_map": {"": "cpu"},
-                    "new_tokens": args.new_tokens}
+                    "new_tokens": args.new_tokens, "threads": args.threads}
             r = best_of(Path(__file__), spec, args.repeats)
             r.setdefault("dtype", dtype)
             r.setdefault("label", contender)
@@ -201,7 +204,8 @@ def main(argv=None) -> int:
     print()
     table = print_table(rows, COLUMNS)
     print(json.dumps(ratios, indent=2))
-    write_json(Path(args.out), {"bench": "load", "machine": machine(), "rows": rows, "ratios": ratios,
+    write_json(Path(args.out), {"bench": "load", "machine": machine(), "threads": args.threads, "rows": rows,
+                                "ratios": ratios,
                                 "table": table})
     return 0
 

@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contenders", default="loadmaster,accelerate,transformers")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process runs per contender (best kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload.json"))
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     rows = []
     ref_tokens = None
     for run in runs:
-        spec = {**run, "path": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens,
+        spec = {**run, "path": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
                 "offload_folder": str(work / run["contender"])}
         r = best_of(LOAD_SCRIPT, spec, args.repeats)
         r.setdefault("label", run["label"])
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
     table = print_table(rows, COLUMNS)
     print(f"disk: {disk_layers} of {len([k for k in dm if k.startswith('model.layers.')])} layers; "
           f"cold sequential read ceiling {ceiling / 1e9:.2f} GB/s")
-    write_json(Path(args.out), {"bench": "offload", "machine": machine(), "dtype": args.dtype, "device_map": dm,
+    write_json(Path(args.out), {"bench": "offload", "machine": machine(), "threads": args.threads,
+                                "dtype": args.dtype, "device_map": dm,
                                 "disk_read_bandwidth": ceiling, "rows": rows, "table": table})
     return 0
 
