@@ -25,7 +25,7 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--served-model-name", str, "name reported by /info and /v1/models (default: the directory's name)"),
     ("--max-concurrent-requests", int, "requests queued + running; more get 429 (default 128)"),
     ("--max-batch-size", int, "sequences decoded together per step (default 32)"),
-    ("--max-input-tokens", int, "longest prompt in tokens (default 1024)"),
+    ("--max-input-tokens", int, "longest prompt in tokens (default min(1024, max-total-tokens - 1))"),
     ("--max-total-tokens", int, "prompt + generated tokens per request (default 2048)"),
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
