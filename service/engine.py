@@ -269,6 +269,11 @@ class Engine:
         return Ticket(self, seq)
 
     @property
+    def alive(self) -> bool:
+        """Whether the loop is running and accepting work (false after stop or a crash)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
     def active(self) -> int:
         return sum(len(g) for g in self._groups)
 
@@ -314,6 +319,8 @@ class Engine:
         except Exception:  # pragma: no cover - a bug in the loop itself; never leave clients hanging
             log.exception("engine loop crashed")
         finally:
+            with self._cv:
+                self._stopping = True  # later submits are refused instead of waiting forever
             self._fail_all("The server is shutting down; the request was not completed.", "not_ready")
             self.metrics.engine_state(0, 0)
 
@@ -336,7 +343,9 @@ class Engine:
             self._step_failed([seq], exc, "prefill")
             return
         self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
-        finish = seq.accept(token, logprob)
+        finish = self._accept(seq, token, logprob)
+        if seq.done and finish is None:
+            return
         if finish is not None:
             self._finished(seq, finish)
             return
@@ -368,12 +377,25 @@ class Engine:
                 if seq.cancelled.is_set():
                     seq.done = True
                     continue
-                finish = seq.accept(token, logprob)
+                finish = self._accept(seq, token, logprob)
                 if finish is not None:
                     self._finished(seq, finish)
             group.keep([r for r, s in enumerate(group.items) if not s.done])
         self._groups = [g for g in self._groups if len(g)]
         self.steps += 1
+
+    def _accept(self, seq: _Sequence, token: int, logprob: float) -> FinishEvent | None:
+        """``seq.accept``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""
+        try:
+            return seq.accept(token, logprob)
+        except Exception:  # noqa: BLE001
+            log.exception("request %s: handling a generated token failed; dropping the sequence", seq.request.request_id)
+            seq.done = True
+            try:
+                seq.sink(ErrorEvent("Generation failed while decoding a token; the server logged the details."))
+            except Exception:  # noqa: BLE001 - the sink itself is what failed
+                pass
+            return None
 
     def _finished(self, seq: _Sequence, finish: FinishEvent) -> None:
         seq.done = True

@@ -139,6 +139,9 @@ async def ready(request: Request) -> Response:
         return JSONResponse(state, status_code=503)
     if runtime.engine is None or not runtime.host.state.ready:
         return JSONResponse(state, status_code=503)
+    if not runtime.engine.alive:
+        state["status"] = "engine stopped"
+        return JSONResponse(state, status_code=503)
     return JSONResponse(state)
 
 

@@ -84,6 +84,8 @@ class Runtime:
                 f"The model is still loading ({st.phase}, {100 * st.to_dict()['progress']:.0f}%); "
                 "retry when GET /health/ready answers 200."
             )
+        if not self.engine.alive:
+            raise NotReadyError("The generation engine has stopped; the server must be restarted (see its log).")
         return self.engine, self.validator, loaded
 
     def acquire(self) -> "Slot":

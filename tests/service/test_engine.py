@@ -154,3 +154,27 @@ def test_a_full_queue_is_overloaded(tiny_llama: Path) -> None:
     with pytest.raises(OverloadedError):
         engine.submit(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=1), lambda e: None)
     engine.stop()
+
+
+def test_a_broken_sink_ends_only_its_own_sequence(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8)
+    engine.start()
+    try:
+        calls = []
+
+        def broken(event) -> None:
+            calls.append(event)
+            if len(calls) == 3:
+                raise RuntimeError("sink exploded")
+
+        ids = tok("Hello")["input_ids"]
+        engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=20), broken)
+        ok = _run(engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=20)])[0]
+        assert isinstance(ok[-1], FinishEvent) and ok[-1].generated_tokens == 20
+        assert engine.alive
+        assert isinstance(calls[-1], ErrorEvent) and len(calls) == 4  # 3 tokens, then the error, nothing more
+    finally:
+        engine.stop()
+    assert not engine.alive
