@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
-from service.errors import NotFoundError
 from service.runtime import EngineStream, request_id_of, runtime_of, sse
 from service.validation import ChatCompletionRequest, CompletionRequest
 
@@ -42,10 +41,12 @@ def _usage(final: FinishEvent) -> dict[str, int]:
 
 
 def _check_model(request: Request, name: str | None) -> str:
+    """The served model's name. As in TGI, the request's ``model`` is not checked: one model is served, and
+    clients that must send some name (huggingface_hub sends ``"dummy"``, others ``"tgi"``) work unchanged."""
     loaded = runtime_of(request).loaded
     served = loaded.name if loaded else ""
     if name and loaded and name not in (served, str(loaded.path)):
-        raise NotFoundError(f"The model {name!r} is not served here; this server serves {served!r} (see GET /v1/models).")
+        log.debug("request names model %r; serving %r", name, served)
     return served
 
 

@@ -146,3 +146,14 @@ def test_huggingface_hub_client_sees_validation_errors(server, hf_local) -> None
     with pytest.raises((ValidationError, HfHubHTTPError)) as info:
         hf.text_generation("Hello", max_new_tokens=100000)
     assert "max_total_tokens" in str(info.value)
+
+
+def test_huggingface_hub_chat_completion_against_v1(server, hf_local) -> None:
+    from huggingface_hub import InferenceClient
+
+    hf = InferenceClient(base_url=server.url)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    out = hf.chat_completion(messages, max_tokens=6, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+    chunks = list(hf.chat_completion(messages, max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
