@@ -31,9 +31,10 @@ from loaders.model_builder import (
     init_non_persistent_buffers,
     non_persistent_buffers,
     read_config,
+    set_tensor,
     tie_weights,
 )
-from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
+from loaders.progress import LoadProgress, ProgressReporter, peak_rss_bytes, reset_peak_rss
 from loaders.safetensors_index import CheckpointIndex
 from planner.errors import PlanError
 from planner.types import Plan
@@ -166,8 +167,6 @@ def load_model(
                            offload_folder=offload_folder, model_path=path, has_gpu=has_gpu)
         tensors = mat.materialize(sources, {n: placement[n] for n in sources})
         for name, t in tensors.items():
-            from loaders.model_builder import set_tensor
-
             set_tensor(model, name, t)
         buf_devices = {n: (torch.device("cuda", placement[n]) if isinstance(placement[n], int) else exec_dev)
                        for n in np_bufs}

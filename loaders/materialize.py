@@ -28,7 +28,7 @@ from loaders.checkpoint_layout import TensorSource, piece_shape, to_torch_index
 from loaders.offload_folder import OffloadFolder
 from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
-from loaders.shard_reader import ShardReader, byte_view, populate
+from loaders.shard_reader import ShardReader, populate
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -233,4 +233,4 @@ class _PinnedStaging:
                 ev.synchronize()
 
 
-__all__ = ["Materializer", "default_offload_folder", "byte_view"]
+__all__ = ["Materializer", "default_offload_folder"]

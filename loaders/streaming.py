@@ -19,9 +19,8 @@ All device operations go through a small backend so the schedule is testable on 
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -178,7 +177,6 @@ class BlockStreamer:
             for _ in range(n)
         ]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="loadmaster-stage") if need_staging else None
-        self._lock = threading.Lock()
         self.handles: list = []
         #: Observed execution order: block -> the block that ran after it last time. Module order is only the
         #: first guess (Llama runs rotary_emb right after the embeddings although it is registered last).

@@ -13,7 +13,7 @@ import torch
 import loaders
 from loaders.dispatch import ordered_entries
 from loaders.streaming import BlockStreamer, CpuBackend, build_blocks
-from tests.loaders.helpers import assert_equivalent, prompt, reference_model
+from tests.loaders.helpers import assert_equivalent, prompt
 
 LLAMA_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
              "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
