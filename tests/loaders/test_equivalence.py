@@ -184,3 +184,23 @@ def test_load_model_and_tokenizer(tiny_llama):
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 3
     assert model.load_stats.seconds > 0 and model.load_stats.peak_rss_bytes > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_moe(tmp_path_factory):
+    """A Qwen2-MoE checkpoint: per-expert gate_proj/up_proj/down_proj keys plus a shared expert."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen-moe")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, max_shard_size="30KB")
+    return path
+
+
+def test_qwen_moe_expert_spelling(tiny_qwen_moe, tmp_path):
+    model = _load(tiny_qwen_moe, {"model.layers.1": "disk", "": "cpu"}, tmp_path)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 48, 32)
+    assert_equivalent(model, tiny_qwen_moe)
