@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading

@@ -6,7 +6,6 @@ request id in the ``X-Request-Id`` header and in the log line; tracebacks stay i
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -199,7 +198,3 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     app.include_router(plan_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     return app
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))

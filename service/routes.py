@@ -6,13 +6,12 @@ dispatches on ``"stream"`` as TGI does, which is where huggingface_hub's ``Infer
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from service.engine import ErrorEvent, FinishEvent, TokenEvent
+from service.engine import ErrorEvent, TokenEvent
 from service.memory import memory_report
 from service.runtime import EngineStream, request_id_of, runtime_of, sse
 from service.validation import TGIRequest
@@ -203,7 +202,3 @@ def _plain(value: Any) -> Any:
 async def metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     return PlainTextResponse(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def now() -> float:
-    return time.perf_counter()

@@ -7,7 +7,7 @@ the tokenizer and the server's limits (token counts, ``max_new_tokens``), and bu
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -306,6 +306,3 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> str:
             raise RequestValidationError(f"The model's chat template rejected the messages: {exc}") from None
     bos = getattr(tokenizer, "bos_token", None) or ""
     return bos + "".join(DEFAULT_CHAT_FORMAT.format(**m) for m in plain) + "assistant:"
-
-
-OpenAIObject = Literal["text_completion", "chat.completion"]
