@@ -211,8 +211,12 @@ def _check_materialized(model: torch.nn.Module) -> None:
 def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMapArg = "auto", max_memory=None,
                              dtype=None, quantization: Optional[str] = None,
                              offload_folder: Union[str, os.PathLike, None] = None, *,
-                             progress: Optional[Callable[[LoadProgress], None]] = None, **workload):
-    """:func:`load_model` plus the tokenizer saved next to the weights (``AutoTokenizer``, local files only)."""
+                             progress: Optional[Callable[[LoadProgress], None]] = None, show_progress: bool = True,
+                             **workload):
+    """:func:`load_model` plus the tokenizer saved next to the weights (``AutoTokenizer``, local files only).
+
+    The tokenizer is read first, so a directory without one fails before any weight is loaded.
+    """
     from transformers import AutoTokenizer
 
     root = Path(path)
@@ -223,5 +227,5 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
         raise CheckpointError(f"No usable tokenizer in {root} ({exc}). Save one with tokenizer.save_pretrained "
                               "into the model directory.") from exc
     model = load_model(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
-                       **workload)
+                       show_progress=show_progress, **workload)
     return model, tokenizer

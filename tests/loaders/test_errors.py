@@ -200,3 +200,10 @@ def test_offload_folder_with_foreign_index_is_refused(tiny_llama, tmp_path):
     with pytest.raises(CheckpointError, match="not written by loadmaster"):
         loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder,
                            show_progress=False)
+
+
+def test_missing_tokenizer(ckpt):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (ckpt / name).unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="No usable tokenizer"):
+        loaders.load_model_and_tokenizer(ckpt, device_map={"": "cpu"}, show_progress=False)

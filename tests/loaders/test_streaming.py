@@ -150,3 +150,17 @@ def test_moe_streamed_with_more_slots(tiny_moe, n_slots):
 def test_streamer_refuses_a_single_slot():
     with pytest.raises(ValueError):
         BlockStreamer([], CpuBackend(), n_slots=1)
+
+
+def test_move_to_moves_tensors_in_containers_and_leaves_caches_alone():
+    from transformers import DynamicCache
+
+    from loaders.streaming import move_to
+
+    cache = DynamicCache()
+    t = torch.ones(2, dtype=torch.float64)
+    args = (t, [t, 3], {"a": t, "cache": cache}, cache, None)
+    moved = move_to(args, torch.device("meta"))
+    assert moved[0].device.type == "meta" and moved[1][0].device.type == "meta" and moved[1][1] == 3
+    assert moved[2]["a"].device.type == "meta" and moved[2]["cache"] is cache
+    assert moved[3] is cache and moved[4] is None
