@@ -108,7 +108,7 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
         finally:
             stream.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.post("/", tags=["TGI"], summary="TGI compatibility: /generate or /generate_stream by the 'stream' field")
