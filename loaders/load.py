@@ -188,7 +188,7 @@ def load_model(
         log.info("loaded %s in %.2fs: %s", path, stats.seconds, stats.bytes_per_device)
         return model
     except BaseException:
-        reporter.set_phase("failed")
+        reporter.fail()
         raise
 
 

@@ -18,7 +18,7 @@ class LoadProgress:
 
     bytes_done: int
     bytes_total: int
-    phase: str  # "validating", "building", "loading", "offloading", "dispatching", "ready"
+    phase: str  # "building", "loading", "offloading", "dispatching", "ready" (or "failed")
 
     @property
     def fraction(self) -> float:
@@ -71,6 +71,13 @@ class ProgressReporter:
         with self._lock:
             self.done = self.total
             self.phase = "ready"
+            self._emit()
+            self._bar.close()
+
+    def fail(self) -> None:
+        """The load stopped: report phase "failed" and take the bar down."""
+        with self._lock:
+            self.phase = "failed"
             self._emit()
             self._bar.close()
 
