@@ -368,7 +368,7 @@ class Engine:
                 continue
             try:
                 logits = group.step([s.generated[-1] for s in group.items])
-                choices = [s.chooser.choose(logits[r], s.history()) for r, s in enumerate(group.items)]
+                choices = self._choose_all(logits, group.items)
             except Exception as exc:  # noqa: BLE001
                 self._step_failed(list(group.items), exc, "decode step")
                 group.keep([])
@@ -383,6 +383,23 @@ class Engine:
             group.keep([r for r, s in enumerate(group.items) if not s.done])
         self._groups = [g for g in self._groups if len(g)]
         self.steps += 1
+
+    @staticmethod
+    def _choose_all(logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
+        """Next token of every row. Plain greedy rows are chosen together (one argmax, one host transfer: the
+        per-row argmax is the same as alone); rows that sample or penalise repetition go one by one."""
+        choices: list[tuple[int, float] | None] = [None] * len(seqs)
+        plain = [r for r, s in enumerate(seqs) if s.chooser.plain_greedy]
+        if plain:
+            rows = logits.index_select(0, torch.tensor(plain, device=logits.device)).float()
+            tokens = rows.argmax(dim=-1)
+            logprobs = torch.log_softmax(rows, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            for r, t, lp in zip(plain, tokens.tolist(), logprobs.tolist()):
+                choices[r] = (int(t), float(lp))
+        for r, seq in enumerate(seqs):
+            if choices[r] is None:
+                choices[r] = seq.chooser.choose(logits[r], seq.history())
+        return choices  # type: ignore[return-value]
 
     def _accept(self, seq: _Sequence, token: int, logprob: float) -> FinishEvent | None:
         """``seq.accept``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""

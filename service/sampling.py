@@ -49,6 +49,11 @@ class TokenChooser:
     seed: int | None = None
     generator: torch.Generator | None = field(default=None, repr=False)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that depends on the sequence's history: can be chosen batched."""
+        return not self.params.sampling and self.params.repetition_penalty in (None, 1.0)
+
     @classmethod
     def create(cls, params: SamplingParams) -> "TokenChooser":
         if not params.sampling:
