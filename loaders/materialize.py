@@ -93,7 +93,7 @@ class Materializer:
                     self.disk_ranges[name] = (entry.file, entry.start, entry.end)
                     self.stats.zero_copy_bytes += entry.nbytes
                     self._count("disk", entry.nbytes)
-                    self.reporter.advance(entry.nbytes)
+                    self.reporter.advance(entry.nbytes, "disk")
                 else:
                     to_convert.append((name, src, dtype))
             elif isinstance(dev, int):
@@ -112,7 +112,7 @@ class Materializer:
             merged = _merge(resident_ranges)
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
                 for (path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
-                    self.reporter.advance(hi - lo)
+                    self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
         pin = self.has_gpu
         if cpu_jobs:
@@ -135,7 +135,8 @@ class Materializer:
         return e.file, e.start
 
     # -- CPU -----------------------------------------------------------------------------------------------
-    def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
+    def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False, device: str = "cpu"
+                  ) -> torch.Tensor:
         dest = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
         populate(dest)
         for piece in src.pieces:
@@ -145,7 +146,7 @@ class Materializer:
                 self.reader.read_into(entry, view)
             else:
                 view.copy_(self.reader.read(entry).view(piece_shape(src.shape, piece.index)))
-            self.reporter.advance(entry.nbytes)
+            self.reporter.advance(entry.nbytes, device)
         return dest
 
     # -- GPU -----------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class Materializer:
                 self._staging.upload(self.reader, entry, tmp)
                 view.copy_(tmp.view(view.shape))
             self.stats.bytes_read += entry.nbytes
-            self.reporter.advance(entry.nbytes)
+            self.reporter.advance(entry.nbytes, f"cuda:{device.index}")
         self._staging.synchronize()
         return dest
 
@@ -175,13 +176,13 @@ class Materializer:
         self.reporter.set_phase("offloading")
         if not folder.is_valid_for(specs):
             by_name = {name: (src, dtype) for name, src, dtype in jobs}
-            written = folder.write(specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1]))
+            written = folder.write(specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1], device="disk"))
             self.stats.offload_bytes_written += written
             self.stats.bytes_read += sum(self.index[p.key].nbytes for _, src, _ in jobs for p in src.pieces)
         else:
             log.info("reusing offload folder %s", folder.path)
             for _, src, _ in jobs:
-                self.reporter.advance(sum(self.index[p.key].nbytes for p in src.pieces))
+                self.reporter.advance(sum(self.index[p.key].nbytes for p in src.pieces), "disk")
         for name, entry in folder.entries().items():
             if name in specs:
                 out[name] = self.reader.mapped(entry)

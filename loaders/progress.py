@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import resource
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -19,6 +20,9 @@ class LoadProgress:
     bytes_done: int
     bytes_total: int
     phase: str  # "building", "loading", "offloading", "dispatching", "ready" (or "failed")
+    #: Bytes placed so far per device ("cpu", "disk", "cuda:N"), and the overall rate since the load began.
+    bytes_per_device: dict[str, int] = field(default_factory=dict)
+    bytes_per_second: float = 0.0
 
     @property
     def fraction(self) -> float:
@@ -52,6 +56,8 @@ class ProgressReporter:
         self.phase = "validating"
         self._callback = callback
         self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self.by_device: dict[str, int] = {}
         self._bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
                          disable=not show_bar, leave=False)
 
@@ -61,9 +67,10 @@ class ProgressReporter:
             self._bar.set_description(phase)
             self._emit()
 
-    def advance(self, nbytes: int) -> None:
+    def advance(self, nbytes: int, device: str = "cpu") -> None:
         with self._lock:
             self.done = min(self.total, self.done + int(nbytes))
+            self.by_device[device] = self.by_device.get(device, 0) + int(nbytes)
             self._bar.update(int(nbytes))
             self._emit()
 
@@ -84,7 +91,9 @@ class ProgressReporter:
     def _emit(self) -> None:
         if self._callback is not None:
             try:
-                self._callback(LoadProgress(self.done, self.total, self.phase))
+                elapsed = time.perf_counter() - self._t0
+                self._callback(LoadProgress(self.done, self.total, self.phase, dict(self.by_device),
+                                            self.done / elapsed if elapsed > 0 else 0.0))
             except Exception:  # a broken observer must not break a load
                 log.exception("progress callback failed")
 

@@ -176,6 +176,8 @@ def test_progress_reports_every_byte_in_order(tiny_gpt2, tmp_path):
     assert seen[-1].phase == "ready" and seen[-1].bytes_done == seen[-1].bytes_total
     assert seen[-1].bytes_total == sum(model.load_stats.bytes_per_device.values())
     assert {"loading", "dispatching"} <= {p.phase for p in seen}
+    assert seen[-1].bytes_per_device.get("disk", 0) > 0 and seen[-1].bytes_per_device.get("cpu", 0) > 0
+    assert seen[-1].bytes_per_second > 0
 
 
 def test_load_model_and_tokenizer(tiny_llama):

@@ -147,12 +147,12 @@ def test_offload_folder_from_an_interrupted_run_is_rewritten(tiny_llama, tmp_pat
     calls = {"n": 0}
     real = materialize.Materializer._load_cpu
 
-    def dies_midway(self, src, dtype, pin=False):
+    def dies_midway(self, src, dtype, pin=False, device="cpu"):
         if self.reporter.phase == "offloading":
             calls["n"] += 1
             if calls["n"] == 3:
                 raise KeyboardInterrupt  # the run is killed while writing the offload folder
-        return real(self, src, dtype, pin)
+        return real(self, src, dtype, pin, device)
 
     monkeypatch.setattr(materialize.Materializer, "_load_cpu", dies_midway)
     with pytest.raises(KeyboardInterrupt):
