@@ -206,3 +206,14 @@ def test_qwen_moe_expert_spelling(tiny_qwen_moe, tmp_path):
     model = _load(tiny_qwen_moe, {"model.layers.1": "disk", "": "cpu"}, tmp_path)
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 48, 32)
     assert_equivalent(model, tiny_qwen_moe)
+
+
+def _hooked(model):
+    return {n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
+
+
+def test_cpu_modules_carry_no_hooks(tiny_llama, tmp_path):
+    assert _hooked(_load(tiny_llama, {"": "cpu"}, tmp_path)) == set()
+    mixed = _load(tiny_llama, CUSTOM_MAPS["tiny_llama"], tmp_path)
+    disk_entries = {k for k, v in CUSTOM_MAPS["tiny_llama"].items() if v == "disk" and k != "model.rotary_emb"}
+    assert _hooked(mixed) == disk_entries  # one readahead pre-hook per disk block that holds weights, nothing else
