@@ -207,3 +207,11 @@ def test_missing_tokenizer(ckpt):
         (ckpt / name).unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match="No usable tokenizer"):
         loaders.load_model_and_tokenizer(ckpt, device_map={"": "cpu"}, show_progress=False)
+
+
+def test_default_offload_folder_is_per_model(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOADMASTER_OFFLOAD_DIR", str(tmp_path / "cache"))
+    model = loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", show_progress=False)
+    folders = list((tmp_path / "cache").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("tiny-llama-")
+    assert (folders[0] / INDEX).is_file() and model.load_stats.offload_bytes_written > 0

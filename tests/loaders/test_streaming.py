@@ -52,8 +52,8 @@ class LazyBackend(CpuBackend):
             dst.copy_(src)
 
 
-def _streamed(path, device_map, backend, n_slots=2):
-    model = loaders.load_model(path, device_map=device_map, show_progress=False)
+def _streamed(path, device_map, backend, n_slots=2, offload_folder=None):
+    model = loaders.load_model(path, device_map=device_map, show_progress=False, offload_folder=offload_folder)
     placement = {n: "cpu" for n, _ in model.named_parameters()}
     blocks, resident = build_blocks(model, ordered_entries(model, device_map), placement, device_map)
     streamer = BlockStreamer(blocks, backend, n_slots=n_slots)
@@ -140,9 +140,9 @@ def test_nested_entries_are_split_into_non_nested_blocks(tiny_gpt2):
 
 
 @pytest.mark.parametrize("n_slots", [2, 3])
-def test_moe_streamed_with_more_slots(tiny_moe, n_slots):
+def test_moe_streamed_with_more_slots(tiny_moe, n_slots, tmp_path):
     dm = {"model.layers.1": "disk", "model.layers.3": "disk", "": "cpu"}
-    model, streamer, _ = _streamed(tiny_moe, dm, LazyBackend(), n_slots=n_slots)
+    model, streamer, _ = _streamed(tiny_moe, dm, LazyBackend(), n_slots=n_slots, offload_folder=tmp_path / "o")
     assert len(streamer.slots) == n_slots
     assert_equivalent(model, tiny_moe)
 
