@@ -404,8 +404,13 @@ def move_to(obj, device: torch.device):
 
 
 def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, DeviceId],
-                          placement: Mapping[str, DeviceId], materializer, exec_device: torch.device) -> None:
-    """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``)."""
+                          placement: Mapping[str, DeviceId], materializer, exec_device: torch.device,
+                          backend=None) -> Optional[BlockStreamer]:
+    """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
+
+    ``backend`` defaults to CUDA on ``exec_device``; tests pass :class:`CpuBackend` with ``exec_device=cpu`` to
+    run this exact wiring on a machine without GPUs.
+    """
     from loaders.dispatch import module_for_entry, ordered_entries
 
     entries = ordered_entries(model, device_map)
@@ -442,9 +447,11 @@ def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, Devic
                                                           requires_grad=False)
         else:
             module._buffers[leaf] = module._buffers[leaf].to(exec_device)
-    if blocks:
-        streamer = BlockStreamer(blocks, CudaBackend(exec_device))
-        streamer.install()
-        model._loadmaster_streamer = streamer
-        log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes,
-                 exec_device)
+    if not blocks:
+        return None
+    streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device))
+    streamer.install()
+    model._loadmaster_streamer = streamer
+    log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes,
+             exec_device)
+    return streamer

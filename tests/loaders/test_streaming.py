@@ -164,3 +164,20 @@ def test_move_to_moves_tensors_in_containers_and_leaves_caches_alone():
     assert moved[0].device.type == "meta" and moved[1][0].device.type == "meta" and moved[1][1] == 3
     assert moved[2]["a"].device.type == "meta" and moved[2]["cache"] is cache
     assert moved[3] is cache and moved[4] is None
+
+
+def test_gpu_wiring_runs_with_the_cpu_backend(tiny_gpt2):
+    """install_gpu_execution itself (align hooks, root hooks, blocks, tied head), with CPU standing in for CUDA."""
+    from loaders.streaming import install_gpu_execution
+
+    dm = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "cpu", "transformer.h.1": "disk",
+          "transformer.h.2": "cpu", "transformer.h.3": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    model = loaders.load_model(tiny_gpt2, device_map=dm, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    streamer = install_gpu_execution(model, dm, placement, None, torch.device("cpu"), backend=LazyBackend())
+    assert streamer is not None and {b.key for b in streamer.blocks} == set(dm)
+    # the tied head is streamed on its own, from the same host tensor as the embeddings
+    head = next(b for b in streamer.blocks if b.key == "lm_head")
+    wte = next(b for b in streamer.blocks if b.key == "transformer.wte")
+    assert head.tensors[0].host.data_ptr() == wte.tensors[0].host.data_ptr()
+    assert_equivalent(model, tiny_gpt2)
