@@ -28,10 +28,17 @@ if ! docker info >/dev/null 2>&1; then
     docker info >/dev/null 2>&1 || not_run "no Docker engine could be started ($(tail -n 1 /tmp/loadmaster-dockerd.log 2>/dev/null || echo 'dockerd not installed or not root'))"
 fi
 
+DANGLING_BEFORE="$(docker images -q -f dangling=true 2>/dev/null | tr '\n' ' ')"
 cleanup() {
     docker rm -f "$NAME" >/dev/null 2>&1 || true
     rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"
-    if [ "${LOADMASTER_SMOKE_KEEP:-0}" != 1 ]; then docker rmi "$IMAGE" >/dev/null 2>&1 || true; fi
+    if [ "${LOADMASTER_SMOKE_KEEP:-0}" != 1 ]; then
+        docker rmi "$IMAGE" >/dev/null 2>&1 || true
+        # the build stage this build left untagged (only images that were not dangling before it, never others)
+        for id in $(docker images -q -f dangling=true 2>/dev/null); do
+            case " $DANGLING_BEFORE " in *" $id "*) ;; *) docker rmi "$id" >/dev/null 2>&1 || true ;; esac
+        done
+    fi
 }
 trap cleanup EXIT
 
