@@ -12,31 +12,19 @@ from typing import Iterable, Mapping
 import torch
 
 from planner.errors import PlanError
+from planner.hardware import normalize_device_key
 from planner.types import DeviceId
 
 
 def normalize_device(value) -> DeviceId:
-    """Accept the spellings users write (0, "0", "cuda:0", torch.device, "cpu", "disk", "meta"-free) -> int | str."""
+    """Accept the spellings users write (0, "0", "cuda:0", a torch.device, "cpu", "disk") -> int | str.
+
+    A torch.device is turned into its name; everything else is the planner's reading of ``max_memory`` keys, so a
+    device map and ``max_memory`` accept exactly the same spellings.
+    """
     if isinstance(value, torch.device):
-        return value.index or 0 if value.type == "cuda" else value.type
-    if isinstance(value, bool):
-        raise PlanError(f"Device {value!r} is not a device: use a GPU index, 'cpu' or 'disk'.")
-    if isinstance(value, int):
-        if value < 0:
-            raise PlanError(f"Device {value} is not a GPU index: use 0, 1, ... , 'cpu' or 'disk'.")
-        return value
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("cpu", "disk"):
-            return v
-        if v.isdigit():
-            return int(v)
-        if v.startswith("cuda:") and v[5:].isdigit():
-            return int(v[5:])
-        if v == "cuda":
-            return 0
-    raise PlanError(f"Device {value!r} in the device map is not understood: use a GPU index (0, 1, ...), "
-                    "'cuda:N', 'cpu' or 'disk'.")
+        return value.index or 0 if value.type == "cuda" else normalize_device_key(value.type)
+    return normalize_device_key(value)
 
 
 def normalize_map(device_map: Mapping[str, object]) -> dict[str, DeviceId]:

@@ -13,13 +13,13 @@ NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "mode
 
 @pytest.mark.parametrize("value, expected", [
     (0, 0), ("1", 1), ("cuda:2", 2), ("cuda", 0), (torch.device("cuda", 3), 3), (torch.device("cpu"), "cpu"),
-    ("CPU", "cpu"), ("disk", "disk"),
+    ("CPU", "cpu"), ("disk", "disk"), ("gpu0", 0),
 ])
 def test_normalize_device(value, expected):
     assert normalize_device(value) == expected
 
 
-@pytest.mark.parametrize("value", [-1, True, "gpu0", "cuda:x", 1.5])
+@pytest.mark.parametrize("value", [-1, True, "tpu0", "cuda:x", 1.5, "meta"])
 def test_normalize_device_rejects(value):
     with pytest.raises(PlanError):
         normalize_device(value)
