@@ -74,10 +74,33 @@ def _shortfall(problem: Problem) -> tuple[dict[DeviceId, int], int]:
     return need, missing
 
 
+def _describe_devices(hardware: Hardware) -> str:
+    """``GPU 0-3 24.0GiB each, cpu 64.0GiB``: runs of same-sized GPUs are named once."""
+    parts: list[str] = []
+    run: list = []  # consecutive GPUs of one capacity
+
+    def flush() -> None:
+        if run:
+            ids = f"GPU {run[0].id}" if len(run) == 1 else f"GPU {run[0].id}-{run[-1].id}"
+            parts.append(f"{ids} {format_bytes(run[0].capacity)}" + (" each" if len(run) > 1 else ""))
+            run.clear()
+
+    for d in hardware.devices:
+        if d.kind == "gpu" and run and (d.capacity != run[0].capacity or d.id != run[-1].id + 1):
+            flush()
+        if d.kind == "gpu":
+            run.append(d)
+        else:
+            flush()
+            parts.append(f"{device_label(d.id)} {format_bytes(d.capacity)}")
+    flush()
+    return ", ".join(parts)
+
+
 def explain_no_fit(
     skeleton: Skeleton, hardware: Hardware, workload: Workload, problem: Problem, result: FillResult, strategy: Any, advise: bool
 ) -> str:
-    caps = ", ".join(f"{device_label(d.id)} {format_bytes(d.capacity)}" for d in hardware.devices)
+    caps = _describe_devices(hardware)
     need, missing = _shortfall(problem)
     short = "; ".join(
         f"{device_label(d.id)} needs {format_bytes(need[d.id])} of {format_bytes(d.capacity)} "

@@ -153,12 +153,21 @@ def _solve(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy:
 
 
 def _fallbacks(problem: Problem):
-    """The problem as asked, then without its first GPU(s), then without GPUs: a GPU too small to hold the
-    compute buffers should be skipped, not fail the plan."""
+    """The problem as asked; then without the GPUs too small to hold a GPU's compute buffers; then computing on the
+    largest GPU (the ones before it left out); then without GPUs. A GPU too small to compute on should be skipped,
+    not fail the plan. At most four attempts, however many GPUs there are."""
     yield problem
-    gpus = [d.id for d in problem.hardware.gpus]
-    for k in range(1, len(gpus) + 1):
-        yield replace(problem, excluded=frozenset(gpus[:k]))
+    gpus = problem.hardware.gpus
+    if not gpus:
+        return
+    floor = problem.activation + problem.hardware.gpu_reserve
+    tried: set[frozenset] = {frozenset()}
+    small = frozenset(d.id for d in gpus if d.capacity < floor)
+    largest = max(range(len(gpus)), key=lambda i: (gpus[i].capacity, -i))
+    for excluded in (small, frozenset(d.id for d in gpus[:largest]) | small, frozenset(d.id for d in gpus)):
+        if excluded not in tried:
+            tried.add(excluded)
+            yield replace(problem, excluded=excluded)
 
 
 def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strategy: str) -> tuple[Problem, FillResult, str, list[str]]:

@@ -141,3 +141,20 @@ def test_predictions_follow_the_stated_cost_model():
     expected_step = (total_read - emb_bytes + emb_bytes // emb.shape[0]) / 1e9
     assert p.prediction.decode_tokens_per_s == pytest.approx(1 / expected_step, rel=1e-3)
     assert "bandwidth" in p.prediction.cost_model
+
+
+def test_a_gpu_too_small_to_compute_on_is_skipped_not_fatal():
+    # GPU 0 cannot hold a GPU's compute buffers; GPU 1 holds part of the model and computes the offloaded rest
+    p = plan(SKEL, max_memory={0: 64 * 1024, 1: 3 * MiB, "cpu": "1GiB"}, gpu_reserve=MiB // 4, dtype="fp32", context=64)
+    used = set(p.placement.values())
+    assert 0 not in used and {1, "cpu"} <= used
+    assert any("GPU 0 left unused" in r for r in p.reasons)
+    assert p.budget(1).kv_cache == kv_bytes_per_layer(SKEL, p.workload) * SKEL.kv.num_layers
+
+
+def test_many_declared_gpus_name_their_runs_once_in_errors():
+    from planner.errors import PlanError
+
+    with pytest.raises(PlanError) as e:
+        plan(SKEL, gpus="512x64KiB", max_memory={"cpu": "1MiB"}, dtype="fp32", context=64)
+    assert "GPU 0-511 64.0KiB each" in str(e.value)
