@@ -1,7 +1,8 @@
 """The running batch: active sequences whose KV caches are stacked left-padded, decoded one token per step.
 
-A sequence is prefilled alone (batch of one, no padding), then its cache is merged into the batch between decode
-steps; a finished or cancelled sequence is removed by selecting the other rows. Left padding is masked out by the
+Prompts that arrive together are prefilled together, left-padded to the longest (see :func:`prefill_groups` for
+which ones share a forward), then their cache is merged into the batch between decode steps; a finished or cancelled
+sequence is removed by selecting the other rows. Left padding is masked out by the
 attention mask, and each row's position ids count only its real tokens, so a row computes what it would alone.
 Leading columns that every row pads are trimmed away, so a long-gone sequence leaves no padding behind.
 
@@ -45,12 +46,14 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.items)
 
-    def add(self, item: Any, cache: DynamicCache, length: int) -> None:
-        """Append one prefilled sequence (a batch-of-one cache holding ``length`` tokens)."""
-        mask = torch.ones((1, length), dtype=torch.long, device=self.device)
-        pos = torch.tensor([length], dtype=torch.long, device=self.device)
+    def add(self, items: Sequence[Any], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append prefilled sequences: ``cache`` holds one left-padded row per item, ``mask`` (``[k, L]``) marks
+        their real tokens (as :func:`prefill` returns them)."""
+        mask = mask.to(device=self.device, dtype=torch.long)
+        length = mask.shape[1]
+        pos = mask.sum(dim=1)
         if self.cache is None or not self.items:
-            self.cache, self.mask, self.positions, self.items = cache, mask, pos, [item]
+            self.cache, self.mask, self.positions, self.items = cache, mask, pos, list(items)
             return
         cur = self.mask.shape[1]
         new_len = max(cur, length)
@@ -65,7 +68,7 @@ class DecodeBatch:
             dim=0,
         )
         self.positions = torch.cat([self.positions, pos])
-        self.items.append(item)
+        self.items.extend(items)
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices into ``items``), dropping the others' caches, then trim shared padding."""
@@ -109,9 +112,62 @@ class DecodeBatch:
         return out.logits[:, -1, :]
 
 
+#: Most tokens, padding included, that one batched prefill may run (bounds its activation memory).
+PREFILL_TOKENS = 256
+#: Largest share of a batched prefill that may be padding; a prompt that would exceed it starts another prefill.
+PREFILL_PADDING = 0.25
+
+
+def prefill_groups(lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS,
+                   max_padding: float = PREFILL_PADDING) -> list[list[int]]:
+    """Split prompts (given by their lengths) into batches to prefill together; returns indices into ``lengths``.
+
+    One forward over several prompts multiplies more rows per weight matrix, which on CPU costs about 15% less time
+    per token than prompt after prompt, but every padding token is work thrown away. So prompts are taken shortest
+    first and a batch grows while it stays within ``max_tokens`` (padding included) and ``max_padding``.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        padded = lengths[i] * (len(current) + 1)  # the newest prompt is the longest
+        if current and (padded > max_tokens or padded - (real + lengths[i]) > max_padding * padded):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
 @torch.inference_mode()
-def prefill(model: torch.nn.Module, device: torch.device, prompt: Sequence[int]) -> tuple[torch.Tensor, DynamicCache]:
-    """Run a prompt alone; return its last position's logits ``[vocab]`` and its batch-of-one cache."""
-    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config), use_cache=True)
-    return out.logits[0, -1, :], out.cache
+def prefill(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]]
+            ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    """Run prompts in one forward, left-padded to the longest.
+
+    Returns each prompt's last-position logits ``[k, vocab]``, the cache (one row per prompt) and the attention
+    mask ``[k, L]`` (1 = real token). Padding is masked out and position ids count only real tokens, so each row
+    computes what it would alone; a single prompt has no padding at all.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                cache=DynamicCache(config=model.config), use_cache=True, **extra)
+    return out.logits[:, -1, :], out.cache, mask
+
+
+def _keeps_last_logits(model: torch.nn.Module) -> bool:
+    """Whether the model can compute logits for the last position only (no ``[k, L, vocab]`` tensor in prefill)."""
+    supports = getattr(model, "_supports_logits_to_keep", None)
+    try:
+        return bool(supports()) if callable(supports) else False
+    except Exception:  # noqa: BLE001 - an odd forward signature: compute all logits, as plain transformers would
+        return False

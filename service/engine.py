@@ -2,8 +2,8 @@
 
 Requests arrive through :meth:`Engine.submit` into a bounded queue. The engine thread loops:
 
-1. admit waiting requests while the batch has room: prefill each alone, choose its first token, merge its cache
-   into the running batch (:mod:`service.batch`);
+1. admit waiting requests while the batch has room: prefill those that arrived together in batches of similar
+   length, choose each one's first token, merge their caches into the running batch (:mod:`service.batch`);
 2. run one decode step for every active sequence together, choose each sequence's next token on its own row;
 3. drop sequences that finished, were cancelled by their client, or failed.
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from service.batch import DecodeBatch, prefill, stackable
+from service.batch import DecodeBatch, prefill, prefill_groups, stackable
 from service.errors import GenerationError, NotReadyError, OverloadedError
 from service.sampling import SamplingParams, TokenChooser
 
@@ -224,6 +225,15 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _stacks_caches(model: torch.nn.Module) -> bool:
+    """Whether the model's KV caches can be stacked across sequences, so that prompts may be prefilled together
+    (a sliding-window or otherwise special cache keeps each sequence in a batch of its own, prefilled alone)."""
+    try:
+        return stackable(DynamicCache(config=model.config))
+    except Exception:  # noqa: BLE001 - a config the cache cannot read: fall back to one prompt at a time
+        return False
+
+
 class Engine:
     """Owns the model; batches the sequences of concurrent requests. Thread-safe ``submit``."""
 
@@ -244,6 +254,7 @@ class Engine:
         self.device = input_device(model)
         self.eos = eos_ids(model, tokenizer)
         self.special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
+        self.batch_prefill = _stacks_caches(model)
         self._pending: deque[_Sequence] = deque()
         self._groups: list[DecodeBatch] = []
         self._cv = threading.Condition()
@@ -312,8 +323,8 @@ class Engine:
                             continue
                         newcomers.append(seq)
                         room -= 1
-                for seq in newcomers:
-                    self._admit(seq)
+                if newcomers:
+                    self._admit(newcomers)
                 self._decode_step()
                 self.metrics.engine_state(self.active, len(self._pending))
         except Exception:  # pragma: no cover - a bug in the loop itself; never leave clients hanging
@@ -332,33 +343,43 @@ class Engine:
                 seq.fail(message, error_type)
         self._groups = []
 
-    def _admit(self, seq: _Sequence) -> None:
+    def _admit(self, seqs: list[_Sequence]) -> None:
+        """Prefill newcomers (together where their caches can later be stacked), then merge them into the batch."""
         now = time.perf_counter()
-        self.metrics.queued(now - seq.enqueued_at)
-        rid = seq.request.request_id
+        for seq in seqs:
+            self.metrics.queued(now - seq.enqueued_at)
+        if self.batch_prefill:
+            groups = prefill_groups([len(s.request.prompt_ids) for s in seqs])
+        else:
+            groups = [[i] for i in range(len(seqs))]
+        for group in groups:
+            self._prefill([seqs[i] for i in group])
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        """Prefill ``seqs`` in one forward, emit each one's first token and add the unfinished ones to a batch."""
         try:
-            logits, cache = prefill(self.model, self.device, seq.request.prompt_ids)
-            token, logprob = seq.chooser.choose(logits, seq.history())
-        except Exception as exc:  # noqa: BLE001 - reported to the client, logged with its request id
-            self._step_failed([seq], exc, "prefill")
+            logits, cache, mask = prefill(self.model, self.device, [s.request.prompt_ids for s in seqs])
+            choices = self._choose_all(logits, seqs)
+        except Exception as exc:  # noqa: BLE001 - reported to the clients, logged with their request ids
+            self._step_failed(seqs, exc, "prefill")
             return
-        self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
-        finish = self._accept(seq, token, logprob)
-        if seq.done and finish is None:
-            return
-        if finish is not None:
-            self._finished(seq, finish)
-            return
+        for seq, (token, logprob) in zip(seqs, choices):
+            self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
+            finish = self._accept(seq, token, logprob)
+            if finish is not None:
+                self._finished(seq, finish)
+        if all(seq.done for seq in seqs):
+            return  # rows of finished sequences that do join are dropped before the next decode step
         if stackable(cache) and self._groups and stackable(self._groups[0].cache):
-            self._groups[0].add(seq, cache, len(seq.request.prompt_ids))
+            self._groups[0].add(seqs, cache, mask)
         else:
             group = DecodeBatch(self.model, self.device)
-            group.add(seq, cache, len(seq.request.prompt_ids))
+            group.add(seqs, cache, mask)
             if stackable(cache):
                 self._groups.insert(0, group)
             else:
                 self._groups.append(group)
-        log.debug("request %s admitted (%d prompt tokens)", rid, len(seq.request.prompt_ids))
+        log.debug("request(s) %s admitted", ", ".join(s.request.request_id for s in seqs))
 
     def _decode_step(self) -> None:
         self.peak_batch = max(self.peak_batch, self.active)
