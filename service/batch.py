@@ -122,9 +122,10 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS,
                    max_padding: float = PREFILL_PADDING) -> list[list[int]]:
     """Split prompts (given by their lengths) into batches to prefill together; returns indices into ``lengths``.
 
-    One forward over several prompts multiplies more rows per weight matrix, which on CPU costs about 15% less time
-    per token than prompt after prompt, but every padding token is work thrown away. So prompts are taken shortest
-    first and a batch grows while it stays within ``max_tokens`` (padding included) and ``max_padding``.
+    One forward over several prompts pays a forward's fixed cost once (reading every weight, the per-layer Python;
+    about one batch-of-one decode step) instead of once per prompt, but every padding token is work thrown away:
+    on CPU a padded token costs as much as a real one. So prompts are taken shortest first and a batch grows while
+    it stays within ``max_tokens`` (padding included) and ``max_padding``.
     """
     groups: list[list[int]] = []
     current: list[int] = []
