@@ -86,6 +86,21 @@ def _error_status(ev: ErrorEvent) -> int:
     return {"validation": 400, "overloaded": 429, "not_ready": 503}.get(ev.error_type, 500)
 
 
+
+async def _final_or_response(stream: EngineStream, request: Request, rid: str) -> tuple[Any, Response | None]:
+    """Wait for a non-streamed request's final event. When there is nothing to build an answer on (the client left,
+    or generation failed), the second item is the response to send instead."""
+    try:
+        final = await stream.wait_final(request)
+    finally:
+        stream.close()
+    if final is None:
+        return None, Response(status_code=499)
+    if isinstance(final, ErrorEvent):
+        log.error("request %s failed: %s", rid, final.message)
+        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=_error_status(final))
+    return final, None
+
 def _stream_response(
     stream: EngineStream,
     gen: GenerationRequest,
@@ -165,15 +180,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _stream_response(stream, gen, rid, chunk, None, include_usage)
 
-    try:
-        final = await stream.wait_final(request)
-    finally:
-        stream.close()
-    if final is None:
-        return Response(status_code=499)
-    if isinstance(final, ErrorEvent):
-        log.error("request %s failed: %s", rid, final.message)
-        return JSONResponse(openai_error(final.message, final.error_type), status_code=_error_status(final))
+    final, early = await _final_or_response(stream, request, rid)
+    if early is not None:
+        return early
     text = _final_text(final)
     logprobs = None
     if body.logprobs is not None:
@@ -234,15 +243,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return _stream_response(stream, gen, rid, chunk, first, include_usage)
 
-    try:
-        final = await stream.wait_final(request)
-    finally:
-        stream.close()
-    if final is None:
-        return Response(status_code=499)
-    if isinstance(final, ErrorEvent):
-        log.error("request %s failed: %s", rid, final.message)
-        return JSONResponse(openai_error(final.message, final.error_type), status_code=_error_status(final))
+    final, early = await _final_or_response(stream, request, rid)
+    if early is not None:
+        return early
     return JSONResponse(
         {
             "id": cid,

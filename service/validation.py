@@ -59,13 +59,12 @@ class TGIRequest(BaseModel):
     stream: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI ``POST /v1/completions`` (the fields we honour; others are accepted and ignored)."""
+class _OpenAIRequest(BaseModel):
+    """Fields both OpenAI routes take (the ones we honour; others are accepted and ignored)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | list[str]
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -73,12 +72,18 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    """OpenAI ``POST /v1/completions`` (the fields we honour; others are accepted and ignored)."""
+
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -88,26 +93,12 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(_OpenAIRequest):
     """OpenAI ``POST /v1/chat/completions``."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
     messages: list[ChatMessage]
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
-    stream_options: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    user: str | None = None
 
 
 def new_request_id() -> str:
