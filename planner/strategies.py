@@ -272,23 +272,27 @@ def _bisect_share(problem: Problem, gpus: list[Device], fixed: dict[DeviceId, in
     return hi
 
 
-def balanced(problem: Problem) -> FillResult:
+def _balanced_share(problem: Problem) -> tuple[list[Device], float] | FillResult:
+    """The GPUs and their optimal common utilisation, or the sequential plan when there is nothing to balance
+    (fewer than two GPUs, or GPUs that cannot hold everything)."""
     gpus = _gpus(problem)
-    if len(gpus) < 2:
-        return sequential(problem)
-    t = _bisect_share(problem, gpus, {})
-    if t is None:
-        return sequential(problem)
+    t = _bisect_share(problem, gpus, {}) if len(gpus) >= 2 else None
+    return sequential(problem) if t is None else (gpus, t)
+
+
+def balanced(problem: Problem) -> FillResult:
+    share = _balanced_share(problem)
+    if isinstance(share, FillResult):
+        return share
+    gpus, t = share
     return fill_consistent(problem, {d.id: int(d.capacity * t) for d in gpus})
 
 
 def balanced_low_0(problem: Problem) -> FillResult:
-    gpus = _gpus(problem)
-    if len(gpus) < 2:
-        return balanced(problem)
-    t = _bisect_share(problem, gpus, {})
-    if t is None:
-        return sequential(problem)
+    share = _balanced_share(problem)
+    if isinstance(share, FillResult):
+        return share
+    gpus, t = share
     first, rest = gpus[0], gpus[1:]
     # The first GPU keeps half of its balanced share, but always at least the first block, so it is still used.
     light = min(first.capacity, max(int(first.capacity * t * 0.5), _first_block_need(problem, first.id)))

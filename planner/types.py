@@ -6,6 +6,7 @@ pure planning core, and serialised to JSON for the service and the loader. Sizes
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Union
 
@@ -39,10 +40,7 @@ class TensorSpec(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
