@@ -159,6 +159,27 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
             "tokens": out[0, prompt_len:].tolist()}
 
 
+def token_agreement(rows: list[dict], reference: str) -> None:
+    """Set each row's ``tokens_vs_transformers`` to "k/n": how many of its greedy tokens, from the first, equal
+    those of the first row whose label starts with ``reference`` (the peer's own result on the same weights).
+
+    In bf16 two correct kernels that sum in different orders may round a near-tie logit apart, after which the
+    greedy paths diverge; the count shows how long they agree. In fp32 the paths must agree in full.
+    """
+    ref = next((r for r in rows if r.get("label", "").startswith(reference) and "tokens" in r), None)
+    if ref is None:
+        return
+    for r in rows:
+        if "tokens" not in r:
+            continue
+        k = 0
+        for a, b in zip(r["tokens"], ref["tokens"]):
+            if a != b:
+                break
+            k += 1
+        r["tokens_vs_transformers"] = f"{k}/{len(ref['tokens'])}"
+
+
 def decode_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every tensor except embedding tables (one row each)."""
     import torch

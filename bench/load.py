@@ -37,6 +37,7 @@ from bench.common import (  # noqa: E402
     rss_peak,
     best_of,
     time_generation,
+    token_agreement,
     write_json,
 )
 
@@ -44,7 +45,8 @@ CONTENDERS = ("loadmaster", "accelerate", "transformers")
 
 
 # -- worker (runs in a fresh process) ----------------------------------------------------------------------------
-def _load(contender: str, path: str, dtype, device_map: dict, offload_folder: str | None):
+def _load(contender: str, path: str, dtype, device_map: dict, offload_folder: str | None,
+          cpu_kernels: str = "auto"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -52,7 +54,7 @@ def _load(contender: str, path: str, dtype, device_map: dict, offload_folder: st
         import loaders
 
         return loaders.load_model(path, device_map=device_map, dtype=dtype, offload_folder=offload_folder,
-                                  show_progress=False)
+                                  show_progress=False, cpu_kernels=cpu_kernels)
     if contender == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
@@ -105,7 +107,8 @@ def worker(spec: dict) -> dict:
     base = rss_now()
     reset_rss_peak()
     t0 = time.perf_counter()
-    model = _load(spec["contender"], spec["path"], dtype, spec["device_map"], folder)
+    model = _load(spec["contender"], spec["path"], dtype, spec["device_map"], folder,
+                  spec.get("cpu_kernels", "auto"))
     ready = time.perf_counter() - t0
     peak_load = rss_peak()
     resident = _resident_bytes(model)
@@ -125,6 +128,7 @@ def worker(spec: dict) -> dict:
         "offload_written": written, "decode_tok_s": gen["decode_tok_s"], "decode_tok_s_mean": gen["decode_tok_s_mean"],
         "bytes_per_token": per_token, "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9,
         "disk_bytes": disk_bytes, "tokens": gen["tokens"],
+        "native_linears": getattr(getattr(model, "load_stats", None), "native_linears", 0),
     }
 
 
@@ -147,7 +151,7 @@ def _disk_bytes(path: str, device_map: dict, dtype) -> int:
 COLUMNS = [("dtype", "dtype"), ("label", "contender"), ("ready_s", "ready s"), ("first_token_s", "first token s"),
            ("load_rss", "load RSS"), ("resident_bytes", "CPU-resident"), ("rss_over_resident", "RSS/resident"),
            ("offload_written", "offload written"), ("decode_tok_s", "decode tok/s"), ("decode_gb_s", "GB/s"),
-           ("same_tokens", "same tokens")]
+           ("tokens_vs_transformers", "tokens = transformers")]
 
 
 def warm(path: Path) -> None:
@@ -178,20 +182,17 @@ def main(argv=None) -> int:
     for dtype in args.dtypes.split(","):
         path = Path(args.model_dir) if args.model_dir else llama_1b_dir(dtype)
         warm(path)
-        ref_tokens = None
         for contender in args.contenders.split(","):
             spec = {"contender": contender, "path": str(path), "dtype": dtype, "device_map": {"": "cpu"},
                     "new_tokens": args.new_tokens, "threads": args.threads}
             r = best_of(Path(__file__), spec, args.repeats)
             r.setdefault("dtype", dtype)
             r.setdefault("label", contender)
-            if "tokens" in r:
-                ref_tokens = ref_tokens or r["tokens"]
-                r["same_tokens"] = r["tokens"] == ref_tokens
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
     ratios = {}
     for dtype in args.dtypes.split(","):
+        token_agreement([r for r in rows if r.get("dtype") == dtype], "transformers")
         by = {r["label"]: r for r in rows if r.get("dtype") == dtype and "error" not in r}
         if "loadmaster" in by and "accelerate" in by:
             ratios[dtype] = {

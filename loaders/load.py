@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from loaders.checkpoint_layout import resolve_sources
 from loaders.device_map import assign_devices, execution_device, normalize_map
 from loaders.errors import CheckpointError
+from loaders.fast_linear import CPU_KERNEL_CHOICES, use_native_linears
 from loaders.materialize import Materializer
 from loaders.model_builder import (
     build_meta_model,
@@ -114,13 +115,18 @@ def load_model(
     *,
     progress: Optional[Callable[[LoadProgress], None]] = None,
     show_progress: bool = True,
+    cpu_kernels: str = "auto",
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
 
     Returns the transformers model (eval mode) with ``hf_device_map`` and ``load_stats`` set. Raises
     :class:`CheckpointError` for a checkpoint that does not match its config, before any weight is allocated.
+    ``cpu_kernels``: ``"auto"`` runs decode-sized bf16 linear layers on the CPU through the native kernel when
+    it builds here (:mod:`loaders.cpu_kernels`), ``"native"`` insists on it, ``"torch"`` never uses it.
     """
+    if cpu_kernels not in CPU_KERNEL_CHOICES:
+        raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
     t0 = time.perf_counter()
     reset_peak_rss()
     path = Path(path)
@@ -178,9 +184,11 @@ def load_model(
         from loaders.dispatch import dispatch
 
         dispatch(model, dmap, placement, mat, exec_dev)
+        native = use_native_linears(model, cpu_kernels)
         model.hf_device_map = dict(dmap)
         model.loadmaster_plan = plan
         stats = mat.stats
+        stats.native_linears = native
         stats.seconds = time.perf_counter() - t0
         stats.peak_rss_bytes = peak_rss_bytes()
         model.load_stats = stats
@@ -212,7 +220,7 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
                              dtype=None, quantization: Optional[str] = None,
                              offload_folder: Union[str, os.PathLike, None] = None, *,
                              progress: Optional[Callable[[LoadProgress], None]] = None, show_progress: bool = True,
-                             **workload):
+                             cpu_kernels: str = "auto", **workload):
     """:func:`load_model` plus the tokenizer saved next to the weights (``AutoTokenizer``, local files only).
 
     The tokenizer is read first, so a directory without one fails before any weight is loaded.
@@ -227,5 +235,5 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
         raise CheckpointError(f"No usable tokenizer in {root} ({exc}). Save one with tokenizer.save_pretrained "
                               "into the model directory.") from exc
     model = load_model(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
-                       show_progress=show_progress, **workload)
+                       show_progress=show_progress, cpu_kernels=cpu_kernels, **workload)
     return model, tokenizer

@@ -176,9 +176,18 @@ async def info(request: Request) -> dict[str, Any]:
             "plan": loaded.plan.to_dict() if loaded.plan else None,
             "memory": memory_report(model, loaded.plan, runtime.weight_bytes),
             "load_stats": _plain(getattr(model, "load_stats", None)),
+            "cpu_kernels": kernel_report(s.cpu_kernels),
         }
     )
     return out
+
+
+def kernel_report(choice: str) -> dict[str, Any]:
+    """The CPU-kernel choice and, when the native kernel was looked at, whether it is in use and why."""
+    from loaders import cpu_kernels
+
+    st = cpu_kernels.current()
+    return {"choice": choice, "native_available": st.available if st else None, "reason": st.reason if st else None}
 
 
 def _plain(value: Any) -> Any:

@@ -6,7 +6,7 @@ List settings (``api_key``, ``model_root``, ``max_memory``) accept a comma-separ
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -49,6 +49,8 @@ class ServiceSettings(BaseSettings):
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     log_level: str = "info"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
+    cpu_kernels: Literal["auto", "native", "torch"] = Field(
+        "auto", description="bf16 decode on the CPU: the native kernel where it builds (auto), always, or never.")
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
