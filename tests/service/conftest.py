@@ -13,7 +13,9 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+import torch
 import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.app import create_app
 from service.settings import ServiceSettings
@@ -105,3 +107,18 @@ def server(tiny_llama: Path, model_root: Path) -> Iterator[LiveServer]:
 def client(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: Path):
+    """Plain transformers' greedy tokens on the served weights, and the tokenizer."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+
+    def greedy(prompt: str, n: int) -> list[int]:
+        ids = tok(prompt, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.pad_token_id)
+        return out[0, ids["input_ids"].shape[1]:].tolist()
+
+    return greedy, tok

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def sse_events(text: str) -> list[dict]:
@@ -20,20 +18,6 @@ def sse_events(text: str) -> list[dict]:
         assert block.startswith("data:"), block
         events.append(json.loads(block[len("data:"):]))
     return events
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path):
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-
-    def greedy(prompt: str, n: int) -> list[int]:
-        ids = tok(prompt, return_tensors="pt")
-        out = model.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=tok.pad_token_id)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
-
-    return greedy, tok
 
 
 def test_generate_matches_transformers_greedy(client: httpx.Client, reference) -> None:
