@@ -184,7 +184,8 @@ def load_model(
         from loaders.dispatch import dispatch
 
         dispatch(model, dmap, placement, mat, exec_dev)
-        native = use_native_linears(model, cpu_kernels)
+        # With GPUs every block computes on a GPU (offloaded ones are streamed there): no CPU products to speed up.
+        native = use_native_linears(model, cpu_kernels) if exec_dev.type == "cpu" else 0
         model.hf_device_map = dict(dmap)
         model.loadmaster_plan = plan
         stats = mat.stats
