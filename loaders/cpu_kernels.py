@@ -6,9 +6,10 @@ rows in place with AVX512-BF16 dot products and gets close to the streaming rate
 where it lies, a weight that is a view of a safetensors file mapping (a ``"disk"`` block) stays zero-copy.
 
 Why ctypes and not a torch extension: the C file includes no torch header, so it builds in about a second with
-the system C compiler and needs no build step at install time. The build goes to a per-user cache keyed by the
-source's hash and the compiler flags, written to a temporary name and renamed, so concurrent first uses (several
-test workers, several servers) never see a half-written library. ``-fopenmp`` binds to the OpenMP runtime torch
+the system C compiler and needs no build step at install time. The build goes to a cache keyed by the source's
+hash and the compiler flags, written to a temporary name and renamed, so concurrent first uses (several test
+workers, several servers) never see a half-written library. :func:`build` can also run ahead of time (the Docker
+image's build stage does), so a machine without a compiler can still use a library built elsewhere. ``-fopenmp`` binds to the OpenMP runtime torch
 already loaded (same soname), so the kernel shares torch's thread pool instead of starting a second one.
 
 Everything degrades to torch: no compiler, a CPU without ``avx512_bf16``, a failed build, or
@@ -83,16 +84,27 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _build(cc: str) -> Path:
-    """Compile the kernel into the cache (once per source and flags) and return the library's path."""
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join((cc,) + CFLAGS).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"linear_bf16-{key}.so"
+def library_path() -> Path:
+    """Where the built library for this source and these flags lives (the compiler does not enter the key, so a
+    library built elsewhere, e.g. in a Docker build stage, is used where no compiler is installed)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"linear_bf16-{key}.so"
+
+
+def build(cc: Optional[str] = None) -> Path:
+    """Compile the kernel into the cache unless it is there already, and return the library's path.
+
+    Needs no particular CPU (the library is only loaded where the CPU has the instructions), so an image can
+    build it once at build time. Raises ``RuntimeError`` when there is no compiler or the compiler fails.
+    """
+    target = library_path()
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH to build the kernel")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
@@ -114,18 +126,17 @@ def _load() -> KernelStatus:
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return KernelStatus(False, f"this CPU lacks {', '.join(missing)}")
-    cc = _compiler()
-    if cc is None:
-        return KernelStatus(False, "no C compiler (cc, gcc or clang) on PATH to build the kernel")
     try:
-        path = _build(cc)
+        path = build()
         lib = ctypes.CDLL(str(path))
         fn = lib.lm_linear_bf16
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return KernelStatus(False, f"building the kernel failed: {exc}")
+    except RuntimeError as exc:
+        return KernelStatus(False, str(exc) if "no C compiler" in str(exc) else f"building the kernel failed: {exc}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return KernelStatus(False, f"building or loading the kernel failed: {exc}")
     _lib = lib
     return KernelStatus(True, "avx512_bf16 kernel in use", str(path))
 

@@ -164,3 +164,19 @@ def test_concurrent_first_builds_leave_one_complete_library(tmp_path):
     libs = {o[0].strip() for o in outs}
     assert len(libs) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(libs.pop()).name]
+
+
+@needs_kernel
+def test_a_library_built_ahead_is_used_where_no_compiler_is(tmp_path):
+    """An image builds the kernel in its build stage; the runtime has no compiler and still uses it."""
+    env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache"), "PATH": str(tmp_path / "empty-bin"), "CC": ""}
+    code = "from loaders import cpu_kernels; st = cpu_kernels.status(); print(st.available, '|', st.reason)"
+    r = _run(code, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("False |") and "no C compiler" in r.stdout
+    built = _run("from loaders import cpu_kernels; print(cpu_kernels.build())",
+                 {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert built.returncode == 0, built.stderr
+    r = _run(code, env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True |"), r.stdout
