@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/serve.py                       # ~100M-parameter Llama fixture, fp32
     .venv/bin/python bench/serve.py --clients 1,4,16 --requests 32 --max-new-tokens 64 --out bench/results/serve.json
+    .venv/bin/python bench/serve.py --dtype bfloat16 --out bench/results/serve-bf16.json   # bf16 weights and compute
 
 Each request is greedy with a fixed ``max_new_tokens`` on a distinct prompt; tokens/s counts generated tokens
 actually returned. Latency is a whole request (HTTP round trip included for the server). The baseline runs in
@@ -58,13 +59,14 @@ def summarize(latencies: list[float], tokens: int, wall: float) -> dict[str, flo
 
 
 # -- baseline ------------------------------------------------------------------------------------------------------
-def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads: int | None) -> dict[str, Any]:
+def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads: int | None,
+                 dtype: str = "float32") -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     eos = model.generation_config.eos_token_id
     lat, total = [], 0
@@ -85,11 +87,12 @@ def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads
 
 
 # -- server --------------------------------------------------------------------------------------------------------
-def start_server(model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None) -> subprocess.Popen:
+def start_server(model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None,
+                 dtype: str = "float32") -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port),
            "--max-batch-size", str(max_batch), "--max-concurrent-requests", "256", "--max-total-tokens", "1024",
-           "--dtype", "float32", "--log-level", "warning"]
+           "--dtype", dtype, "--log-level", "warning"]
     if threads:
         cmd += ["--threads", str(threads)]
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (and for the baseline)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and compute for both contenders (bfloat16: the server's native CPU kernel)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for both contenders (1 avoids OpenMP stalls on a busy shared CPU)")
@@ -172,14 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from tests.models import llama_100m_dir
 
-        model_dir = llama_100m_dir()
+        model_dir = llama_100m_dir(args.dtype)
     levels = [int(x) for x in args.clients.split(",")]
     texts = prompts(args.requests)
 
     print(f"model: {model_dir}  requests/level: {args.requests}  max_new_tokens: {args.max_new_tokens}  "
           f"threads: {args.threads or 'default'}", flush=True)
     print("baseline: transformers generate, one request at a time ...", flush=True)
-    baseline = run_baseline(model_dir, texts, args.max_new_tokens, args.threads)
+    baseline = run_baseline(model_dir, texts, args.max_new_tokens, args.threads, args.dtype)
 
     port = args.port
     if not port:
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_path = out_path.with_suffix(".server.log")
-    proc = start_server(model_dir, port, args.max_batch_size, log_path, args.threads)
+    proc = start_server(model_dir, port, args.max_batch_size, log_path, args.threads, args.dtype)
     results = []
     try:
         wait_ready(url, proc)
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "max_batch_size": args.max_batch_size,
         "threads": args.threads,
+        "dtype": args.dtype,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
                     "platform": platform.platform()},
         "baseline": baseline,
