@@ -25,6 +25,8 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     assert info["limits"]["max_batch_size"] == 16 and info["limits"]["max_total_tokens"] == 512
     assert info["version"] and info["status"]["status"] == "ready"
     assert info["load_stats"]["seconds"] >= 0
+    # an fp32 model has no bf16 linear layers: the native kernel is not used and need not even be built
+    assert info["cpu_kernels"]["choice"] == "auto" and info["load_stats"]["native_linears"] == 0
 
 
 def _samples(text: str) -> dict[str, float]:
