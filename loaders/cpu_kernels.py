@@ -161,16 +161,23 @@ def available() -> bool:
     return status().available
 
 
+_BF16 = torch.bfloat16
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear_bf16` takes these operands (a decode-sized bf16 product on the CPU)."""
-    return (
-        x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu" and weight.device.type == "cpu"
-        and weight.dim() == 2 and weight.stride(1) == 1
-        and x.shape[-1] == weight.shape[1]
-        and 0 < x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    )
+    """Whether :func:`linear_bf16` takes these operands (a decode-sized bf16 product on the CPU).
+
+    Called once per linear layer per token, so it reads only cheap attributes (``is_cpu``, not ``device``).
+    """
+    if x.dtype is not _BF16 or weight.dtype is not _BF16 or not x.is_cpu or not weight.is_cpu:
+        return False
+    shape = x.shape
+    k = shape[-1]
+    if weight.dim() != 2 or weight.stride(1) != 1 or k != weight.shape[1] or k == 0:
+        return False
+    if not 0 < x.numel() // k <= MAX_ROWS:
+        return False
+    return not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -178,19 +185,21 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     lib = _lib
     if lib is None:
         raise RuntimeError("the native bf16 kernel is not loaded; call loaders.cpu_kernels.status() first")
-    k = weight.shape[1]
-    n = weight.shape[0]
+    n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.bfloat16)
-    b = None
+    out = torch.empty((m, n), dtype=_BF16)
+    bias_ptr = None
     if bias is not None:
-        b = bias if bias.is_contiguous() and bias.dtype == torch.bfloat16 else bias.to(torch.bfloat16).contiguous()
-    rc = lib.lm_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0),
-                            b.data_ptr() if b is not None else None, out.data_ptr(), n, m, n, k,
-                            torch.get_num_threads())
+        if bias.dtype is not _BF16 or not bias.is_contiguous():
+            bias = bias.to(_BF16).contiguous()
+        bias_ptr = bias.data_ptr()
+    rc = lib.lm_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr,
+                            out.data_ptr(), n, m, n, k, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"lm_linear_bf16 rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
-    return out.reshape(*x.shape[:-1], n)
+    if x.dim() == 2:
+        return out
+    return out.view(*x.shape[:-1], n)

@@ -120,6 +120,38 @@ class ShardReader:
         t = torch.frombuffer(mm, dtype=entry.dtype, count=entry.numel, offset=entry.start)
         return t.view(entry.shape)
 
+    def _base(self, path: str, mm: mmap.mmap) -> int:
+        with self._lock:
+            base = self._addrs.get(path)
+            if base is None:
+                base = self._addrs[path] = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            return base
+
+    def is_cached(self, path: str, start: int, end: int, samples: int = 8) -> bool:
+        """Whether ``samples`` evenly spaced pages of ``[start, end)`` of a mapped shard are in the page cache.
+
+        A probe, not a census: one ``mincore`` per sampled page costs microseconds, where ``MADV_WILLNEED`` on a
+        warm 90 MB block costs ~0.3 ms (it looks up every page) and ``mincore`` over all of it more. Readahead
+        asks this first and skips the advice when the block is cached; eviction (whole LRU runs of pages) shows
+        in the samples. ``False`` when it cannot tell.
+        """
+        mm = self._maps.get(path)
+        libc = _get_libc()
+        if mm is None or not libc:
+            return False
+        lo = (start // PAGE) * PAGE
+        hi = min(len(mm), end)
+        if hi <= lo:
+            return True
+        base = self._base(path, mm)
+        npages = (hi - lo + PAGE - 1) // PAGE
+        step = max(1, npages // samples)
+        vec = (ctypes.c_ubyte * 1)()  # mincore's answer for one page
+        for i in range(0, npages, step):
+            if libc.mincore(ctypes.c_void_p(base + lo + i * PAGE), ctypes.c_size_t(PAGE), vec) != 0 or not vec[0] & 1:
+                return False
+        return True
+
     def advise_willneed(self, path: str, start: int, end: int) -> None:
         """Ask the kernel to start reading ``[start, end)`` of a mapped shard now (readahead for the next block)."""
         mm = self._maps.get(path)
@@ -144,10 +176,7 @@ class ShardReader:
             return
         libc = _get_libc()
         if libc:
-            with self._lock:
-                base = self._addrs.get(path)
-                if base is None:
-                    base = self._addrs[path] = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            base = self._base(path, mm)
             if libc.madvise(ctypes.c_void_p(base + lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_READ) == 0:
                 return
         touched = torch.frombuffer(mm, dtype=torch.uint8, count=hi - lo, offset=lo)[::PAGE]
