@@ -8,6 +8,7 @@ import torch
 
 import loaders
 from loaders.shard_reader import ShardReader
+from tests.loaders.helpers import copy_checkpoint
 
 MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4; Python < 3.12 lacks the constant
 
@@ -24,13 +25,19 @@ def _page_out(reader: ShardReader, path: str, start: int, end: int) -> None:
         os.close(fd)
 
 
+def _sync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def test_is_cached_follows_the_page_cache(tmp_path):
     path = tmp_path / "blob.bin"
     size = 8 << 20
     path.write_bytes(os.urandom(size))
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    _sync(path)
     reader = ShardReader()
     reader.mapping(str(path))
     reader.make_resident(str(path), 0, size)
@@ -43,8 +50,12 @@ def test_is_cached_follows_the_page_cache(tmp_path):
 
 
 def test_readahead_advises_only_cold_blocks_and_results_do_not_change(tiny_llama, tmp_path):
+    # A private copy: other models in this process map the fixture's shards, which would keep its pages cached.
+    path = copy_checkpoint(tiny_llama, tmp_path / "model")
+    for f in path.glob("*.safetensors"):
+        _sync(f)  # dirty pages cannot be dropped
     dm = {"model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
-    model = loaders.load_model(tiny_llama, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
+    model = loaders.load_model(path, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
     ra = model._loadmaster_readahead
     reader = model._loadmaster_reader
     advised: list[tuple[str, int, int]] = []
