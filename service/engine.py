@@ -197,9 +197,14 @@ class _Sequence:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-    )
+    """CUDA's ``OutOfMemoryError``, or the CPU allocator refusing (a plain ``RuntimeError`` saying "can't allocate
+    memory", with no "out of memory" in it)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text
+        or isinstance(exc, MemoryError))
 
 
 def input_device(model: torch.nn.Module) -> torch.device:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.service.conftest import LiveServer, settings_for
-from tests.service.test_engine import _FailingForward
+from tests.service.test_engine import _FailingForward, allocate_a_pebibyte
 
 
 def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, tiny_llama: Path) -> None:
@@ -99,5 +99,12 @@ def test_out_of_memory_fails_the_request_cleanly_and_the_server_keeps_serving(fa
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "generation"
 
+    assert httpx.post(server.url + "/generate", json=body).status_code == 200
+    assert server.runtime.in_flight == 0
+
+    # The CPU's own out-of-memory: torch's allocator really refusing, mid-decode.
+    fault.exc, fault.armed = allocate_a_pebibyte, True
+    r = httpx.post(server.url + "/generate", json=body)
+    assert r.status_code == 500 and "Out of memory" in r.json()["error"] and "Traceback" not in r.text
     assert httpx.post(server.url + "/generate", json=body).status_code == 200
     assert server.runtime.in_flight == 0
