@@ -18,6 +18,14 @@ RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
+# A C compiler in the build stage only, to build the native bf16 CPU kernel once (loaders/cpu_kernels.py); the
+# final image carries the built library, not the compiler. Best effort: without it the image uses torch's kernels.
+ARG NATIVE_KERNELS=1
+RUN if [ "${NATIVE_KERNELS}" = 1 ] && ! command -v cc >/dev/null 2>&1; then \
+        (timeout 300 apt-get update && timeout 300 apt-get install -y --no-install-recommends gcc libc6-dev \
+         && rm -rf /var/lib/apt/lists/*) >/tmp/apt-gcc.log 2>&1 \
+        || echo "no C compiler could be installed: the image will use torch's CPU kernels"; \
+    fi
 COPY docker/build-extras/ /build-extras/
 COPY pyproject.toml README.md* /src/
 COPY planner /src/planner
@@ -35,7 +43,12 @@ RUN set -eu; \
         /opt/loadmaster/bin/pip install "${TORCH_SPEC}"; \
     fi; \
     /opt/loadmaster/bin/pip install /src; \
-    /opt/loadmaster/bin/loadmaster --help >/dev/null
+    /opt/loadmaster/bin/loadmaster --help >/dev/null; \
+    if [ "${NATIVE_KERNELS}" = 1 ]; then \
+        LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels /opt/loadmaster/bin/python -c \
+            "from loaders import cpu_kernels; print('native CPU kernel built:', cpu_kernels.build())" \
+        || echo "native CPU kernel not built: the image will use torch's CPU kernels"; \
+    fi
 
 FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
@@ -52,6 +65,7 @@ ENV PATH=/opt/loadmaster/bin:${PATH} \
     HF_HOME=/data \
     HF_HUB_OFFLINE=1 \
     LOADMASTER_HOME=/data/loadmaster \
+    LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels \
     LOADMASTER_HOST=0.0.0.0 \
     LOADMASTER_PORT=8080
 VOLUME ["/data"]

@@ -110,6 +110,7 @@ def build(cc: Optional[str] = None) -> Path:
         proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (an image's runtime user) must be able to load it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -177,6 +177,7 @@ def test_a_library_built_ahead_is_used_where_no_compiler_is(tmp_path):
     built = _run("from loaders import cpu_kernels; print(cpu_kernels.build())",
                  {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")})
     assert built.returncode == 0, built.stderr
+    assert Path(built.stdout.strip()).stat().st_mode & 0o777 == 0o755  # loadable by other users (an image's)
     r = _run(code, env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("True |"), r.stdout
