@@ -46,8 +46,8 @@ RUN set -eu; \
     /opt/loadmaster/bin/loadmaster --help >/dev/null; \
     if [ "${NATIVE_KERNELS}" = 1 ]; then \
         LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels /opt/loadmaster/bin/python -c \
-            "from loaders import cpu_kernels; print('native CPU kernel built:', cpu_kernels.build())" \
-        || echo "native CPU kernel not built: the image will use torch's CPU kernels"; \
+            "from loaders import cpu_kernels; print('native CPU kernels built:', *cpu_kernels.build_all())" \
+        || echo "native CPU kernels not built: the image will use torch's CPU kernels"; \
     fi
 
 FROM ${BASE_IMAGE}

@@ -1,18 +1,20 @@
 """Native CPU kernels for decode-time linear layers, built on first use and loaded with ctypes.
 
-Why native code: at decode time a bfloat16 linear layer is a matrix-vector product whose speed is the memory
-bandwidth it reaches. torch's CPU bf16 path reaches about half of it; ``kernels/linear_bf16.c`` reads the weight
-rows in place with AVX512-BF16 dot products and gets close to the streaming rate. Because it reads the weight
-where it lies, a weight that is a view of a safetensors file mapping (a ``"disk"`` block) stays zero-copy.
+Why native code: at decode time a linear layer multiplies one row (or a few) by its weight matrix, which is read
+once per token, so its speed is the memory bandwidth it reaches. torch's CPU paths reach about half of it for
+bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. ``kernels/linear_bf16.c`` (AVX512-BF16
+dot products) and ``kernels/linear_f32.c`` (AVX-512 fused multiply-adds) read the weight rows in place, 64 bytes
+at a time, and get close to the streaming rate. Because they read a weight where it lies, a weight that is a view
+of a safetensors file mapping (a ``"disk"`` block) stays zero-copy.
 
-Why ctypes and not a torch extension: the C file includes no torch header, so it builds in about a second with
-the system C compiler and needs no build step at install time. The build goes to a cache keyed by the source's
-hash and the compiler flags, written to a temporary name and renamed, so concurrent first uses (several test
-workers, several servers) never see a half-written library. :func:`build` can also run ahead of time (the Docker
-image's build stage does), so a machine without a compiler can still use a library built elsewhere. ``-fopenmp`` binds to the OpenMP runtime torch
-already loaded (same soname), so the kernel shares torch's thread pool instead of starting a second one.
+Why ctypes and not a torch extension: the C files include no torch header, so each builds in about a second with
+the system C compiler and needs no build step at install time. A build goes to a cache keyed by the source's hash
+and the compiler flags, written to a temporary name and renamed, so concurrent first uses (several test workers,
+several servers) never see a half-written library. :func:`build_all` can also run ahead of time (the Docker
+image's build stage does), so a machine without a compiler can use libraries built elsewhere. ``-fopenmp`` binds
+to the OpenMP runtime torch already loaded (same soname), so the kernels share torch's threads.
 
-Everything degrades to torch: no compiler, a CPU without ``avx512_bf16``, a failed build, or
+Everything degrades to torch, per kernel: no compiler, a CPU without the instructions, a failed build, or
 ``LOADMASTER_CPU_KERNELS=torch`` in the environment. :func:`status` says which and why.
 """
 from __future__ import annotations
@@ -34,17 +36,46 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "linear_bf16.c"
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
-#: Rows of activations up to which the kernel is used; beyond it (prefill) the GEMM is compute-bound and
-#: torch's blocked kernels are the better choice.
-MAX_ROWS = 8
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One native linear kernel: its C source, what it needs from the CPU, and how many rows it takes."""
+
+    name: str
+    dtype: torch.dtype
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    #: Rows of activations up to which the kernel beats torch here (decode steps and small batches); beyond it
+    #: the product is compute-bound and torch's blocked GEMM is the better choice.
+    max_rows: int
+
+    @property
+    def source(self) -> Path:
+        return KERNEL_DIR / f"{self.name}.c"
+
+    @property
+    def symbol(self) -> str:
+        return f"lm_{self.name}"
+
+
+KERNELS: dict[torch.dtype, Kernel] = {
+    torch.bfloat16: Kernel("linear_bf16", torch.bfloat16, ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
+                           ("avx512f", "avx512bw", "avx512_bf16"), max_rows=8),
+    torch.float32: Kernel("linear_f32", torch.float32, ("-mavx512f",), ("avx512f",), max_rows=32),
+}
+# The bf16 kernel's names, kept for callers that only deal with it.
+SOURCE = KERNELS[torch.bfloat16].source
+CFLAGS = _COMMON_CFLAGS + KERNELS[torch.bfloat16].cflags
+REQUIRED_CPU_FLAGS = KERNELS[torch.bfloat16].cpu_flags
+MAX_ROWS = KERNELS[torch.bfloat16].max_rows
 
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """Whether the native kernels are in use, and if not, why (for logs, ``/info`` and tests)."""
+    """Whether a native kernel is in use, and if not, why (for logs, ``/info`` and tests)."""
 
     available: bool
     reason: str
@@ -52,8 +83,8 @@ class KernelStatus:
 
 
 _lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_status: Optional[KernelStatus] = None
+_fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
+_status: dict[torch.dtype, KernelStatus] = {}
 
 
 def cpu_flags() -> set[str]:
@@ -84,20 +115,29 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def library_path() -> Path:
-    """Where the built library for this source and these flags lives (the compiler does not enter the key, so a
-    library built elsewhere, e.g. in a Docker build stage, is used where no compiler is installed)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"linear_bf16-{key}.so"
+def _kernel(dtype: torch.dtype) -> Kernel:
+    try:
+        return KERNELS[dtype]
+    except KeyError:
+        raise ValueError(f"no native kernel for {dtype}; there are kernels for {sorted(map(str, KERNELS))}") from None
 
 
-def build(cc: Optional[str] = None) -> Path:
-    """Compile the kernel into the cache unless it is there already, and return the library's path.
+def library_path(dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Where the built library for this kernel's source and flags lives. The compiler does not enter the key, so
+    a library built elsewhere (an image's build stage) is used where no compiler is installed."""
+    k = _kernel(dtype)
+    key = hashlib.sha256(k.source.read_bytes() + " ".join(_COMMON_CFLAGS + k.cflags).encode()).hexdigest()[:16]
+    return cache_dir() / f"{k.name}-{key}.so"
 
-    Needs no particular CPU (the library is only loaded where the CPU has the instructions), so an image can
-    build it once at build time. Raises ``RuntimeError`` when there is no compiler or the compiler fails.
+
+def build(dtype: torch.dtype = torch.bfloat16, cc: Optional[str] = None) -> Path:
+    """Compile one kernel into the cache unless it is there already, and return the library's path.
+
+    Needs no particular CPU (a library is only loaded where the CPU has its instructions), so an image can build
+    it once at build time. Raises ``RuntimeError`` when there is no compiler or the compiler fails.
     """
-    target = library_path()
+    k = _kernel(dtype)
+    target = library_path(dtype)
     if target.exists():
         return target
     cc = cc or _compiler()
@@ -107,7 +147,8 @@ def build(cc: Optional[str] = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([cc, *_COMMON_CFLAGS, *k.cflags, "-o", tmp, str(k.source)], capture_output=True,
+                              text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (an image's runtime user) must be able to load it
@@ -118,89 +159,97 @@ def build(cc: Optional[str] = None) -> Path:
     return target
 
 
-def _load() -> KernelStatus:
-    global _lib
+def build_all(cc: Optional[str] = None) -> list[Path]:
+    """Every kernel built into the cache (what an image's build stage runs)."""
+    return [build(dtype, cc) for dtype in KERNELS]
+
+
+def _load(dtype: torch.dtype) -> KernelStatus:
+    k = _kernel(dtype)
     if os.environ.get("LOADMASTER_CPU_KERNELS", "auto").lower() == "torch":
         return KernelStatus(False, "disabled by LOADMASTER_CPU_KERNELS=torch")
     if not sys.platform.startswith("linux"):
         return KernelStatus(False, f"native kernels are built for Linux only (this is {sys.platform})")
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    missing = [f for f in k.cpu_flags if f not in cpu_flags()]
     if missing:
         return KernelStatus(False, f"this CPU lacks {', '.join(missing)}")
     try:
-        path = build()
-        lib = ctypes.CDLL(str(path))
-        fn = lib.lm_linear_bf16
+        path = build(dtype)
+        fn = getattr(ctypes.CDLL(str(path)), k.symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     except RuntimeError as exc:
         return KernelStatus(False, str(exc) if "no C compiler" in str(exc) else f"building the kernel failed: {exc}")
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         return KernelStatus(False, f"building or loading the kernel failed: {exc}")
-    _lib = lib
-    return KernelStatus(True, "avx512_bf16 kernel in use", str(path))
+    _fns[dtype] = fn
+    return KernelStatus(True, f"{k.name} kernel in use ({'+'.join(k.cpu_flags)})", str(path))
 
 
-def status() -> KernelStatus:
-    """Build and load the kernel on first call; afterwards answer from memory."""
-    global _status
-    if _status is None:
+def status(dtype: torch.dtype = torch.bfloat16) -> KernelStatus:
+    """Build and load the kernel for ``dtype`` on first call; afterwards answer from memory."""
+    st = _status.get(dtype)
+    if st is None:
         with _lock:
-            if _status is None:
-                _status = _load()
-                log.info("native CPU kernels: %s", _status.reason)
-    return _status
+            st = _status.get(dtype)
+            if st is None:
+                st = _status[dtype] = _load(dtype)
+                log.info("native CPU kernel for %s: %s", str(dtype).removeprefix("torch."), st.reason)
+    return st
 
 
-def current() -> Optional[KernelStatus]:
+def current(dtype: torch.dtype = torch.bfloat16) -> Optional[KernelStatus]:
     """The status if the kernel was already looked at, without building it (for reports)."""
-    return _status
+    return _status.get(dtype)
 
 
-def available() -> bool:
-    return status().available
-
-
-_BF16 = torch.bfloat16
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    return status(dtype).available
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear_bf16` takes these operands (a decode-sized bf16 product on the CPU).
+    """Whether :func:`linear` takes these operands: a small product on the CPU in a dtype whose kernel is loaded.
 
     Called once per linear layer per token, so it reads only cheap attributes (``is_cpu``, not ``device``).
     """
-    if x.dtype is not _BF16 or weight.dtype is not _BF16 or not x.is_cpu or not weight.is_cpu:
+    dtype = weight.dtype
+    if x.dtype is not dtype or dtype not in _fns or not x.is_cpu or not weight.is_cpu:
         return False
     shape = x.shape
     k = shape[-1]
     if weight.dim() != 2 or weight.stride(1) != 1 or k != weight.shape[1] or k == 0:
         return False
-    if not 0 < x.numel() // k <= MAX_ROWS:
+    if not 0 < x.numel() // k <= KERNELS[dtype].max_rows:
         return False
     return not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the native kernel. Callers check :func:`supports` and :func:`available`."""
-    lib = _lib
-    if lib is None:
-        raise RuntimeError("the native bf16 kernel is not loaded; call loaders.cpu_kernels.status() first")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the native kernel of ``weight``'s dtype. Callers check :func:`supports`."""
+    dtype = weight.dtype
+    fn = _fns.get(dtype)
+    if fn is None:
+        raise RuntimeError(f"the native {dtype} kernel is not loaded; call loaders.cpu_kernels.status({dtype}) first")
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=_BF16)
+    out = torch.empty((m, n), dtype=dtype)
     bias_ptr = None
     if bias is not None:
-        if bias.dtype is not _BF16 or not bias.is_contiguous():
-            bias = bias.to(_BF16).contiguous()
+        if bias.dtype is not dtype or not bias.is_contiguous():
+            bias = bias.to(dtype).contiguous()
         bias_ptr = bias.data_ptr()
-    rc = lib.lm_linear_bf16(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr,
-                            out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr, out.data_ptr(), n, m, n, k,
+            torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"lm_linear_bf16 rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
+        raise RuntimeError(f"{KERNELS[dtype].symbol} rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
     if x.dim() == 2:
         return out
     return out.view(*x.shape[:-1], n)
+
+
+#: The bf16 entry point under its earlier name.
+linear_bf16 = linear

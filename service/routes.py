@@ -183,11 +183,14 @@ async def info(request: Request) -> dict[str, Any]:
 
 
 def kernel_report(choice: str) -> dict[str, Any]:
-    """The CPU-kernel choice and, when the native kernel was looked at, whether it is in use and why."""
+    """The CPU-kernel choice and, per dtype whose native kernel was looked at, whether it is in use and why."""
     from loaders import cpu_kernels
 
-    st = cpu_kernels.current()
-    return {"choice": choice, "native_available": st.available if st else None, "reason": st.reason if st else None}
+    kernels = {}
+    for dtype in cpu_kernels.KERNELS:
+        st = cpu_kernels.current(dtype)
+        kernels[str(dtype).removeprefix("torch.")] = {"available": st.available, "reason": st.reason} if st else None
+    return {"choice": choice, "kernels": kernels}
 
 
 def _plain(value: Any) -> Any:

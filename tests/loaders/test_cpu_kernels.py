@@ -1,4 +1,4 @@
-"""The native bf16 CPU kernel: exact shapes and rounding against torch, and a model that uses it still matches."""
+"""The native CPU kernels (bf16, fp32): results against the exact product, and models that use them still match."""
 from __future__ import annotations
 
 import os
@@ -17,12 +17,15 @@ from tests.loaders.helpers import prompt, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CPU = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.REQUIRED_CPU_FLAGS)
+HAS_AVX512F = "avx512f" in cpu_kernels.cpu_flags()
 needs_kernel = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks avx512_bf16: the native kernel cannot run")
+needs_f32_kernel = pytest.mark.skipif(not HAS_AVX512F, reason="this CPU lacks avx512f: the fp32 kernel cannot run")
 
 
-def test_status_says_why():
-    st = cpu_kernels.status()
-    if HAS_CPU and cpu_kernels._compiler():
+@pytest.mark.parametrize("dtype,capable", [(torch.bfloat16, HAS_CPU), (torch.float32, HAS_AVX512F)])
+def test_status_says_why(dtype, capable):
+    st = cpu_kernels.status(dtype)
+    if capable and cpu_kernels._compiler():
         # On a capable machine with a compiler the kernel must build: a broken build is a failure, not a fallback.
         assert st.available, st.reason
         assert Path(st.library).is_file()
@@ -35,6 +38,35 @@ def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
     return ref.abs() * 2.0 ** -7 + 1e-3
 
 
+@needs_f32_kernel
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 32])
+@pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (5, 15), (130, 4096 + 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_matches_exact_product(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    assert cpu_kernels.supports(x, w)
+    out = cpu_kernels.linear(x, w, b)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    # float32 summation error bound: a few ulps of the sum of |terms|
+    bound = (x.double().abs() @ w.double().abs().T) * 4 * k * 2.0 ** -24 + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_f32_kernel
+def test_fp32_rows_do_not_depend_on_their_batch():
+    """A row's result is summed in the same order whatever the number of rows: batching cannot change it."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(32, 300, generator=g), torch.randn(70, 300, generator=g)
+    together = cpu_kernels.linear(x, w)
+    for i in (0, 5, 31):
+        assert torch.equal(cpu_kernels.linear(x[i:i + 1], w), together[i:i + 1])
+    assert torch.equal(cpu_kernels.linear(x[3:10], w), together[3:10])
+
+
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (5, 31), (130, 4096 + 7), (256, 33)])
@@ -44,7 +76,7 @@ def test_matches_exact_product(m, n, k, with_bias):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    out = cpu_kernels.linear_bf16(x, w, b)
+    out = cpu_kernels.linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
     assert ((out.double() - exact).abs() <= _ulp_bound(exact)).all()
@@ -60,20 +92,23 @@ def test_strided_operands_and_batch_shapes():
     w = w_full[:, :128]  # rows with a stride longer than their length: a view into a bigger map
     x = torch.randn(2, 1, 128).to(torch.bfloat16)
     assert cpu_kernels.supports(x, w)
-    out = cpu_kernels.linear_bf16(x, w)
+    out = cpu_kernels.linear(x, w)
     assert out.shape == (2, 1, 48)
     ref = torch.nn.functional.linear(x.float(), w.float())
     assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-2)
     xt = torch.randn(128, 3).to(torch.bfloat16).T  # non-contiguous activations are copied, not misread
-    assert torch.allclose(cpu_kernels.linear_bf16(xt, w).float(), torch.nn.functional.linear(xt.float(), w.float()),
+    assert torch.allclose(cpu_kernels.linear(xt, w).float(), torch.nn.functional.linear(xt.float(), w.float()),
                           rtol=2 ** -7, atol=1e-2)
 
 
-def test_supports_only_decode_sized_bf16_cpu_products():
+@needs_kernel
+def test_supports_only_small_cpu_products_in_a_loaded_dtype():
+    cpu_kernels.status(torch.bfloat16)
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w)
     assert not cpu_kernels.supports(torch.zeros(cpu_kernels.MAX_ROWS + 1, 16, dtype=torch.bfloat16), w)
-    assert not cpu_kernels.supports(torch.zeros(1, 16), w.float())
+    assert not cpu_kernels.supports(torch.zeros(1, 16), w)  # mixed dtypes
+    assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.float16), w.half())  # no fp16 kernel
     assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w.T.contiguous().T)
     x = torch.zeros(1, 16, dtype=torch.bfloat16, requires_grad=True)
     assert not cpu_kernels.supports(x, w)
@@ -129,10 +164,16 @@ def test_torch_choice_and_unknown_choice(tiny_llama, tmp_path):
         use_native_linears(model, "fastest")
 
 
-def test_fp32_models_are_left_alone(tiny_llama):
-    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False)
-    assert model.load_stats.native_linears == 0
-    assert not any(type(m) is NativeCPULinear for m in model.modules())
+@needs_f32_kernel
+def test_fp32_model_on_the_kernel_matches_transformers(tiny_llama, tmp_path):
+    """fp32 decode on the kernel: logits within 1e-5 of transformers' and identical greedy tokens."""
+    from tests.loaders.helpers import assert_equivalent
+
+    dm = {"model.layers.1": "disk", "model.layers.3": "disk", "": "cpu"}
+    model = loaders.load_model(tiny_llama, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
+    assert model.load_stats.native_linears == sum(isinstance(m, nn.Linear) for m in model.modules()) > 0
+    assert model.load_stats.zero_copy_bytes > 0 and model.load_stats.offload_bytes_written == 0
+    assert_equivalent(model, tiny_llama, new_tokens=12)
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
@@ -174,10 +215,12 @@ def test_a_library_built_ahead_is_used_where_no_compiler_is(tmp_path):
     r = _run(code, env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("False |") and "no C compiler" in r.stdout
-    built = _run("from loaders import cpu_kernels; print(cpu_kernels.build())",
+    built = _run("from loaders import cpu_kernels; print(*cpu_kernels.build_all(), sep='\\n')",
                  {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")})
     assert built.returncode == 0, built.stderr
-    assert Path(built.stdout.strip()).stat().st_mode & 0o777 == 0o755  # loadable by other users (an image's)
+    libs = built.stdout.split()
+    assert len(libs) == len(cpu_kernels.KERNELS)
+    assert all(Path(p).stat().st_mode & 0o777 == 0o755 for p in libs)  # loadable by other users (an image's)
     r = _run(code, env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("True |"), r.stdout

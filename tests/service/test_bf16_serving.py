@@ -26,8 +26,8 @@ def bf16_server(tiny_llama: Path):
 def test_info_says_whether_the_native_kernel_runs(bf16_server: LiveServer) -> None:
     info = httpx.get(bf16_server.url + "/info", timeout=30).json()
     assert info["dtype"] == "bfloat16"
-    st = cpu_kernels.status()
-    assert info["cpu_kernels"]["native_available"] == st.available and info["cpu_kernels"]["reason"] == st.reason
+    st = cpu_kernels.status(torch.bfloat16)
+    assert info["cpu_kernels"]["kernels"]["bfloat16"] == {"available": st.available, "reason": st.reason}
     if st.available:
         assert info["load_stats"]["native_linears"] > 0
     else:

@@ -25,8 +25,12 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     assert info["limits"]["max_batch_size"] == 16 and info["limits"]["max_total_tokens"] == 512
     assert info["version"] and info["status"]["status"] == "ready"
     assert info["load_stats"]["seconds"] >= 0
-    # an fp32 model has no bf16 linear layers: the native kernel is not used and need not even be built
-    assert info["cpu_kernels"]["choice"] == "auto" and info["load_stats"]["native_linears"] == 0
+    from loaders import cpu_kernels
+
+    fp32 = cpu_kernels.status(torch.float32)
+    assert info["cpu_kernels"]["choice"] == "auto"
+    assert info["cpu_kernels"]["kernels"]["float32"] == {"available": fp32.available, "reason": fp32.reason}
+    assert (info["load_stats"]["native_linears"] > 0) == fp32.available
 
 
 def _samples(text: str) -> dict[str, float]:
