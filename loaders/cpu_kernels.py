@@ -66,11 +66,6 @@ KERNELS: dict[torch.dtype, Kernel] = {
                            ("avx512f", "avx512bw", "avx512_bf16"), max_rows=8),
     torch.float32: Kernel("linear_f32", torch.float32, ("-mavx512f",), ("avx512f",), max_rows=32),
 }
-# The bf16 kernel's names, kept for callers that only deal with it.
-SOURCE = KERNELS[torch.bfloat16].source
-CFLAGS = _COMMON_CFLAGS + KERNELS[torch.bfloat16].cflags
-REQUIRED_CPU_FLAGS = KERNELS[torch.bfloat16].cpu_flags
-MAX_ROWS = KERNELS[torch.bfloat16].max_rows
 
 
 @dataclass(frozen=True)
@@ -249,7 +244,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.dim() == 2:
         return out
     return out.view(*x.shape[:-1], n)
-
-
-#: The bf16 entry point under its earlier name.
-linear_bf16 = linear

@@ -16,7 +16,8 @@ from loaders.fast_linear import NativeCPULinear, use_native_linears
 from tests.loaders.helpers import prompt, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_CPU = all(f in cpu_kernels.cpu_flags() for f in cpu_kernels.REQUIRED_CPU_FLAGS)
+BF16 = cpu_kernels.KERNELS[torch.bfloat16]
+HAS_CPU = all(f in cpu_kernels.cpu_flags() for f in BF16.cpu_flags)
 HAS_AVX512F = "avx512f" in cpu_kernels.cpu_flags()
 needs_kernel = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks avx512_bf16: the native kernel cannot run")
 needs_f32_kernel = pytest.mark.skipif(not HAS_AVX512F, reason="this CPU lacks avx512f: the fp32 kernel cannot run")
@@ -110,7 +111,7 @@ def test_supports_only_small_cpu_products_in_a_loaded_dtype():
     cpu_kernels.status(torch.bfloat16)
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w)
-    assert not cpu_kernels.supports(torch.zeros(cpu_kernels.MAX_ROWS + 1, 16, dtype=torch.bfloat16), w)
+    assert not cpu_kernels.supports(torch.zeros(BF16.max_rows + 1, 16, dtype=torch.bfloat16), w)
     assert not cpu_kernels.supports(torch.zeros(1, 16), w)  # mixed dtypes
     assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.float16), w.half())  # no fp16 kernel
     assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w.T.contiguous().T)
