@@ -63,7 +63,7 @@ class Kernel:
 
 KERNELS: dict[torch.dtype, Kernel] = {
     torch.bfloat16: Kernel("linear_bf16", torch.bfloat16, ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
-                           ("avx512f", "avx512bw", "avx512_bf16"), max_rows=8),
+                           ("avx512f", "avx512bw", "avx512_bf16"), max_rows=32),
     torch.float32: Kernel("linear_f32", torch.float32, ("-mavx512f",), ("avx512f",), max_rows=32),
 }
 
