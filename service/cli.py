@@ -32,7 +32,7 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
     ("--log-level", str, "debug, info, warning or error (default info)"),
     ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
-    ("--cpu-kernels", str, "auto, native or torch: bf16 linear layers on the CPU through the native kernel "
+    ("--cpu-kernels", str, "auto, native or torch: bf16/fp32 linear layers on the CPU through the native kernels "
                            "(default auto: where it builds)"),
 )
 

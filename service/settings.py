@@ -50,7 +50,7 @@ class ServiceSettings(BaseSettings):
     log_level: str = "info"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
-        "auto", description="bf16 decode on the CPU: the native kernel where it builds (auto), always, or never.")
+        "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never.")
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
