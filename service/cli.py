@@ -33,7 +33,7 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--log-level", str, "debug, info, warning or error (default info)"),
     ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
     ("--cpu-kernels", str, "auto, native or torch: bf16/fp32 linear layers on the CPU through the native kernels "
-                           "(default auto: where it builds)"),
+                           "(default auto: where they build)"),
 )
 
 
