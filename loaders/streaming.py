@@ -306,29 +306,21 @@ def _units(model: torch.nn.Module, key: str, keys: list[str]) -> tuple[list[tupl
     nested = [k for k in keys if k != key and (key == "" or k.startswith(key + "."))]
     if not nested:
         return [(key, owner)], []
+    return _units_below(key, owner, nested, keys)
+
+
+def _units_below(path: str, module: torch.nn.Module, nested: list[str], keys: list[str]
+                 ) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+    """``module`` (named ``path``, ``""`` for the root) split at the entries nested in it: children that hold no
+    entry are units; ``path`` and every module on the way down to a nested entry keep their own tensors resident."""
     units: list[tuple[str, torch.nn.Module]] = []
-    residual = [key]
-    for child_name, child in owner.named_children():
-        path = f"{key}.{child_name}" if key else child_name
-        if path in keys:
-            continue  # its own entry
-        if any(k.startswith(path + ".") for k in nested):
-            sub_units, sub_res = _units_below(model, path, child, nested, keys)
-            units += sub_units
-            residual += sub_res
-        else:
-            units.append((path, child))
-    return units, residual
-
-
-def _units_below(model, path, module, nested, keys):
-    units, residual = [], [path]
+    residual = [path]
     for child_name, child in module.named_children():
-        p = f"{path}.{child_name}"
+        p = f"{path}.{child_name}" if path else child_name
         if p in keys:
-            continue
+            continue  # its own entry
         if any(k.startswith(p + ".") for k in nested):
-            u, r = _units_below(model, p, child, nested, keys)
+            u, r = _units_below(p, child, nested, keys)
             units += u
             residual += r
         else:
