@@ -199,12 +199,11 @@ class _Sequence:
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA's ``OutOfMemoryError``, or the CPU allocator refusing (a plain ``RuntimeError`` saying "can't allocate
     memory", with no "out of memory" in it)."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, MemoryError)) and (
-        "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text
-        or isinstance(exc, MemoryError))
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory"))
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
