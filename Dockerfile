@@ -18,8 +18,8 @@ RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-# A C compiler in the build stage only, to build the native bf16 CPU kernel once (loaders/cpu_kernels.py); the
-# final image carries the built library, not the compiler. Best effort: without it the image uses torch's kernels.
+# A C compiler in the build stage only, to build the native CPU kernels once (loaders/cpu_kernels.py); the final
+# image carries the built libraries, not the compiler. Best effort: without it the image uses torch's kernels.
 ARG NATIVE_KERNELS=1
 RUN if [ "${NATIVE_KERNELS}" = 1 ] && ! command -v cc >/dev/null 2>&1; then \
         (timeout 300 apt-get update && timeout 300 apt-get install -y --no-install-recommends gcc libc6-dev \

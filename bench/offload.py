@@ -6,7 +6,7 @@ reports time to ready, bytes written to its offload folder, time to first token 
 bandwidth achieved (weight bytes read per token x tokens/s). A fully resident loadmaster run is the reference
 for the ">= 0.8x resident" target.
 
-loadmaster runs its bf16 linear layers on the native kernel (``loaders/cpu_kernels.py``) where it builds; two
+loadmaster runs its linear layers on the native kernels (``loaders/cpu_kernels.py``) where they build; two
 more rows run the same loader with torch's kernels (``cpu_kernels="torch"``), so the table shows what the loader
 buys and what the kernel buys. "tokens = transformers" counts how many greedy tokens, from the first, equal
 those of transformers on the same weights and map.
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     ap.add_argument("--no-torch-kernels", action="store_true",
-                    help="skip the loadmaster runs with torch's linear kernels instead of the native bf16 one")
+                    help="skip the loadmaster runs with torch's linear kernels instead of the native ones")
     ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload.json"))
     args = ap.parse_args(argv)
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         runs.append({"contender": c, "label": f"{c}, half on disk (warm)", "device_map": dm})
     if not args.no_torch_kernels and "loadmaster" in args.contenders.split(","):
         # The same loader with torch's own linear kernels: separates what the loader buys from what the
-        # native bf16 kernel buys. Its "x resident" is against the resident run with torch kernels too.
+        # native kernels buy. Its "x resident" is against the resident run with torch kernels too.
         runs.append({"contender": "loadmaster", "label": "loadmaster (torch kernels), all resident",
                      "device_map": {"": "cpu"}, "cpu_kernels": "torch"})
         runs.append({"contender": "loadmaster", "label": "loadmaster (torch kernels), half on disk (warm)",

@@ -122,8 +122,8 @@ def load_model(
 
     Returns the transformers model (eval mode) with ``hf_device_map`` and ``load_stats`` set. Raises
     :class:`CheckpointError` for a checkpoint that does not match its config, before any weight is allocated.
-    ``cpu_kernels``: ``"auto"`` runs decode-sized bf16 linear layers on the CPU through the native kernel when
-    it builds here (:mod:`loaders.cpu_kernels`), ``"native"`` insists on it, ``"torch"`` never uses it.
+    ``cpu_kernels``: ``"auto"`` runs small bf16/fp32 linear products on the CPU through the native kernels where
+    they build here (:mod:`loaders.cpu_kernels`), ``"native"`` insists on them, ``"torch"`` never uses them.
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")

@@ -41,7 +41,7 @@ class LoadStats:
     zero_copy_bytes: int = 0
     #: Bytes read from the shards into memory (RAM or GPU).
     bytes_read: int = 0
-    #: Linear layers switched to the native bf16 CPU kernel (:mod:`loaders.fast_linear`).
+    #: Linear layers switched to the native CPU kernels (:mod:`loaders.fast_linear`).
     native_linears: int = 0
 
 

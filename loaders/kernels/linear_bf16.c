@@ -3,8 +3,8 @@
  *
  * Why: at decode time a linear layer multiplies one (or a handful of) activation rows by a weight matrix that is
  * read once per token, so its speed is the memory bandwidth it reaches. torch's bf16 path on CPU reaches about
- * half of it on this kind of machine (it repacks or walks W in a cache-unfriendly order); reading W's rows in
- * place, 64 bytes at a time, with AVX512-BF16 pairwise dot products, reaches close to the streaming rate. W is
+ * half of it on this project's machines (measured, not diagnosed); reading W's rows in place, 64 bytes at a
+ * time, with AVX512-BF16 pairwise dot products, reaches close to the streaming rate. W is
  * read where it lies, so a weight that is a view of a safetensors file mapping stays zero-copy.
  *
  * The rows of W are split among OpenMP threads. Built at run time by loaders/cpu_kernels.py with

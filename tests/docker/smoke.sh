@@ -93,7 +93,7 @@ reply="$(curl -sf "http://127.0.0.1:$port/generate" -H 'Content-Type: applicatio
 echo "$reply" | "$PY" -c 'import json, sys; r = json.load(sys.stdin); assert r["details"]["generated_tokens"] == 20, r; print("docker smoke: /generate ->", repr(r["generated_text"]))'
 # The native kernels were built in the build stage (when a compiler could be installed there) and are used in
 # the image, which has no compiler, wherever the CPU has the instructions (avx512_bf16 covers both).
-kernel="$(docker exec "$NAME" python -c 'import torch; from loaders import cpu_kernels; sts = [cpu_kernels.status(d) for d in (torch.bfloat16, torch.float32)]; print(all(s.available for s in sts), "|", "; ".join(s.reason for s in sts))')"
+kernel="$(docker exec "$NAME" python -c 'from loaders import cpu_kernels; sts = [cpu_kernels.status(d) for d in cpu_kernels.KERNELS]; print(all(s.available for s in sts), "|", "; ".join(s.reason for s in sts))')"
 if grep -q "native CPU kernels built:" /tmp/loadmaster-docker-build.log && grep -qw avx512_bf16 /proc/cpuinfo; then
     case "$kernel" in True*) say "native kernels: in use in the image ($kernel)" ;;
         *) say "FAILED: the kernels were built in the image but do not load: $kernel"; exit 1 ;; esac
