@@ -18,10 +18,22 @@ RESULT_PREFIX = "BENCH_RESULT "
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
-def run_isolated(script: Path, spec: dict, timeout: float = 1800) -> dict:
-    """Run ``script --worker SPEC`` in a fresh interpreter and return the dict its worker printed."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(script), "--worker", json.dumps(spec)], capture_output=True,
+def model_cache_dir() -> Path:
+    """Where benchmark models are built: the tests' cache folder, so a model built by either is built once."""
+    return Path(os.environ.get("LOADMASTER_TEST_CACHE") or ROOT / ".cache" / "test-models")
+
+
+def llama_dir(size: str, dtype: str) -> Path:
+    """A random-weight Llama benchmark model (``size`` "100m" or "1b"), built once into :func:`model_cache_dir`."""
+    from service.random_models import build_model
+
+    return build_model("llama", model_cache_dir() / f"llama-{size}-{dtype}", size=size, dtype=dtype)
+
+
+def run_isolated(module: str, spec: dict, timeout: float = 1800) -> dict:
+    """Run ``python -m module --worker SPEC`` in a fresh interpreter and return the dict its worker printed."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=str(ROOT))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
@@ -30,14 +42,14 @@ def run_isolated(script: Path, spec: dict, timeout: float = 1800) -> dict:
     return {"error": f"worker exited with {proc.returncode}: {tail}"}
 
 
-def best_of(script: Path, spec: dict, repeats: int) -> dict:
+def best_of(module: str, spec: dict, repeats: int) -> dict:
     """Run a contender ``repeats`` times (fresh process each); each timing is the best over the runs.
 
     The machine is shared: a neighbour's burst can stall torch's two threads and halve any single measurement,
     so times to ready and first token are the minimum over runs and decode rates the maximum (each run's values
     are kept in ``*_runs``). Sizes (RSS, bytes written) come from the run that got ready fastest.
     """
-    runs = [run_isolated(script, spec) for _ in range(max(1, repeats))]
+    runs = [run_isolated(module, spec) for _ in range(max(1, repeats))]
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[-1]

@@ -72,8 +72,8 @@ print(f"H2D ceiling: pinned {info['h2d_pinned_GBps']:.1f} GB/s, pageable {info['
 if args.model_dir:
     path = Path(args.model_dir)
 else:
-    from tests.models import llama_1b_dir
-    path = llama_1b_dir("bfloat16")
+    from bench.common import llama_dir
+    path = llama_dir("1b", "bfloat16")
 cfg = json.loads((path / "config.json").read_text())
 n_layers = int(cfg["num_hidden_layers"])
 n_off = max(1, int(round(n_layers * args.offload_fraction)))

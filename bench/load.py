@@ -11,7 +11,7 @@ above the process's baseline (imports) against the CPU-resident bytes, bytes wri
 greedy decode tokens/s with the bandwidth it implies (weight bytes read per token x tokens/s). Page cache warm:
 the shards are read once before the contenders run. The same worker serves ``bench/offload.py``.
 
-Run: ``.venv/bin/python bench/load.py [--dtypes float32,bfloat16] [--out bench/results/load.json]``
+Run from the repository root: ``.venv/bin/python -m bench.load [--dtypes float32,bfloat16] [--out bench/results/load.json]``
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import (  # noqa: E402
+from bench.common import (
     decode_bytes_per_token,
     drop_cache,
     emit,
@@ -36,6 +35,7 @@ from bench.common import (  # noqa: E402
     rss_now,
     rss_peak,
     best_of,
+    llama_dir,
     time_generation,
     token_agreement,
     write_json,
@@ -170,22 +170,20 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process runs per contender (best kept)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
-    ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
+    ap.add_argument("--model-dir", help="use this checkpoint instead of the ~1B random-weight Llama")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "load.json"))
     args = ap.parse_args(argv)
     if args.worker:
         emit(worker(json.loads(args.worker)))
         return 0
-    from tests.models import llama_1b_dir
-
     rows = []
     for dtype in args.dtypes.split(","):
-        path = Path(args.model_dir) if args.model_dir else llama_1b_dir(dtype)
+        path = Path(args.model_dir) if args.model_dir else llama_dir("1b", dtype)
         warm(path)
         for contender in args.contenders.split(","):
             spec = {"contender": contender, "path": str(path), "dtype": dtype, "device_map": {"": "cpu"},
                     "new_tokens": args.new_tokens, "threads": args.threads}
-            r = best_of(Path(__file__), spec, args.repeats)
+            r = best_of("bench.load", spec, args.repeats)
             r.setdefault("dtype", dtype)
             r.setdefault("label", contender)
             rows.append(r)

@@ -16,7 +16,7 @@ load, the shards' and offload files' pages are dropped (``posix_fadvise(DONTNEED
 first token then reads the disk share from the device, whose cold sequential read rate is measured as the
 ceiling.
 
-Run: ``.venv/bin/python bench/offload.py [--dtype bfloat16] [--out bench/results/offload.json]``
+Run from the repository root: ``.venv/bin/python -m bench.offload [--dtype bfloat16] [--out bench/results/offload.json]``
 """
 from __future__ import annotations
 
@@ -27,13 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import best_of, disk_read_bandwidth, machine, print_table, token_agreement, write_json  # noqa: E402
-from bench.load import warm  # noqa: E402
+from bench.common import best_of, disk_read_bandwidth, llama_dir, machine, print_table, token_agreement, write_json
+from bench.load import warm
 
-LOAD_SCRIPT = Path(__file__).resolve().parent / "load.py"
+LOAD_WORKER = "bench.load"
 
 
 def half_on_disk_map(path: Path) -> tuple[dict, int]:
@@ -63,12 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
     ap.add_argument("--no-torch-kernels", action="store_true",
                     help="skip the loadmaster runs with torch's linear kernels instead of the native ones")
-    ap.add_argument("--model-dir", help="use this checkpoint instead of tests.models.llama_1b_dir(dtype)")
+    ap.add_argument("--model-dir", help="use this checkpoint instead of the ~1B random-weight Llama")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload.json"))
     args = ap.parse_args(argv)
-    from tests.models import llama_1b_dir
 
-    path = Path(args.model_dir) if args.model_dir else llama_1b_dir(args.dtype)
+    path = Path(args.model_dir) if args.model_dir else llama_dir("1b", args.dtype)
     dm, disk_layers = half_on_disk_map(path)
     shards = sorted(path.glob("*.safetensors"))
     ceiling = disk_read_bandwidth(max(shards, key=lambda p: p.stat().st_size))
@@ -91,7 +89,7 @@ def main(argv=None) -> int:
     for run in runs:
         spec = {**run, "path": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
                 "offload_folder": str(work / run["contender"])}
-        r = best_of(LOAD_SCRIPT, spec, args.repeats)
+        r = best_of(LOAD_WORKER, spec, args.repeats)
         r.setdefault("label", run["label"])
         if r.get("cold") and r.get("prefill_s"):
             # the first forward pass reads the whole disk share from the device

@@ -9,7 +9,8 @@ synthetic MoE with over 150k tensors, it measures, in one run:
   (weights + KV cache + activations + logits, computed by one sizing model for both), and whether that need
   exceeds the device.
 
-Prints a table and writes JSON (``--out``). Run: ``.venv/bin/python bench/plan.py``.
+The real architectures are the published configs in ``examples/configs``. Prints a table and writes JSON (``--out``).
+Run from the repository root: ``.venv/bin/python -m bench.plan``.
 """
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ import gc
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+CONFIGS = ROOT / "examples" / "configs"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -34,15 +34,47 @@ from planner.api import make_problem, make_workload, plan  # noqa: E402
 from planner.hardware import build_hardware, device_label  # noqa: E402
 from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
 from planner.strategies import compute_loads  # noqa: E402
-from planner.types import DeviceId, Skeleton  # noqa: E402
+from planner.types import Block, DeviceId, KVGeometry, Skeleton, TensorSpec  # noqa: E402
 from planner.units import format_bytes, parse_size  # noqa: E402
-from tests.planner.real_configs import REAL_CONFIGS  # noqa: E402
 
 log = logging.getLogger("bench.plan")
 GPUS = 4
 GPU_SIZE = "24GiB"
 CPU_SIZE = "512GiB"
 BATCH, CONTEXT = 8, 4096
+
+
+def real_configs() -> dict[str, dict]:
+    """The published configs of real models shipped in ``examples/configs``, by file stem."""
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(CONFIGS.glob("*.json"))}
+
+
+def synthetic_llama(layers: int, hidden: int = 64, intermediate: int = 128, vocab: int = 1000) -> Skeleton:
+    """A Llama-shaped Skeleton of plain numbers (9 tensors a layer), for timing the planner against size."""
+    heads, kv_heads, dtype = 8, 2, "float32"
+    head_dim = hidden // heads
+
+    def weight(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(f"{name}.weight", shape, dtype, "parameter", len(shape) == 2 and "embed" not in name)
+
+    blocks = [Block("model.embed_tokens", (weight("model.embed_tokens", vocab, hidden),), is_embedding=True)]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        blocks.append(Block(p, (
+            weight(f"{p}.self_attn.q_proj", hidden, hidden), weight(f"{p}.self_attn.k_proj", kv_heads * head_dim, hidden),
+            weight(f"{p}.self_attn.v_proj", kv_heads * head_dim, hidden), weight(f"{p}.self_attn.o_proj", hidden, hidden),
+            weight(f"{p}.mlp.gate_proj", intermediate, hidden), weight(f"{p}.mlp.up_proj", intermediate, hidden),
+            weight(f"{p}.mlp.down_proj", hidden, intermediate), weight(f"{p}.input_layernorm", hidden),
+            weight(f"{p}.post_attention_layernorm", hidden),
+        ), no_split=True, layer_index=i))
+    blocks.append(Block("model.norm", (weight("model.norm", hidden),)))
+    blocks.append(Block("lm_head", (weight("lm_head", vocab, hidden),), is_head=True))
+    return Skeleton(
+        name="synthetic-llama", architecture="LlamaForCausalLM", model_type="llama", blocks=tuple(blocks),
+        tied_groups=(), no_split_classes=("LlamaDecoderLayer",), kv=KVGeometry(layers, kv_heads, head_dim),
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+        default_dtype=dtype,
+    )
 
 
 def meta_model(cfg: dict) -> nn.Module:
@@ -178,11 +210,9 @@ def bench_one(name: str, model: nn.Module, skel_fn: Callable[[nn.Module], Skelet
 
 def scaling(points: tuple[int, ...] = (1_000, 10_000, 100_000), repeats: int = 3) -> list[dict[str, Any]]:
     """Planning time of synthetic Skeletons (no torch) against their tensor count: it should grow linearly."""
-    from tests.planner.synthetic import llama_like
-
     rows = []
     for n in points:
-        skel = llama_like(layers=max(1, n // 9), hidden=64, intermediate=128, vocab=1000)
+        skel = synthetic_llama(layers=max(1, n // 9))
         tensors = sum(len(b.tensors) for b in skel.blocks)
         mm = {i: "64MiB" for i in range(4)}
         mm["cpu"] = "64GiB"
@@ -195,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan.json"))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--models", default=",".join(list(REAL_CONFIGS) + ["synthetic-moe"]))
+    ap.add_argument("--models", default=",".join(sorted(real_configs()) + ["synthetic-moe"]))
     ap.add_argument("--moe-layers", type=int, default=40)
     ap.add_argument("--moe-experts", type=int, default=1280)
     args = ap.parse_args(argv)
@@ -211,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 model = SyntheticMoE(layers=args.moe_layers, experts=args.moe_experts).to(torch.bfloat16)
             skel_fn: Callable[[nn.Module], Skeleton] = synthetic_skeleton_fields  # type: ignore[assignment]
         else:
-            model = meta_model(REAL_CONFIGS[name])
+            model = meta_model(real_configs()[name])
             skel_fn = lambda m, n=name: skeleton_from_model(m, name=n)  # noqa: E731
         log.info("planning %s", name)
         results.append(bench_one(name, model, skel_fn, max_memory, args.repeats))

@@ -1,9 +1,9 @@
 """Serving benchmark: aggregate tokens/s and latency at 1, 4 and 16 concurrent clients against a real
 ``loadmaster serve`` process, next to the baseline of calling transformers' ``generate`` once per request in turn.
 
-    .venv/bin/python bench/serve.py                       # ~100M-parameter Llama fixture, fp32
-    .venv/bin/python bench/serve.py --clients 1,4,16 --requests 32 --max-new-tokens 64 --out bench/results/serve.json
-    .venv/bin/python bench/serve.py --dtype bfloat16 --out bench/results/serve-bf16.json   # bf16 weights and compute
+    .venv/bin/python -m bench.serve                       # ~100M-parameter Llama fixture, fp32
+    .venv/bin/python -m bench.serve --clients 1,4,16 --requests 32 --max-new-tokens 64 --out bench/results/serve.json
+    .venv/bin/python -m bench.serve --dtype bfloat16 --out bench/results/serve-bf16.json   # bf16 weights and compute
 
 Each request is greedy with a fixed ``max_new_tokens`` on a distinct prompt; tokens/s counts generated tokens
 actually returned. Latency is a whole request (HTTP round trip included for the server). The baseline runs in
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 WORDS = ("river stone light garden winter market letter window harbor forest engine silver morning story "
          "village mountain paper station lantern bridge").split()
@@ -89,7 +88,7 @@ def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads
 # -- server --------------------------------------------------------------------------------------------------------
 def start_server(model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None,
                  dtype: str = "float32") -> subprocess.Popen:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port),
            "--max-batch-size", str(max_batch), "--max-concurrent-requests", "256", "--max-total-tokens", "1024",
            "--dtype", dtype, "--log-level", "warning"]
@@ -175,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from tests.models import llama_100m_dir
+        from bench.common import llama_dir
 
-        model_dir = llama_100m_dir(args.dtype)
+        model_dir = llama_dir("100m", args.dtype)
     levels = [int(x) for x in args.clients.split(",")]
     texts = prompts(args.requests)
 

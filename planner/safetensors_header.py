@@ -18,7 +18,6 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from planner.errors import HeaderError, ModelSourceError
 from planner.types import DTYPE_BYTES
@@ -31,8 +30,6 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
-#: The reverse mapping, for writing files.
-DTYPE_CODES: dict[str, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 #: Largest header we accept. The reference implementation refuses headers above 100 MB; a real 150k-tensor header
 #: is ~15 MB, so anything larger is a corrupt length field, not a big model.
@@ -268,74 +265,3 @@ def read_checkpoint_headers(directory: str | os.PathLike) -> CheckpointHeaders:
     if not weight_map:
         weight_map = {name: t.file for name, t in tensors.items()}
     return CheckpointHeaders(directory, tuple(headers), tensors, weight_map, metadata)
-
-
-def encode_header(entries: Mapping[str, tuple[str, Iterable[int]]], metadata: Mapping[str, str] | None = None
-                  ) -> tuple[bytes, int]:
-    """Lay out tensors back to back; return (8-byte length + padded JSON, data region length)."""
-    doc: dict[str, object] = {}
-    if metadata:
-        doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    pos = 0
-    for name, (dtype, shape) in entries.items():
-        shape = [int(d) for d in shape]
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = int(numel * DTYPE_BYTES[dtype])
-        doc[name] = {"dtype": DTYPE_CODES[dtype], "shape": shape, "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)  # the reference writer aligns the data region to 8 bytes
-    return struct.pack("<Q", len(raw)) + raw, pos
-
-
-def write_sparse_checkpoint(
-    directory: str | os.PathLike,
-    tensors: Mapping[str, tuple[str, Iterable[int]]],
-    shards: int = 1,
-    metadata: Mapping[str, str] | None = None,
-) -> list[Path]:
-    """Write a real, valid safetensors checkpoint whose data region is a hole (all zeros, no disk blocks).
-
-    ``tensors`` maps name -> (dtype name, shape), in order. With ``shards > 1`` tensors are split into that many
-    files of roughly equal bytes (``model-0000i-of-0000n.safetensors``) plus ``model.safetensors.index.json``;
-    with one shard a single ``model.safetensors``. The files are sized with ``os.truncate`` so a 140 GB
-    checkpoint costs a few MB of disk; readers see zeros. Used by tests and benchmarks of header reading.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    items = [(n, (dt, tuple(int(d) for d in sh))) for n, (dt, sh) in tensors.items()]
-    shards = max(1, min(int(shards), len(items) or 1))
-    sizes = []
-    for _, (dt, sh) in items:
-        numel = 1
-        for d in sh:
-            numel *= d
-        sizes.append(int(numel * DTYPE_BYTES[dt]))
-    total = sum(sizes)
-    groups: list[list[tuple[str, tuple[str, tuple[int, ...]]]]] = [[] for _ in range(shards)]
-    acc, g = 0, 0
-    for i, (item, nbytes) in enumerate(zip(items, sizes)):
-        # move on once this shard holds its share, and always leave at least one tensor for each later shard
-        left_after = len(items) - i
-        if g < shards - 1 and groups[g] and (acc >= total * (g + 1) / shards or left_after <= shards - 1 - g):
-            g += 1
-        groups[g].append(item)
-        acc += nbytes
-    paths: list[Path] = []
-    weight_map: dict[str, str] = {}
-    for i, group in enumerate(groups):
-        fname = SINGLE_NAME if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        head, data_len = encode_header(dict(group), metadata if shards == 1 else {"format": "pt"})
-        p = directory / fname
-        with open(p, "wb") as f:
-            f.write(head)
-        os.truncate(p, len(head) + data_len)
-        paths.append(p)
-        for name, _ in group:
-            weight_map[name] = fname
-    if shards > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    return paths

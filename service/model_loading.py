@@ -90,7 +90,7 @@ def planner_kwargs(settings: ServiceSettings) -> dict[str, Any]:
 def resolve_model_dir(settings: ServiceSettings) -> Path:
     """The directory to serve: ``--demo`` builds (or reuses) the demo model, otherwise ``MODEL``."""
     if settings.demo:
-        from service.model_factory import build_demo_model
+        from service.demo_model import build_demo_model
 
         return Path(build_demo_model())
     if not settings.model:

@@ -1,4 +1,4 @@
-"""The one place tests and benchmarks get their models from.
+"""The one place tests get their models from.
 
 Each function builds its model once into a cache folder and returns the folder on later calls (and in
 later runs). The cache is ``$LOADMASTER_TEST_CACHE`` or ``<repo>/.cache/test-models`` (git-ignored).
@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.model_factory import build_demo_model, build_model
+from service.demo_model import build_demo_model
+from service.random_models import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

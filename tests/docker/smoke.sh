@@ -72,7 +72,7 @@ user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
 
 # -- run it on the demo model ----------------------------------------------------------------------------------------
 PY=".venv/bin/python"; [ -x "$PY" ] || PY=python3
-demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.model_factory import build_demo_model; print(build_demo_model())')"
+demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.demo_model import build_demo_model; print(build_demo_model())')"
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 docker run -d --name "$NAME" -p "127.0.0.1:$port:8080" -v "$demo:/models/demo-model:ro" \
     -e LOADMASTER_MAX_MEMORY=cpu=2GiB -e LOADMASTER_GRACE_PERIOD=10 "$IMAGE" /models/demo-model >/dev/null

@@ -6,14 +6,14 @@ so tests can check the skeleton against facts that do not come from our own code
 
 :func:`checkpoint_tensors` lists the tensors a checkpoint of the model stores, under the names and in the layout
 of the published checkpoints (per-expert keys for Mixtral); with
-:func:`planner.safetensors_header.write_sparse_checkpoint` it makes a real, full-size, sparse checkpoint on disk.
+:func:`tests.sparse_checkpoint.write_sparse_checkpoint` it makes a real, full-size, sparse checkpoint on disk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.safetensors_header import write_sparse_checkpoint
+from tests.sparse_checkpoint import write_sparse_checkpoint
 from planner.types import Skeleton
 
 

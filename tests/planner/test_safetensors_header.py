@@ -12,14 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from planner.errors import HeaderError, ModelSourceError
-from planner.safetensors_header import (
-    INDEX_NAME,
-    encode_header,
-    find_weight_files,
-    read_checkpoint_headers,
-    read_header,
-    write_sparse_checkpoint,
-)
+from planner.safetensors_header import INDEX_NAME, find_weight_files, read_checkpoint_headers, read_header
+from tests.sparse_checkpoint import encode_header, write_sparse_checkpoint
 
 
 def _raw_file(path: Path, header: bytes | str, data_len: int = 0, length: int | None = None) -> Path:

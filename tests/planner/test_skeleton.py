@@ -12,7 +12,8 @@ import torch.nn as nn
 from transformers import AutoModelForCausalLM
 
 from planner.errors import ModelSourceError
-from planner.safetensors_header import read_checkpoint_headers, write_sparse_checkpoint
+from planner.safetensors_header import read_checkpoint_headers
+from tests.sparse_checkpoint import write_sparse_checkpoint
 from planner.skeleton import (
     load_skeleton,
     skeleton_from_config,

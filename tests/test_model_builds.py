@@ -13,8 +13,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from service import model_factory
-from service.model_factory import build_model, make_tokenizer
+from service import random_models
+from service.build_cache import MARKER_NAME
+from service.corpus_tokenizer import make_tokenizer
+from service.demo_model import greedy_sample
+from service.random_models import build_model
 from tests import models
 
 
@@ -103,8 +106,8 @@ def test_same_seed_gives_same_bytes_and_another_seed_does_not(tmp_path: Path, ti
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
 def test_fast_instantiation_matches_a_normally_constructed_model(kind: str):
-    config = model_factory._make_config(kind, model_factory.MODEL_SPECS[(kind, "tiny")], make_tokenizer(), "float32")
-    fast = model_factory._instantiate(config, "float32", seed=0)
+    config = random_models.make_config(kind, random_models.MODEL_SPECS[(kind, "tiny")], make_tokenizer(), "float32")
+    fast = random_models.instantiate(config, "float32", seed=0)
     normal = AutoModelForCausalLM.from_config(config)
     assert dict(fast.named_buffers()).keys() == dict(normal.named_buffers()).keys()
     for name, buffer in normal.named_buffers():
@@ -131,7 +134,7 @@ def test_a_complete_build_is_reused_and_foreign_folders_are_refused(tmp_path: Pa
 
 def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_path: Path):
     out = tmp_path / "shared"
-    code = f"from service.model_factory import build_model; print(build_model('gpt2', {str(out)!r}))"
+    code = f"from service.random_models import build_model; print(build_model('gpt2', {str(out)!r}))"
     repo = Path(__file__).resolve().parent.parent
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -146,7 +149,7 @@ def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_pa
 
 @pytest.mark.parametrize(("size", "low", "high"), [("100m", 90e6, 120e6), ("1b", 0.9e9, 1.2e9)])
 def test_benchmark_recipes_have_their_advertised_size(size: str, low: float, high: float):
-    config = model_factory._make_config("llama", model_factory.MODEL_SPECS[("llama", size)], make_tokenizer(), "bfloat16")
+    config = random_models.make_config("llama", random_models.MODEL_SPECS[("llama", size)], make_tokenizer(), "bfloat16")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert low <= sum(p.numel() for p in model.parameters()) <= high
@@ -185,8 +188,8 @@ def test_tokenizer_is_deterministic_and_has_the_specials_and_a_chat_template():
 
 def test_demo_model_learns_and_writes_printable_text():
     path = models.demo_model_dir()
-    marker = json.loads((path / model_factory.MARKER_NAME).read_text())
+    marker = json.loads((path / MARKER_NAME).read_text())
     assert marker["last_loss"] < marker["first_loss"]
-    text = model_factory.greedy_sample(path, "The lion", max_new_tokens=16)
+    text = greedy_sample(path, "The lion", max_new_tokens=16)
     assert text.strip()
     assert all(ch.isprintable() or ch in "\n\t" for ch in text), repr(text)
