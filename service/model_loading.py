@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from planner.errors import LoadmasterError
 from planner.types import Plan
+from service.model_positions import model_position_limit
 from service.settings import PLANNER_FIELDS, ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,7 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     path = resolve_model_dir(settings)
     kwargs = planner_kwargs(settings)
     if settings.context is None:  # plan for what the server will allow, which the model's positions cap
-        from service.plan_routes import skeleton_positions
-
-        positions = skeleton_positions(str(path))
+        positions = model_position_limit(path)
         if positions:
             kwargs["context"] = min(kwargs["context"], positions)
     the_plan = planner.plan(str(path), **kwargs)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlanError
 from service.errors import RequestValidationError
+from service.model_positions import model_position_limit
 from service.runtime import runtime_of
 from service.security import resolve_under_roots
 
@@ -84,7 +85,7 @@ def plan_route(request: Request, body: PlanRequest) -> dict[str, Any]:
         hardware = build_hardware(body.max_memory, body.gpus)
         workload = make_workload(skeleton, body.dtype, body.quantization, body.batch_size, body.context)
         if body.what_if == "max_context":
-            limit = skeleton_positions(source) or (1 << 22)
+            limit = model_position_limit(source) or (1 << 22)
             best = largest_context(skeleton, hardware, workload, body.strategy, limit=limit)
             what = {"question": "max_context", "batch_size": body.batch_size, "max_context": best, "limit": limit}
         else:
@@ -92,28 +93,3 @@ def plan_route(request: Request, body: PlanRequest) -> dict[str, Any]:
             what = {"question": "max_batch", "context": workload.context, "max_batch_size": best}
         answer["what_if"] = what
     return answer
-
-
-def skeleton_positions(source: Any) -> int | None:
-    """The model's own position limit (``max_position_embeddings``), where the config states one."""
-    import json
-    from pathlib import Path
-
-    cfg: dict[str, Any] | None = None
-    if isinstance(source, dict):
-        cfg = source
-    else:
-        p = Path(source)
-        cfg_path = p / "config.json" if p.is_dir() else p
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (OSError, ValueError):
-            cfg = None
-    if not cfg:
-        return None
-    text = cfg.get("text_config") or cfg
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = text.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
