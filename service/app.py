@@ -19,7 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planner.errors import LoadmasterError
 from service import openai_routes, plan_routes, routes
-from service.errors import OverloadedError, ServiceError
+from service.errors import (
+    GenerationError,
+    OverloadedError,
+    RequestValidationError,
+    ServiceError,
+    http_status,
+    openai_status,
+)
 from service.memory import memory_gauges, memory_report, weight_bytes_by_device
 from service.metrics import Metrics
 from service.model_loading import Loader, LoadedModel, ModelHost, load_model
@@ -37,8 +44,7 @@ def _is_openai(path: str) -> bool:
 def error_response(path: str, status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
     if _is_openai(path):
-        if error_type == "validation" and status == 422:
-            status = 400
+        status = openai_status(status, error_type)
         body: dict[str, Any] = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
     else:
         body = {"error": message, "error_type": error_type}
@@ -81,7 +87,8 @@ class GuardMiddleware:
                     check_api_key(headers.get("authorization"), self.settings.api_key)
                 except ServiceError as exc:
                     log.info("request %s refused: %s", rid, exc)
-                    await reply(error_response(path, 401, str(exc), exc.error_type, {"WWW-Authenticate": "Bearer"}))
+                    await reply(error_response(path, exc.status_code, str(exc), exc.error_type,
+                                               {"WWW-Authenticate": "Bearer"}))
                     return
             limit = self.settings.max_body_bytes
             length = headers.get("content-length")
@@ -120,7 +127,8 @@ class GuardMiddleware:
     @staticmethod
     def _too_large(path: str, rid: str, limit: int) -> JSONResponse:
         log.info("request %s refused: body over %d bytes", rid, limit)
-        return error_response(path, 422, f"The request body is larger than {limit} bytes; send a smaller one.", "validation")
+        exc = RequestValidationError(f"The request body is larger than {limit} bytes; send a smaller one.")
+        return error_response(path, exc.status_code, str(exc), exc.error_type)
 
 
 def _rid(request: Request) -> str:
@@ -128,16 +136,11 @@ def _rid(request: Request) -> str:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        log.info("request %s: %s (%s)", _rid(request), exc, exc.error_type)
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, OverloadedError) else None
-        return error_response(request.url.path, exc.status_code, str(exc), exc.error_type, headers)
-
-    @app.exception_handler(LoadmasterError)
+    @app.exception_handler(LoadmasterError)  # the service's own errors and the planner's and loader's
     async def loadmaster_error(request: Request, exc: LoadmasterError) -> JSONResponse:
         log.info("request %s: %s (%s)", _rid(request), exc, exc.error_type)
-        return error_response(request.url.path, 422, str(exc), exc.error_type)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, OverloadedError) else None
+        return error_response(request.url.path, http_status(exc), str(exc), exc.error_type, headers)
 
     @app.exception_handler(FastAPIValidationError)
     async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
@@ -145,22 +148,22 @@ def _install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors():
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
             parts.append(f"{where}: {err.get('msg')}")
-        message = "Invalid request: " + "; ".join(parts)
-        log.info("request %s: %s", _rid(request), message)
-        return error_response(request.url.path, 422, message, "validation")
+        error = RequestValidationError("Invalid request: " + "; ".join(parts))
+        log.info("request %s: %s", _rid(request), error)
+        return error_response(request.url.path, error.status_code, str(error), error.error_type)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error_type = "validation" if exc.status_code < 500 else "generation"
+        # Starlette's own refusals (no such route, wrong method) carry their status; the type follows it.
+        error_type = RequestValidationError.error_type if exc.status_code < 500 else GenerationError.error_type
         return error_response(request.url.path, exc.status_code, str(exc.detail), error_type, exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = _rid(request)
         log.error("request %s failed with an unexpected error", rid, exc_info=exc)
-        return error_response(
-            request.url.path, 500, f"Internal error (request id {rid}); the server logged the details.", "generation"
-        )
+        error = GenerationError(f"Internal error (request id {rid}); the server logged the details.")
+        return error_response(request.url.path, error.status_code, str(error), error.error_type)
 
 
 def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastAPI:

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from service.batch import DecodeBatch, prefill, prefill_groups, stackable
-from service.errors import GenerationError, NotReadyError, OverloadedError
+from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
 from service.sampling import SamplingParams, TokenChooser
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,15 @@ class FinishEvent:
 
 @dataclass
 class ErrorEvent:
+    """The end of a sequence that failed: the error's message, its stable ``error_type`` and its HTTP status."""
+
     message: str
-    error_type: str = "generation"
+    error_type: str = GenerationError.error_type
+    status_code: int = GenerationError.status_code
+
+    @classmethod
+    def of(cls, error: ServiceError) -> "ErrorEvent":
+        return cls(message=str(error), error_type=error.error_type, status_code=error.status_code)
 
 
 Event = TokenEvent | FinishEvent | ErrorEvent
@@ -191,9 +198,9 @@ class _Sequence:
             stop_at=stop_at,
         )
 
-    def fail(self, message: str, error_type: str = "generation") -> None:
+    def fail(self, error: ServiceError) -> None:
         self.done = True
-        self.sink(ErrorEvent(message=message, error_type=error_type))
+        self.sink(ErrorEvent.of(error))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -304,7 +311,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         else:
-            self._fail_all("The server is shutting down; the request was not completed.", "not_ready")
+            self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
 
     def _wake(self) -> None:
         with self._cv:
@@ -336,15 +343,15 @@ class Engine:
         finally:
             with self._cv:
                 self._stopping = True  # later submits are refused instead of waiting forever
-            self._fail_all("The server is shutting down; the request was not completed.", "not_ready")
+            self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
             self.metrics.engine_state(0, 0)
 
-    def _fail_all(self, message: str, error_type: str) -> None:
+    def _fail_all(self, error: ServiceError) -> None:
         with self._cv:
             pending, self._pending = list(self._pending), deque()
         for seq in pending + [s for g in self._groups for s in g.items]:
             if not seq.done:
-                seq.fail(message, error_type)
+                seq.fail(error)
         self._groups = []
 
     def _admit(self, seqs: list[_Sequence]) -> None:
@@ -434,7 +441,8 @@ class Engine:
             log.exception("request %s: handling a generated token failed; dropping the sequence", seq.request.request_id)
             seq.done = True
             try:
-                seq.sink(ErrorEvent("Generation failed while decoding a token; the server logged the details."))
+                seq.sink(ErrorEvent.of(GenerationError(
+                    "Generation failed while decoding a token; the server logged the details.")))
             except Exception:  # noqa: BLE001 - the sink itself is what failed
                 pass
             return None
@@ -459,4 +467,4 @@ class Engine:
             message = f"Generation failed during the {where}: {type(exc).__name__}. The server logged the details."
         for seq in seqs:
             if not seq.done:
-                seq.fail(message, GenerationError.error_type)
+                seq.fail(GenerationError(message))

@@ -1,7 +1,10 @@
-"""The service's exceptions, each with the ``error_type`` that goes into the JSON error envelope.
+"""The service's exceptions, each carrying its HTTP status and the stable ``error_type`` of the JSON error envelope.
 
-Routes raise these; one exception handler in :mod:`service.app` turns them into ``{"error", "error_type"}`` (or
-OpenAI's shape under ``/v1``) with the status below. Anything else becomes a 500 without its traceback.
+These classes are the one statement of which failure answers which status: the exception handlers in
+:mod:`service.app`, the engine's error events and the routes all read ``status_code`` and ``error_type`` from the
+error itself (:func:`http_status`), never from a table of their own. Errors of the planner and the loader (a plan
+that cannot work, a broken checkpoint) are the request's inputs at fault and answer 422. Anything else is a 500
+without its traceback.
 """
 from __future__ import annotations
 
@@ -59,3 +62,22 @@ class NotFoundError(ServiceError):
 
     error_type = "validation"
     status_code = 404
+
+
+#: The status of the planner's and the loader's errors (:class:`LoadmasterError` outside the service's own): they
+#: name what in the request's model, memory or checkpoint cannot work, which the client must change.
+DOMAIN_ERROR_STATUS = 422
+
+
+def http_status(exc: BaseException) -> int:
+    """The HTTP status an exception answers with, read from its class."""
+    if isinstance(exc, ServiceError):
+        return exc.status_code
+    if isinstance(exc, LoadmasterError):
+        return DOMAIN_ERROR_STATUS
+    return GenerationError.status_code
+
+
+def openai_status(status: int, error_type: str) -> int:
+    """OpenAI's clients expect 400 where loadmaster's own routes answer 422 for a request that fails validation."""
+    return 400 if error_type == RequestValidationError.error_type and status == RequestValidationError.status_code else status

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from service.errors import openai_status
 from service.runtime import EngineStream, request_id_of, runtime_of, sse
 from service.validation import ChatCompletionRequest, CompletionRequest
 
@@ -82,10 +83,6 @@ class _Holdback:
         return out
 
 
-def _error_status(ev: ErrorEvent) -> int:
-    return {"validation": 400, "overloaded": 429, "not_ready": 503}.get(ev.error_type, 500)
-
-
 
 async def _final_or_response(stream: EngineStream, request: Request, rid: str) -> tuple[Any, Response | None]:
     """Wait for a non-streamed request's final event. When there is nothing to build an answer on (the client left,
@@ -98,7 +95,7 @@ async def _final_or_response(stream: EngineStream, request: Request, rid: str) -
         return None, Response(status_code=499)
     if isinstance(final, ErrorEvent):
         log.error("request %s failed: %s", rid, final.message)
-        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=_error_status(final))
+        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=openai_status(final.status_code, final.error_type))
     return final, None
 
 def _stream_response(

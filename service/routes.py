@@ -45,10 +45,6 @@ async def _start(request: Request, body: TGIRequest) -> EngineStream:
         raise
 
 
-def _status_of(ev: ErrorEvent) -> int:
-    return {"validation": 422, "overloaded": 429, "not_ready": 503}.get(ev.error_type, 500)
-
-
 @router.post("/generate", tags=["TGI"], summary="Generate text (TGI shape)")
 async def generate(request: Request, body: TGIRequest) -> Response:
     stream = await _start(request, body)
@@ -60,7 +56,7 @@ async def generate(request: Request, body: TGIRequest) -> Response:
         return Response(status_code=CLIENT_CLOSED)
     if isinstance(final, ErrorEvent):
         log.error("request %s failed: %s", request_id_of(request), final.message)
-        return JSONResponse(_error_body(final), status_code=_status_of(final))
+        return JSONResponse(_error_body(final), status_code=final.status_code)
     text = (body.inputs + final.text) if body.parameters.return_full_text else final.text
     out: dict[str, Any] = {"generated_text": text}
     if body.parameters.details:
