@@ -24,12 +24,11 @@ from transformers.cache_utils import DynamicCache
 
 from service.batch import DecodeBatch, prefill, prefill_groups, stackable
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
+from service.detokenizer import make_detokenizer
 from service.sampling import SamplingParams, TokenChooser
+from service.stop_matcher import StopMatcher
 
 log = logging.getLogger(__name__)
-
-#: Tokens of the prompt kept as context when decoding generated text piecewise (keeps leading spaces right).
-_DECODE_CONTEXT = 5
 
 
 @dataclass
@@ -123,7 +122,7 @@ class Ticket:
 
 
 class _Sequence:
-    """Engine-side state of one request."""
+    """Engine-side state of one request: its token chooser, detokenizer and stop matcher, and what it has made."""
 
     def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], tokenizer: Any, eos: set[int],
                  special: frozenset[int] = frozenset()):
@@ -135,28 +134,16 @@ class _Sequence:
         self.generated: list[int] = []
         self.tokens: list[TokenEvent] = []
         self.text = ""
-        self.tokenizer = tokenizer
         self.eos = eos
         self.special = special
         self.enqueued_at = time.perf_counter()
-        self._context = list(request.prompt_ids[-_DECODE_CONTEXT:])
-        self._prefix = 0  # offsets into context + generated, for piecewise decoding
-        self._read = len(self._context)
-        self._max_stop = max((len(s) for s in request.stop), default=0)
+        self.detokenizer = make_detokenizer(tokenizer, request.prompt_ids)
+        self.stops = StopMatcher(request.stop)
 
     def history(self) -> torch.Tensor | None:
         if self.request.params.repetition_penalty in (None, 1.0):
             return None
         return torch.tensor(self.request.prompt_ids + self.generated, dtype=torch.long)
-
-    def _delta(self, final: bool) -> str:
-        ids = self._context + self.generated
-        before = self.tokenizer.decode(ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[self._prefix :], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self._prefix, self._read = self._read, len(ids)
-            return after[len(before) :]
-        return ""
 
     def accept(self, token: int, logprob: float) -> FinishEvent | None:
         """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
@@ -165,19 +152,15 @@ class _Sequence:
         is_eos = token in self.eos
         n = len(self.generated)
         final = is_eos or n >= self.request.max_new_tokens
-        delta = self._delta(final)
-        old_len = len(self.text)
+        delta = self.detokenizer.push(token, final)
         self.text += delta
         ev = TokenEvent(id=token, text=delta, logprob=logprob, special=special)
         self.tokens.append(ev)
         finish = None
-        if self._max_stop and delta:
-            start = max(0, old_len - self._max_stop + 1)
-            hits = [(i, s) for s in self.request.stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                at, stop = min(hits)
-                self.text = self.text[: at + len(stop)]
-                finish = self._finish("stop_sequence", stop_at=at)
+        match = self.stops.feed(delta)
+        if match is not None:
+            self.text = self.text[: match.end]
+            finish = self._finish("stop_sequence", stop_at=match.at)
         if finish is None and is_eos:
             finish = self._finish("eos_token")
         if finish is None and n >= self.request.max_new_tokens:
