@@ -84,18 +84,40 @@ def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]
     return sizes
 
 
-def detect_memory(offload_folder: str | os.PathLike | None = None) -> dict[DeviceId, int]:
-    """Free memory of each visible GPU, available RAM, and free disk at the offload folder (if one is given)."""
+def _gpu_driver_present() -> bool:
+    """Whether this machine shows a GPU driver (NVIDIA's, or ROCm's ``/dev/kfd``) at all. Without one torch would
+    find no GPU either, and asking it costs seconds of import; with one, torch is asked."""
+    return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd") or any(
+        name.startswith("nvidia") and name[6:].isdigit() for name in _listdir("/dev"))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def detect_gpus() -> dict[DeviceId, int]:
+    """Free memory of each GPU torch can see (none when torch is not installed or no GPU driver is present)."""
     found: dict[DeviceId, int] = {}
+    if not _gpu_driver_present():
+        return found
     try:
         import torch
-
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                free, _total = torch.cuda.mem_get_info(i)
-                found[i] = int(free)
     except ImportError:  # planning without torch: CPU and disk only
-        pass
+        return found
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, _total = torch.cuda.mem_get_info(i)
+            found[i] = int(free)
+    return found
+
+
+def detect_memory(offload_folder: str | os.PathLike | None = None, gpus: bool = True) -> dict[DeviceId, int]:
+    """Free memory of each visible GPU (unless ``gpus=False``: they were declared), available RAM, and free disk at
+    the offload folder (if one is given)."""
+    found: dict[DeviceId, int] = detect_gpus() if gpus else {}
     found["cpu"] = _available_ram()
     if offload_folder is not None:
         folder = os.fspath(offload_folder)
@@ -164,7 +186,7 @@ def build_hardware(
             except HardwareSpecError as e:
                 raise HardwareSpecError(f"max_memory[{key!r}]: {e}") from None
     elif gpus is not None:
-        detected = detect_memory(offload_folder)
+        detected = detect_memory(offload_folder, gpus=False)
         capacities["cpu"] = detected["cpu"]
         if "disk" in detected:
             capacities["disk"] = detected["disk"]

@@ -49,7 +49,6 @@ from __future__ import annotations
 import copy
 import difflib
 import gc
-import json
 import logging
 import os
 import re
@@ -57,9 +56,11 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from planner.config_skeleton import base_model_prefix, config_file_name, config_skeleton
+from planner.config_values import CONFIG_NAME, dtype_name, kv_geometry, model_sizes, read_config_json
 from planner.errors import ModelSourceError
 from planner.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
-from planner.types import DTYPE_BYTES, Block, KVGeometry, Skeleton, TensorSpec
+from planner.types import DTYPE_BYTES, Block, Skeleton, TensorSpec
 
 if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core must stay importable without them
     import torch
@@ -67,7 +68,6 @@ if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core mu
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -139,18 +139,6 @@ def config_from_dict(d: Mapping[str, Any], source: str = "config") -> "Pretraine
         raise ModelSourceError(f"{source}: not a valid {model_type} config: {detail}") from None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelSourceError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ModelSourceError(f"{path}: cannot read it as JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ModelSourceError(f"{path}: expected a JSON object (a transformers config), got {type(doc).__name__}")
-    return doc
-
-
 def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
     """(config object, default skeleton name) from a dict, a path or a config object."""
     from transformers import PretrainedConfig
@@ -164,10 +152,9 @@ def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
         p = Path(config)
         if p.is_dir():
             p = p / CONFIG_NAME
-        doc = _read_json(p)
+        doc = read_config_json(p)
         cfg = config_from_dict(doc, source=str(p))
-        name = p.parent.name if p.name == CONFIG_NAME else p.stem
-        return cfg, name
+        return cfg, config_file_name(p)
     raise ModelSourceError(
         f"cannot build a model skeleton from a {type(config).__name__}; pass a config dict, a config.json path, "
         "a model directory or a transformers PretrainedConfig"
@@ -203,101 +190,6 @@ def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
         f"(architectures={getattr(cfg, 'architectures', None)}). "
         "Name a causal-LM class in 'architectures' (e.g. 'LlamaForCausalLM')."
     )
-
-
-# --------------------------------------------------------------------------------------------------------------
-# geometry from the config
-
-
-def _cfg_get(cfg: Any, *names: str) -> Any:
-    """The first of ``names`` the config sets. Instance attributes are read directly: transformers' config
-    ``__getattribute__`` is slow on misses, so ``getattr`` is kept for aliases (``attribute_map``) and class-level
-    properties, the only other places a value can come from."""
-    if isinstance(cfg, Mapping):
-        for n in names:
-            v = cfg.get(n)
-            if v is not None:
-                return v
-        return None
-    own = vars(cfg) if hasattr(cfg, "__dict__") else {}
-    for n in names:
-        v = own.get(n)
-        if v is not None:
-            return v
-    cls = type(cfg)
-    aliases = getattr(cls, "attribute_map", None) or {}
-    for n in names:
-        if n in aliases or hasattr(cls, n):
-            v = getattr(cfg, n, None)
-            if v is not None:
-                return v
-    return None
-
-
-def _text_config(cfg: Any) -> Any:
-    if not isinstance(cfg, Mapping) and hasattr(cfg, "get_text_config"):
-        try:
-            return cfg.get_text_config()
-        except Exception:  # noqa: BLE001 - a config without a text part is its own text config
-            return cfg
-    return cfg
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    if dtype is None:
-        return None
-    s = str(dtype).replace("torch.", "")
-    return s if s in DTYPE_BYTES else None
-
-
-def kv_geometry(cfg: Any, num_layers: int | None = None) -> KVGeometry | None:
-    """KV-cache geometry from a config object or dict: layers, KV heads (GQA/MQA aware) and head dim."""
-    cfg = _text_config(cfg)
-    heads = _cfg_get(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
-    hidden = _cfg_get(cfg, "hidden_size", "n_embd", "d_model", "dim")
-    layers = _cfg_get(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers") or num_layers
-    if not heads or not layers:
-        return None
-    model_type = _cfg_get(cfg, "model_type") or ""
-    if str(model_type).startswith("falcon") and _cfg_get(cfg, "new_decoder_architecture") is not None:
-        if _cfg_get(cfg, "new_decoder_architecture"):
-            kv_heads = _cfg_get(cfg, "num_kv_heads") or heads
-        else:
-            kv_heads = 1 if _cfg_get(cfg, "multi_query") else heads
-    else:
-        kv_heads = _cfg_get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
-        if kv_heads is None:
-            kv_heads = 1 if _cfg_get(cfg, "multi_query") else heads
-    head_dim = _cfg_get(cfg, "head_dim")
-    if not isinstance(head_dim, int) or head_dim <= 0:
-        if not hidden:
-            return None
-        head_dim = int(hidden) // int(heads)
-    return KVGeometry(num_layers=int(layers), num_kv_heads=int(kv_heads), head_dim=int(head_dim))
-
-
-def _sizes(cfg: Any) -> dict[str, int]:
-    """vocab/hidden/intermediate/heads. For MoE, ``intermediate_size`` is what one token activates:
-    ``num_experts_per_tok x per-expert size`` plus any shared expert(s)."""
-    cfg = _text_config(cfg)
-    hidden = int(_cfg_get(cfg, "hidden_size", "n_embd", "d_model") or 0)
-    inter = _cfg_get(cfg, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
-    if not inter and hidden:
-        inter = 4 * hidden  # GPT-2 / Falcon convention when the config leaves it implicit
-    n_experts = _cfg_get(cfg, "num_local_experts", "num_experts", "n_routed_experts")
-    top_k = _cfg_get(cfg, "num_experts_per_tok", "top_k", "moe_topk")
-    if n_experts and top_k:
-        per_expert = _cfg_get(cfg, "moe_intermediate_size") or inter or 0
-        shared = _cfg_get(cfg, "shared_expert_intermediate_size") or 0
-        if not shared and _cfg_get(cfg, "n_shared_experts"):
-            shared = int(_cfg_get(cfg, "n_shared_experts")) * int(per_expert)
-        inter = int(top_k) * int(per_expert) + int(shared)
-    return {
-        "vocab_size": int(_cfg_get(cfg, "vocab_size") or 0),
-        "hidden_size": hidden,
-        "intermediate_size": int(inter or 0),
-        "num_attention_heads": int(_cfg_get(cfg, "num_attention_heads", "n_head", "num_heads") or 0),
-    }
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -447,9 +339,9 @@ def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) ->
             gc.enable()
     n_layers = sum(1 for b in blocks if b.layer_index is not None)
     kv = kv_geometry(cfg, n_layers or None) if cfg is not None else None
-    sizes = _sizes(cfg) if cfg is not None else {}
+    sizes = model_sizes(cfg) if cfg is not None else {}
     model_type = str(getattr(cfg, "model_type", "") or "")
-    default = _dtype_name(getattr(cfg, "dtype", None)) if cfg is not None else None
+    default = dtype_name(getattr(cfg, "dtype", None)) if cfg is not None else None
     if name is None:
         name = str(getattr(cfg, "_name_or_path", "") or model_type or type(model).__name__)
     for d in {t.dtype for b in blocks for t in b.tensors}:
@@ -468,8 +360,23 @@ def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) ->
     )
 
 
-def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name: str | None = None) -> Skeleton:
-    """Skeleton of the causal LM a config describes, built on the meta device (no memory, < 1 s for 70B)."""
+def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name: str | None = None,
+                         meta_walk: bool = False) -> Skeleton:
+    """Skeleton of the causal LM a config describes.
+
+    A dict or config file of a family :mod:`planner.config_skeleton` knows is laid out from the config alone (no
+    torch, no transformers: milliseconds). Everything else, and everything with ``meta_walk=True``, is built on the
+    meta device and walked (no memory, < 1 s for 70B once torch is imported).
+    """
+    if not meta_walk and isinstance(config, (Mapping, str, os.PathLike)):
+        doc, default_name = config, None
+        if not isinstance(config, Mapping):
+            p = Path(config)
+            p = p / CONFIG_NAME if p.is_dir() else p
+            doc, default_name = read_config_json(p), config_file_name(p)
+        fast = config_skeleton(doc, name=name or default_name)
+        if fast is not None:
+            return fast
     cfg, default_name = _as_config(config)
     model = _meta_model(cfg)
     return skeleton_from_model(model, name=name or default_name)
@@ -630,12 +537,12 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
     for bname in sorted((n for n in other if category(n) == 3)):
         blocks.append(Block(bname, tuple(other[bname]), is_head=True))
     floats = Counter(t.dtype for t in headers.tensors.values() if t.dtype.startswith(("float", "bfloat")))
-    default = _dtype_name((config or {}).get("dtype") or (config or {}).get("torch_dtype"))
+    default = dtype_name((config or {}).get("dtype") or (config or {}).get("torch_dtype"))
     if default is None:
         default = floats.most_common(1)[0][0] if floats else "float32"
     n_layers = len({idx for idx, _ in layer_blocks.values()})
     kv = kv_geometry(config, n_layers or None) if config else None
-    sizes = _sizes(config) if config else {}
+    sizes = model_sizes(config) if config else {}
     return Skeleton(
         name=name,
         architecture=str(((config or {}).get("architectures") or ["unknown"])[0]),
@@ -647,7 +554,7 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
     )
 
 
-def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None) -> Skeleton:
+def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_walk: bool = False) -> Skeleton:
     """Skeleton of a checkpoint directory: ``config.json`` for structure, safetensors headers for stored dtypes.
 
     Without a ``config.json``, or when transformers does not know its architecture, the skeleton is inferred from
@@ -679,7 +586,10 @@ def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None) -> Sk
         log.warning("%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
                     "KV geometry known)", d, CONFIG_NAME)
         return skeleton_from_headers(headers, name=name)
-    doc = _read_json(d / CONFIG_NAME)
+    doc = read_config_json(d / CONFIG_NAME)
+    fast = None if meta_walk else config_skeleton(doc, name=name)
+    if fast is not None:
+        return _with_checkpoint(fast, headers, base_model_prefix(fast.model_type) or "", name)
     try:
         cfg = config_from_dict(doc, source=str(d / CONFIG_NAME))
         model = _meta_model(cfg)

@@ -2,6 +2,10 @@
 
 Flags map one to one onto :class:`~service.settings.ServiceSettings` fields; a flag not given leaves the field to
 its ``LOADMASTER_*`` environment variable, then to its default. Bad input exits 2 with one line, no traceback.
+
+``plan`` and ``estimate`` must start fast (a cold ``loadmaster plan`` is meant to take well under two seconds), so
+this module imports nothing heavy at the top: pydantic-settings alone costs more than a second to import here, and
+torch, transformers, FastAPI and uvicorn more still. ``serve`` imports what it needs when it runs.
 """
 from __future__ import annotations
 
@@ -9,12 +13,12 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from planner.errors import LoadmasterError
-from service.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
 
@@ -56,8 +60,10 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     parser.set_defaults(strategy=None, batch_size=None, complete=None)
 
 
-def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSettings:
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> "ServiceSettings":
     """Settings from the flags that were given; the rest come from ``LOADMASTER_*`` or the defaults."""
+    from service.settings import ServiceSettings
+
     values = {
         name: getattr(args, name)
         for name in ServiceSettings.model_fields
@@ -74,7 +80,7 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def curl_example(settings: ServiceSettings) -> str:
+def curl_example(settings: "ServiceSettings") -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     auth = f" -H 'Authorization: Bearer {settings.api_key[0]}'" if settings.api_key else ""
     return (
@@ -83,7 +89,7 @@ def curl_example(settings: ServiceSettings) -> str:
     )
 
 
-def serve(settings: ServiceSettings) -> int:
+def serve(settings: "ServiceSettings") -> int:
     """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish."""
     import uvicorn
 
@@ -155,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    if isinstance(exc, ValidationError):
+    pydantic = sys.modules.get("pydantic")  # a pydantic error can only come from a run that imported pydantic
+    if pydantic is not None and isinstance(exc, pydantic.ValidationError):
         parts = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err.get("loc", ())) or "settings"

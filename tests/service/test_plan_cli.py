@@ -101,3 +101,30 @@ def test_estimate_lists_formats_and_minimum_memory(tiny_llama):
     assert not fits(tiny_llama, max_memory={0: need - 1}, dtype="bf16", context=128)
     table = run("estimate", str(tiny_llama))
     assert table.returncode == 0 and "min 1 GPU" in table.stdout
+
+
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "pydantic_settings")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", str(EXAMPLES / "llama-3-70b.json"), "--gpus", "4x24GiB", "--max-memory", "cpu=64GiB", "--json"],
+    ["plan", str(EXAMPLES / "mixtral-8x7b.json"), "--gpus", "1x24GiB", "--max-memory", "cpu=1GiB"],  # no fit: advice
+    ["estimate", str(EXAMPLES / "gemma-2-27b.json"), "--json"],
+    ["plan", "{tiny_llama}", "--max-memory", "cpu=1GiB"],  # a checkpoint directory: config + headers
+])
+def test_plan_and_estimate_import_no_torch_transformers_or_server(tiny_llama, args):
+    """The cold CLI stays fast because it imports none of these for the common families (checked in a fresh process,
+    through the same ``main`` the console script calls)."""
+    args = [a.replace("{tiny_llama}", str(tiny_llama)) for a in args]
+    code = (
+        "import sys\n"
+        "from service.cli import main\n"
+        f"rc = main({args!r})\n"
+        f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+        "sys.stderr.write('HEAVY=' + ','.join(heavy) + '\\n')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "HEAVY=" in r.stderr, r.stderr
+    assert r.stderr.rsplit("HEAVY=", 1)[1].strip() == ""
+    assert r.stdout.strip() or "does not fit" in r.stderr
