@@ -1,85 +1,152 @@
-"""Native CPU kernels for decode-time linear layers, built on first use and loaded with ctypes.
+"""Native CPU kernels for decode-time linear layers: which instruction set, built once into a cache, bound by ctypes.
 
 Why native code: at decode time a linear layer multiplies one row (or a few) by its weight matrix, which is read
 once per token, so its speed is the memory bandwidth it reaches. torch's CPU paths reach about half of it for
-bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. ``kernels/linear_bf16.c`` (AVX512-BF16
-dot products) and ``kernels/linear_f32.c`` (AVX-512 fused multiply-adds) read the weight rows in place, 64 bytes
-at a time, and get close to the streaming rate. Because they read a weight where it lies, a weight that is a view
-of a safetensors file mapping (a ``"disk"`` block) stays zero-copy.
+bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. The sources in ``kernels/`` read the
+weight rows in place and get close to the streaming rate; because they read a weight where it lies, a weight
+that is a view of a safetensors file mapping stays zero-copy. Four kernels: bf16, fp32, and weight-only int8 and
+4-bit (:mod:`loaders.cpu_quant` lays those weights out).
 
-Why ctypes and not a torch extension: the C files include no torch header, so each builds in about a second with
-the system C compiler and needs no build step at install time. A build goes to a cache keyed by the source's hash
-and the compiler flags, written to a temporary name and renamed, so concurrent first uses (several test workers,
-several servers) never see a half-written library. :func:`build_all` can also run ahead of time (the Docker
-image's build stage does), so a machine without a compiler can use libraries built elsewhere. ``-fopenmp`` binds
-to the OpenMP runtime torch already loaded (same soname), so the kernels share torch's threads.
+**Instruction sets.** Every source has an AVX-512 path and an AVX2 (+FMA, F16C) path. The path is picked from the
+CPU's flags (:func:`select_isa`), or forced with ``LOADMASTER_CPU_ISA=avx512|avx2|torch``; anywhere else (no
+x86, no AVX2, no compiler) torch's kernels run. ``LOADMASTER_CPU_KERNELS=torch`` is the older spelling of
+``LOADMASTER_CPU_ISA=torch`` and is still honoured.
 
-Everything degrades to torch, per kernel: no compiler, a CPU without the instructions, a failed build, or
-``LOADMASTER_CPU_KERNELS=torch`` in the environment. :func:`status` says which and why.
+**Built once.** All sources of one path build into one library in the user's cache, at first use (or ahead of
+time with :func:`build_all`, as the Docker image's build stage does). Its name carries a key of the sources'
+hash, the flags, the path and the compiler's identity, and a manifest next to it records them; a library is used
+only when its manifest matches and the library itself reports the path it was asked for. A serve with a warm
+cache builds nothing. Builds write a temporary name and rename it, so concurrent first uses never see a
+half-written library. Where no compiler is installed, a library built elsewhere for the same sources and path is
+used; otherwise one log line says so and torch's kernels run.
+
+Why ctypes and not a C++ torch extension: the sources include no torch header, so a path builds in a couple of
+seconds with the system C compiler and needs no build step at install. The kernels are still torch operators:
+:mod:`loaders.kernel_ops` registers them with ``torch.library`` (shape and dtype checks, fake tensors).
+``-fopenmp`` binds to the OpenMP runtime torch already loaded (same soname) and every call passes
+``torch.get_num_threads()``, so the kernels run on torch's threads, as many as torch uses.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCES = ("isa.c", "linear_bf16.c", "linear_f32.c", "linear_q8.c", "linear_q4.c")
+HEADERS = ("common.h",)
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+ISA_CHOICES = ("auto", "avx512", "avx2", "torch")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction-set path: the compiler flags that select it and the CPU flags it needs to run."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+#: Best first. AVX-512 here means the Zen 4 / Sapphire Rapids set (VNNI and BF16 included); an older AVX-512 CPU
+#: takes the AVX2 path, which every kernel has.
+ISAS: dict[str, Isa] = {
+    "avx512": Isa("avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma",
+                             "-mf16c"),
+                  ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma", "f16c")),
+    "avx2": Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+}
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One native linear kernel: its C source, what it needs from the CPU, and how many rows it takes."""
+    """One native linear kernel: its exported symbol and how many activation rows it takes."""
 
     name: str
-    dtype: torch.dtype
-    cflags: tuple[str, ...]
-    cpu_flags: tuple[str, ...]
     #: Rows of activations up to which the kernel beats torch here (decode steps and small batches); beyond it
     #: the product is compute-bound and torch's blocked GEMM is the better choice.
     max_rows: int
-
-    @property
-    def source(self) -> Path:
-        return KERNEL_DIR / f"{self.name}.c"
 
     @property
     def symbol(self) -> str:
         return f"lm_{self.name}"
 
 
+#: The float kernels, by weight dtype.
 KERNELS: dict[torch.dtype, Kernel] = {
-    torch.bfloat16: Kernel("linear_bf16", torch.bfloat16, ("-mavx512f", "-mavx512bw", "-mavx512bf16"),
-                           ("avx512f", "avx512bw", "avx512_bf16"), max_rows=32),
-    torch.float32: Kernel("linear_f32", torch.float32, ("-mavx512f",), ("avx512f",), max_rows=32),
+    torch.bfloat16: Kernel("linear_bf16", max_rows=32),
+    torch.float32: Kernel("linear_f32", max_rows=32),
+}
+#: The weight-only quantized kernels, by scheme (:mod:`loaders.cpu_quant`).
+QUANT_KERNELS: dict[str, Kernel] = {
+    "int8": Kernel("linear_q8", max_rows=32),
+    "int4": Kernel("linear_q4", max_rows=32),
+}
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_ARGTYPES = {
+    "linear_bf16": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    "linear_f32": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    "linear_q8": [_P, _L, _I, _P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
+    "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
 }
 
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """Whether a native kernel is in use, and if not, why (for logs, ``/info`` and tests)."""
+    """Whether the native kernels are in use, on which path, and if not, why (for logs, ``/info`` and tests)."""
 
     available: bool
     reason: str
     library: Optional[str] = None
+    isa: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BuildManifest:
+    """What a cached library was built from; written next to it and checked before it is loaded."""
+
+    isa: str
+    source_hash: str
+    cflags: list[str]
+    compiler: str
+
+
+class _Library:
+    """The bound functions of one loaded library."""
+
+    def __init__(self, path: Path, isa: str):
+        lib = ctypes.CDLL(str(path))
+        lib.lm_isa.restype = ctypes.c_char_p
+        built_for = lib.lm_isa().decode()
+        if built_for != isa:
+            raise OSError(f"{path} holds the {built_for} path, not {isa}")
+        self.fns: dict[str, ctypes._CFuncPtr] = {}
+        for name, argtypes in _ARGTYPES.items():
+            fn = getattr(lib, f"lm_{name}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
+            self.fns[name] = fn
 
 
 _lock = threading.Lock()
-_fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
-_status: dict[torch.dtype, KernelStatus] = {}
+_state: dict[str, object] = {}  # "status": KernelStatus, "lib": _Library
+_reset_hooks: list[Callable[[], None]] = []  # caches of bound functions elsewhere (kernel_ops) to drop on reset
 
 
 def cpu_flags() -> set[str]:
@@ -92,6 +159,43 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def runnable_isas() -> list[str]:
+    """The paths this CPU can run, best first (empty off x86-64 Linux)."""
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    flags = cpu_flags()
+    return [name for name, isa in ISAS.items() if all(f in flags for f in isa.cpu_flags)]
+
+
+def requested_isa() -> str:
+    """``LOADMASTER_CPU_ISA`` (or the older ``LOADMASTER_CPU_KERNELS=torch``), validated."""
+    if os.environ.get("LOADMASTER_CPU_KERNELS", "auto").lower() == "torch":
+        return "torch"
+    choice = os.environ.get("LOADMASTER_CPU_ISA", "auto").strip().lower() or "auto"
+    if choice not in ISA_CHOICES:
+        raise ValueError(f"LOADMASTER_CPU_ISA={choice!r} is not one of {', '.join(ISA_CHOICES)}; "
+                         "unset it to pick from the CPU's flags.")
+    return choice
+
+
+def select_isa() -> tuple[Optional[str], str]:
+    """The path to use and why: the best the CPU runs, or the forced one if the CPU runs it; ``None`` for torch."""
+    choice = requested_isa()
+    if choice == "torch":
+        return None, "torch's kernels forced by LOADMASTER_CPU_ISA=torch (or LOADMASTER_CPU_KERNELS=torch)"
+    runnable = runnable_isas()
+    if choice == "auto":
+        if not runnable:
+            return None, (f"this CPU ({platform.machine()}) has neither the AVX-512 nor the AVX2 set the native "
+                          "kernels need")
+        return runnable[0], f"picked from the CPU's flags (runnable here: {', '.join(runnable)})"
+    if choice not in runnable:
+        missing = [f for f in ISAS[choice].cpu_flags if f not in cpu_flags()]
+        return None, (f"LOADMASTER_CPU_ISA={choice} was asked for, but this CPU lacks "
+                      f"{', '.join(missing) or 'x86-64 Linux'}; runnable here: {', '.join(runnable) or 'none'}")
+    return choice, f"forced by LOADMASTER_CPU_ISA={choice}"
 
 
 def cache_dir() -> Path:
@@ -110,137 +214,172 @@ def _compiler() -> Optional[str]:
     return None
 
 
-def _kernel(dtype: torch.dtype) -> Kernel:
+def _compiler_identity(cc: str) -> str:
+    """The compiler's resolved path, size and modification time: changes when it is upgraded, costs no process."""
+    real = os.path.realpath(shutil.which(cc) or cc)
+    st = os.stat(real)
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode() + b"\0" + (KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()
+
+
+def _flags(isa: str) -> list[str]:
+    return [*_COMMON_CFLAGS, *ISAS[isa].cflags]
+
+
+def _manifest(isa: str, compiler: str) -> BuildManifest:
+    return BuildManifest(isa=isa, source_hash=source_hash(), cflags=_flags(isa), compiler=compiler)
+
+
+def _stem(m: BuildManifest) -> str:
+    src = hashlib.sha256(f"{m.source_hash}|{' '.join(m.cflags)}".encode()).hexdigest()[:16]
+    cc = hashlib.sha256(m.compiler.encode()).hexdigest()[:8]
+    return f"kernels-{m.isa}-{src}-{cc}"
+
+
+def _valid(lib: Path, want: BuildManifest, any_compiler: bool) -> bool:
     try:
-        return KERNELS[dtype]
-    except KeyError:
-        raise ValueError(f"no native kernel for {dtype}; there are kernels for {sorted(map(str, KERNELS))}") from None
+        got = BuildManifest(**json.loads(lib.with_suffix(".json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return False
+    same = (got.isa, got.source_hash, got.cflags) == (want.isa, want.source_hash, want.cflags)
+    return lib.is_file() and same and (any_compiler or got.compiler == want.compiler)
 
 
-def library_path(dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Where the built library for this kernel's source and flags lives. The compiler does not enter the key, so
-    a library built elsewhere (an image's build stage) is used where no compiler is installed."""
-    k = _kernel(dtype)
-    key = hashlib.sha256(k.source.read_bytes() + " ".join(_COMMON_CFLAGS + k.cflags).encode()).hexdigest()[:16]
-    return cache_dir() / f"{k.name}-{key}.so"
+def _cached(isa: str, compiler: Optional[str]) -> Optional[Path]:
+    """A valid library for this path: the one this compiler built, or (no compiler here) any built elsewhere."""
+    if compiler is not None:
+        want = _manifest(isa, _compiler_identity(compiler))
+        lib = cache_dir() / f"{_stem(want)}.so"
+        return lib if _valid(lib, want, any_compiler=False) else None
+    want = _manifest(isa, "")
+    prefix = _stem(want).rsplit("-", 1)[0]
+    for lib in sorted(cache_dir().glob(f"{prefix}-*.so")):
+        if _valid(lib, want, any_compiler=True):
+            return lib
+    return None
 
 
-def build(dtype: torch.dtype = torch.bfloat16, cc: Optional[str] = None) -> Path:
-    """Compile one kernel into the cache unless it is there already, and return the library's path.
-
-    Needs no particular CPU (a library is only loaded where the CPU has its instructions), so an image can build
-    it once at build time. Raises ``RuntimeError`` when there is no compiler or the compiler fails.
-    """
-    k = _kernel(dtype)
-    target = library_path(dtype)
-    if target.exists():
-        return target
-    cc = cc or _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH to build the kernel")
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _atomic_write(target: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_COMMON_CFLAGS, *k.cflags, "-o", tmp, str(k.source)], capture_output=True,
-                              text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (an image's runtime user) must be able to load it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def build(isa: str, cc: Optional[str] = None) -> Path:
+    """Compile one path's library into the cache unless a valid one is there, and return its path.
+
+    Needs no particular CPU (a library is only loaded where the CPU runs its path), so an image can build every
+    path at build time. Raises ``RuntimeError`` when there is no compiler or the compiler fails.
+    """
+    if isa not in ISAS:
+        raise ValueError(f"no instruction-set path {isa!r}; there are {', '.join(ISAS)}")
+    cc = cc or _compiler()
+    cached = _cached(isa, cc)
+    if cached is not None:
+        return cached
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH to build the native kernels, and no library "
+                           f"built for these sources in {cache_dir()}")
+    manifest = _manifest(isa, _compiler_identity(cc))
+    target = cache_dir() / f"{_stem(manifest)}.so"
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def compile_to(tmp: str) -> None:
+        proc = subprocess.run([cc, *manifest.cflags, "-o", tmp, *(str(KERNEL_DIR / s) for s in SOURCES)],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+
+    log.info("building the native CPU kernels (%s) into %s", isa, target)
+    _atomic_write(target, compile_to)
+    # The manifest goes last: a library without one is never loaded, so a crash between the two is harmless.
+    _atomic_write(target.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(asdict(manifest))))
     return target
 
 
 def build_all(cc: Optional[str] = None) -> list[Path]:
-    """Every kernel built into the cache (what an image's build stage runs)."""
-    return [build(dtype, cc) for dtype in KERNELS]
+    """Every path built into the cache (what an image's build stage runs)."""
+    return [build(isa, cc) for isa in ISAS]
 
 
-def _load(dtype: torch.dtype) -> KernelStatus:
-    k = _kernel(dtype)
-    if os.environ.get("LOADMASTER_CPU_KERNELS", "auto").lower() == "torch":
-        return KernelStatus(False, "disabled by LOADMASTER_CPU_KERNELS=torch")
-    if not sys.platform.startswith("linux"):
-        return KernelStatus(False, f"native kernels are built for Linux only (this is {sys.platform})")
-    missing = [f for f in k.cpu_flags if f not in cpu_flags()]
-    if missing:
-        return KernelStatus(False, f"this CPU lacks {', '.join(missing)}")
+def _load() -> tuple[KernelStatus, Optional[_Library]]:
     try:
-        path = build(dtype)
-        fn = getattr(ctypes.CDLL(str(path)), k.symbol)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        isa, why = select_isa()
+    except ValueError as exc:
+        return KernelStatus(False, str(exc)), None
+    if isa is None:
+        return KernelStatus(False, why), None
+    try:
+        path = build(isa)
+        lib = _Library(path, isa)
     except RuntimeError as exc:
-        return KernelStatus(False, str(exc) if "no C compiler" in str(exc) else f"building the kernel failed: {exc}")
+        msg = str(exc) if "no C compiler" in str(exc) else f"building the kernels failed: {exc}"
+        return KernelStatus(False, msg, isa=isa), None
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        return KernelStatus(False, f"building or loading the kernel failed: {exc}")
-    _fns[dtype] = fn
-    return KernelStatus(True, f"{k.name} kernel in use ({'+'.join(k.cpu_flags)})", str(path))
+        return KernelStatus(False, f"building or loading the kernels failed: {exc}", isa=isa), None
+    return KernelStatus(True, f"native kernels on the {isa} path ({why})", str(path), isa), lib
 
 
-def status(dtype: torch.dtype = torch.bfloat16) -> KernelStatus:
-    """Build and load the kernel for ``dtype`` on first call; afterwards answer from memory."""
-    st = _status.get(dtype)
+def _ensure() -> KernelStatus:
+    st = _state.get("status")
     if st is None:
         with _lock:
-            st = _status.get(dtype)
+            st = _state.get("status")
             if st is None:
-                st = _status[dtype] = _load(dtype)
-                log.info("native CPU kernel for %s: %s", str(dtype).removeprefix("torch."), st.reason)
-    return st
+                st, lib = _load()
+                _state["lib"] = lib
+                _state["status"] = st
+                log.info("native CPU kernels: %s", st.reason)
+    return st  # type: ignore[return-value]
 
 
-def current(dtype: torch.dtype = torch.bfloat16) -> Optional[KernelStatus]:
-    """The status if the kernel was already looked at, without building it (for reports)."""
-    return _status.get(dtype)
+def status(dtype: object = None) -> KernelStatus:
+    """Build and load the kernels on first call; afterwards answer from memory. All kernels share one library,
+    so ``dtype`` (kept for callers that ask per dtype) must only name a kernel that exists."""
+    if dtype is not None and dtype not in KERNELS and dtype not in QUANT_KERNELS:
+        raise ValueError(f"no native kernel for {dtype}; there are kernels for "
+                         f"{sorted(map(str, KERNELS)) + sorted(QUANT_KERNELS)}")
+    return _ensure()
 
 
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+def current(dtype: object = None) -> Optional[KernelStatus]:
+    """The status if the kernels were already looked at, without building them (for reports)."""
+    return _state.get("status")  # type: ignore[return-value]
+
+
+def available(dtype: object = None) -> bool:
     return status(dtype).available
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes these operands: a small product on the CPU in a dtype whose kernel is loaded.
-
-    Called once per linear layer per token, so it reads only cheap attributes (``is_cpu``, not ``device``).
-    """
-    dtype = weight.dtype
-    if x.dtype is not dtype or dtype not in _fns or not x.is_cpu or not weight.is_cpu:
-        return False
-    shape = x.shape
-    k = shape[-1]
-    if weight.dim() != 2 or weight.stride(1) != 1 or k != weight.shape[1] or k == 0:
-        return False
-    if not 0 < x.numel() // k <= KERNELS[dtype].max_rows:
-        return False
-    return not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+def function(name: str) -> ctypes._CFuncPtr:
+    """The bound C function ``lm_<name>``; raises when the kernels are not loaded."""
+    lib = _state.get("lib")
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not loaded ({_ensure().reason})")
+    return lib.fns[name]  # type: ignore[union-attr]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the native kernel of ``weight``'s dtype. Callers check :func:`supports`."""
-    dtype = weight.dtype
-    fn = _fns.get(dtype)
-    if fn is None:
-        raise RuntimeError(f"the native {dtype} kernel is not loaded; call loaders.cpu_kernels.status({dtype}) first")
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=dtype)
-    bias_ptr = None
-    if bias is not None:
-        if bias.dtype is not dtype or not bias.is_contiguous():
-            bias = bias.to(dtype).contiguous()
-        bias_ptr = bias.data_ptr()
-    rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr, out.data_ptr(), n, m, n, k,
-            torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"{KERNELS[dtype].symbol} rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
-    if x.dim() == 2:
-        return out
-    return out.view(*x.shape[:-1], n)
+def reset() -> None:
+    """Forget the loaded choice, so the next :func:`status` reads ``LOADMASTER_CPU_ISA`` again (tests, benches).
+    A library stays mapped in the process; it is simply not called any more."""
+    with _lock:
+        _state.clear()
+        for hook in _reset_hooks:
+            hook()
+
+
+def on_reset(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever :func:`reset` runs (for modules that cache bound functions)."""
+    _reset_hooks.append(hook)

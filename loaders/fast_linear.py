@@ -1,7 +1,8 @@
 """Decode-time linear layers on the CPU through the native kernels, with the model otherwise untouched.
 
 :func:`use_native_linears` changes the class of each eligible ``nn.Linear`` to :class:`NativeCPULinear`, a
-subclass whose ``forward`` sends small bf16 and fp32 products on the CPU to :mod:`loaders.cpu_kernels` and
+subclass whose ``forward`` sends small bf16 and fp32 products on the CPU to the ``loadmaster::linear`` operator
+(:mod:`loaders.kernel_ops`, backed by :mod:`loaders.cpu_kernels`) and
 everything else (long prefills, other dtypes, GPU inputs, autograd) to ``nn.Linear.forward``. Parameters are not
 copied or moved: ``state_dict``, tied weights, memory accounting and zero-copy ``"disk"`` weights (views of the
 shard maps) are exactly as they were.
@@ -13,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from loaders import cpu_kernels
+from loaders import cpu_kernels, kernel_ops
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ class NativeCPULinear(nn.Linear):
     """An ``nn.Linear`` whose small CPU products (bf16 or fp32) run on the native kernel."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
-        if cpu_kernels.supports(input, self.weight):
-            return cpu_kernels.linear(input, self.weight, self.bias)
+        if kernel_ops.supports(input, self.weight):
+            return kernel_ops.linear(input, self.weight, self.bias)
         return super().forward(input)
 
 
@@ -58,5 +59,5 @@ def use_native_linears(model: nn.Module, choice: str = "auto") -> int:
         for m in mods:
             m.__class__ = NativeCPULinear
         switched += len(mods)
-        log.info("%d %s linear layers run on the native CPU kernel", len(mods), name)
+        log.info("%d %s linear layers run on the native CPU kernel (%s path)", len(mods), name, st.isa)
     return switched

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from loaders.checkpoint_layout import resolve_sources
 from loaders.device_map import assign_devices, execution_device, normalize_map
 from loaders.errors import CheckpointError
+from loaders.cpu_quant import check_cpu_quantization, quantize_cpu_linears
 from loaders.fast_linear import CPU_KERNEL_CHOICES, use_native_linears
 from loaders.materialize import Materializer
 from loaders.model_builder import (
@@ -116,6 +117,8 @@ def load_model(
     progress: Optional[Callable[[LoadProgress], None]] = None,
     show_progress: bool = True,
     cpu_kernels: str = "auto",
+    cpu_quantization: Optional[str] = None,
+    cpu_quantized_dir: Union[str, os.PathLike, None] = None,
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
@@ -124,9 +127,13 @@ def load_model(
     :class:`CheckpointError` for a checkpoint that does not match its config, before any weight is allocated.
     ``cpu_kernels``: ``"auto"`` runs small bf16/fp32 linear products on the CPU through the native kernels where
     they build here (:mod:`loaders.cpu_kernels`), ``"native"`` insists on them, ``"torch"`` never uses them.
+    ``cpu_quantization``: ``"int8"`` or ``"int4"`` quantizes the linear layers that compute on the CPU (resident or
+    streamed from disk) at load, weight-only (:mod:`loaders.cpu_quant`); with ``cpu_quantized_dir`` the quantized
+    weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
+    check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir)
     t0 = time.perf_counter()
     reset_peak_rss()
     path = Path(path)
@@ -185,11 +192,21 @@ def load_model(
 
         dispatch(model, dmap, placement, mat, exec_dev)
         # With GPUs every block computes on a GPU (offloaded ones are streamed there): no CPU products to speed up.
+        cpu_quant_stats = None
+        if cpu_quantization:
+            if exec_dev.type != "cpu":
+                raise PlanError(f"cpu_quantization={cpu_quantization!r} quantizes layers that compute on the CPU, "
+                                "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
+                                "(bitsandbytes) for GPU layers.")
+            cpu_quant_stats = quantize_cpu_linears(
+                model, cpu_quantization, checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in index.files],
+                save_dir=Path(cpu_quantized_dir) if cpu_quantized_dir is not None else None)
         native = use_native_linears(model, cpu_kernels) if exec_dev.type == "cpu" else 0
         model.hf_device_map = dict(dmap)
         model.loadmaster_plan = plan
         stats = mat.stats
         stats.native_linears = native
+        stats.cpu_quantization = cpu_quant_stats
         stats.seconds = time.perf_counter() - t0
         stats.peak_rss_bytes = peak_rss_bytes()
         model.load_stats = stats
@@ -221,7 +238,8 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
                              dtype=None, quantization: Optional[str] = None,
                              offload_folder: Union[str, os.PathLike, None] = None, *,
                              progress: Optional[Callable[[LoadProgress], None]] = None, show_progress: bool = True,
-                             cpu_kernels: str = "auto", **workload):
+                             cpu_kernels: str = "auto", cpu_quantization: Optional[str] = None,
+                             cpu_quantized_dir: Union[str, os.PathLike, None] = None, **workload):
     """:func:`load_model` plus the tokenizer saved next to the weights (``AutoTokenizer``, local files only).
 
     The tokenizer is read first, so a directory without one fails before any weight is loaded.
@@ -236,5 +254,6 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
         raise CheckpointError(f"No usable tokenizer in {root} ({exc}). Save one with tokenizer.save_pretrained "
                               "into the model directory.") from exc
     model = load_model(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
-                       show_progress=show_progress, cpu_kernels=cpu_kernels, **workload)
+                       show_progress=show_progress, cpu_kernels=cpu_kernels, cpu_quantization=cpu_quantization,
+                       cpu_quantized_dir=cpu_quantized_dir, **workload)
     return model, tokenizer

@@ -43,6 +43,8 @@ class LoadStats:
     bytes_read: int = 0
     #: Linear layers switched to the native CPU kernels (:mod:`loaders.fast_linear`).
     native_linears: int = 0
+    #: What ``cpu_quantization`` did (a :class:`loaders.cpu_quant.QuantizationStats`), or None.
+    cpu_quantization: Optional[object] = None
 
 
 class ProgressReporter:

@@ -38,6 +38,10 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
     ("--cpu-kernels", str, "auto, native or torch: bf16/fp32 linear layers on the CPU through the native kernels "
                            "(default auto: where they build)"),
+    ("--cpu-quantization", str, "int8 or int4: weight-only quantization, at load, of the linear layers that compute "
+                                "on the CPU or stream from disk (GPU layers: --quantization)"),
+    ("--cpu-quantized-dir", str, "folder to save --cpu-quantization's weights in as safetensors, so the next load "
+                                 "maps them instead of quantizing again"),
 )
 
 

@@ -119,7 +119,8 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
 
     model, tokenizer = load_model_and_tokenizer(
         str(path), device_map=the_plan, offload_folder=settings.offload_folder, progress=progress,
-        cpu_kernels=settings.cpu_kernels,
+        cpu_kernels=settings.cpu_kernels, cpu_quantization=settings.cpu_quantization,
+        cpu_quantized_dir=settings.cpu_quantized_dir,
     )
     model.eval()
     name = settings.served_model_name or path.name

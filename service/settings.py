@@ -51,6 +51,10 @@ class ServiceSettings(BaseSettings):
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never.")
+    cpu_quantization: Literal["int8", "int4"] | None = Field(
+        None, description="Weight-only int8/int4 for CPU and disk layers, quantized at load (GPU: quantization).")
+    cpu_quantized_dir: str | None = Field(
+        None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map.")
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")

@@ -3,35 +3,23 @@
  *
  * Why: at decode time a linear layer multiplies one (or a handful of) activation rows by a weight matrix that is
  * read once per token, so its speed is the memory bandwidth it reaches. torch's bf16 path on CPU reaches about
- * half of it on this project's machines (measured, not diagnosed); reading W's rows in place, 64 bytes at a
- * time, with AVX512-BF16 pairwise dot products, reaches close to the streaming rate. W is
- * read where it lies, so a weight that is a view of a safetensors file mapping stays zero-copy.
+ * half of it on this project's machines (measured, not diagnosed); reading W's rows in place reaches close to the
+ * streaming rate. W is read where it lies, so a weight that is a view of a safetensors file mapping stays
+ * zero-copy.
  *
- * The rows of W are split among OpenMP threads. Built at run time by loaders/cpu_kernels.py with
- * -mavx512f -mavx512bw -mavx512bf16 -fopenmp; used only when the CPU reports avx512_bf16.
+ * Two instruction-set paths, one per build (loaders/cpu_kernels.py compiles this file once per path):
+ * - AVX-512 (with AVX512-BF16): 32 bf16 pairs per pairwise dot-product instruction;
+ * - AVX2 + FMA: a bf16 is the top half of a float32, so a 32-bit lane holding two bf16 values yields the odd one
+ *   by masking the low half and the even one by shifting it up: two fused multiply-adds per 16 values, no
+ *   conversion instruction.
+ * The rows of W are split among OpenMP threads (torch's runtime, torch's thread count).
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
-#define ROWS 4   /* rows of W per step: four independent accumulator chains hide the FMA latency */
+#define ROWS 4   /* rows of W per step: independent accumulator chains hide the FMA latency */
+
+#if defined(__AVX512F__)
 #define MAXM 4   /* rows of x per pass: 4 x ROWS accumulators + 4 weight vectors fit the 32 zmm registers */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does when it stores a float32 result as bfloat16. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline __m512bh load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 static inline __m512bh load_bh_tail(const uint16_t *p, __mmask32 m) {
@@ -69,10 +57,58 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
     for (int m = 0; m < nm; m++)
         for (int r = 0; r < nrows; r++) {
             float s = _mm512_reduce_add_ps(acc[m][r]);
-            if (bias) s += bf16_to_f32(bias[n0 + r]);
-            y[(long)m * ldy + n0 + r] = f32_to_bf16(s);
+            if (bias) s += lm_bf16_to_f32(bias[n0 + r]);
+            y[(long)m * ldy + n0 + r] = lm_f32_to_bf16(s);
         }
 }
+
+#else /* AVX2 + FMA */
+#define MAXM 2   /* 2 x ROWS accumulators + even/odd halves of x and W fit the 16 ymm registers */
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
+                         uint16_t *y, long ldy, int n0, int nrows, int nm, int K) {
+    __m256 acc[MAXM][ROWS];
+    for (int m = 0; m < MAXM; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm256_setzero_ps();
+    const uint16_t *wr[ROWS];
+    for (int r = 0; r < ROWS; r++) wr[r] = w + (long)(n0 + (r < nrows ? r : 0)) * ldw;
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    const int kfull = K & ~15;
+    for (int k = 0; k < kfull; k += 16) {
+        __m256 xe[MAXM], xo[MAXM];
+        for (int m = 0; m < MAXM; m++) {
+            if (m >= nm) break;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + (long)m * ldx + k));
+            xe[m] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            xo[m] = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+        }
+        for (int r = 0; r < ROWS; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + k));
+            __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+            for (int m = 0; m < MAXM; m++) {
+                if (m >= nm) break;
+                acc[m][r] = _mm256_fmadd_ps(we, xe[m], acc[m][r]);
+                acc[m][r] = _mm256_fmadd_ps(wo, xo[m], acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < nm; m++)
+        for (int r = 0; r < nrows; r++) {
+            float s = hsum256(acc[m][r]);
+            for (int k = kfull; k < K; k++) s += lm_bf16_to_f32(x[(long)m * ldx + k]) * lm_bf16_to_f32(wr[r][k]);
+            if (bias) s += lm_bf16_to_f32(bias[n0 + r]);
+            y[(long)m * ldy + n0 + r] = lm_f32_to_bf16(s);
+        }
+}
+#endif
 
 /* Returns 0 on success. x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N]. */
 int lm_linear_bf16(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,

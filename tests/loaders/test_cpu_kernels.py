@@ -1,6 +1,8 @@
-"""The native CPU kernels (bf16, fp32): results against the exact product, and models that use them still match."""
+"""The native CPU kernels (bf16, fp32), on every instruction-set path this CPU has: results against the exact
+product, operator registration, the build cache, and models that use them still match transformers."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,27 +13,45 @@ import torch
 from torch import nn
 
 import loaders
-from loaders import cpu_kernels
+from loaders import cpu_kernels, kernel_ops
 from loaders.fast_linear import NativeCPULinear, use_native_linears
 from tests.loaders.helpers import prompt, reference_model
+from tests.loaders.kernel_paths import kernel_path, native_path  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
-BF16 = cpu_kernels.KERNELS[torch.bfloat16]
-HAS_CPU = all(f in cpu_kernels.cpu_flags() for f in BF16.cpu_flags)
-HAS_AVX512F = "avx512f" in cpu_kernels.cpu_flags()
-needs_kernel = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks avx512_bf16: the native kernel cannot run")
-needs_f32_kernel = pytest.mark.skipif(not HAS_AVX512F, reason="this CPU lacks avx512f: the fp32 kernel cannot run")
+HAS_NATIVE = bool(cpu_kernels.runnable_isas())
+needs_kernel = pytest.mark.skipif(not HAS_NATIVE, reason="this CPU has neither AVX-512 nor AVX2: no native path")
 
 
-@pytest.mark.parametrize("dtype,capable", [(torch.bfloat16, HAS_CPU), (torch.float32, HAS_AVX512F)])
-def test_status_says_why(dtype, capable):
-    st = cpu_kernels.status(dtype)
-    if capable and cpu_kernels._compiler():
-        # On a capable machine with a compiler the kernel must build: a broken build is a failure, not a fallback.
+def test_status_says_why():
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    if HAS_NATIVE and cpu_kernels._compiler():
         assert st.available, st.reason
+        assert st.isa == cpu_kernels.runnable_isas()[0]  # the best path the CPU runs
         assert Path(st.library).is_file()
     else:
         assert not st.available and st.reason
+    with pytest.raises(ValueError, match="no native kernel"):
+        cpu_kernels.status(torch.float16)
+
+
+def test_isa_setting_is_validated_and_forced_paths_need_the_cpu(monkeypatch):
+    monkeypatch.setenv("LOADMASTER_CPU_ISA", "sse9")
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    assert not st.available and "LOADMASTER_CPU_ISA='sse9'" in st.reason and "avx2" in st.reason
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse2"})
+    monkeypatch.setenv("LOADMASTER_CPU_ISA", "avx512")
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    assert not st.available and "lacks avx512f" in st.reason and "runnable here: avx2" in st.reason
+    monkeypatch.setenv("LOADMASTER_CPU_ISA", "auto")
+    assert cpu_kernels.select_isa()[0] == "avx2"  # an AVX2-only CPU gets the AVX2 path
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"sse2", "asimd"})
+    assert cpu_kernels.select_isa()[0] is None  # elsewhere (e.g. aarch64): torch's kernels
+    monkeypatch.undo()
+    cpu_kernels.reset()
 
 
 def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
@@ -39,16 +59,15 @@ def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
     return ref.abs() * 2.0 ** -7 + 1e-3
 
 
-@needs_f32_kernel
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 32])
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (5, 15), (130, 4096 + 7)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp32_matches_exact_product(m, n, k, with_bias):
+def test_fp32_matches_exact_product(kernel_path, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
-    assert cpu_kernels.supports(x, w)
-    out = cpu_kernels.linear(x, w, b)
+    assert kernel_ops.supports(x, w) == kernel_path.available
+    out = kernel_ops.linear(x, w, b)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # float32 summation error bound: a few ulps of the sum of |terms|
@@ -57,31 +76,27 @@ def test_fp32_matches_exact_product(m, n, k, with_bias):
     assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,capable", [(torch.float32, HAS_AVX512F), (torch.bfloat16, HAS_CPU)])
-def test_rows_do_not_depend_on_their_batch(dtype, capable):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_their_batch(native_path, dtype):
     """A row's result is summed in the same order whatever the number of rows: batching cannot change it."""
-    if not capable:
-        pytest.skip(f"this CPU cannot run the {dtype} kernel")
-    assert cpu_kernels.status(dtype).available
     rows = cpu_kernels.KERNELS[dtype].max_rows
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(rows, 300, generator=g).to(dtype), torch.randn(70, 300, generator=g).to(dtype)
-    together = cpu_kernels.linear(x, w)
+    together = kernel_ops.linear(x, w, None)
     for i in (0, 5, rows - 1):
-        assert torch.equal(cpu_kernels.linear(x[i:i + 1], w), together[i:i + 1])
-    assert torch.equal(cpu_kernels.linear(x[3:7], w), together[3:7])
+        assert torch.equal(kernel_ops.linear(x[i:i + 1], w, None), together[i:i + 1])
+    assert torch.equal(kernel_ops.linear(x[3:7], w, None), together[3:7])
 
 
-@needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("n,k", [(64, 64), (37, 100), (5, 31), (130, 4096 + 7), (256, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_exact_product(m, n, k, with_bias):
+def test_matches_exact_product(kernel_path, m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
-    out = cpu_kernels.linear(x, w, b)
+    out = kernel_ops.linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
     assert ((out.double() - exact).abs() <= _ulp_bound(exact)).all()
@@ -91,34 +106,52 @@ def test_matches_exact_product(m, n, k, with_bias):
     assert (out == torch_out).float().mean() > 0.9
 
 
-@needs_kernel
-def test_strided_operands_and_batch_shapes():
+def test_strided_operands_and_batch_shapes(kernel_path):
     w_full = torch.randn(48, 160).to(torch.bfloat16)
     w = w_full[:, :128]  # rows with a stride longer than their length: a view into a bigger map
     x = torch.randn(2, 1, 128).to(torch.bfloat16)
-    assert cpu_kernels.supports(x, w)
-    out = cpu_kernels.linear(x, w)
+    assert kernel_ops.supports(x, w) == kernel_path.available
+    out = kernel_ops.linear(x, w, None)
     assert out.shape == (2, 1, 48)
     ref = torch.nn.functional.linear(x.float(), w.float())
     assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-2)
     xt = torch.randn(128, 3).to(torch.bfloat16).T  # non-contiguous activations are copied, not misread
-    assert torch.allclose(cpu_kernels.linear(xt, w).float(), torch.nn.functional.linear(xt.float(), w.float()),
+    assert torch.allclose(kernel_ops.linear(xt, w, None).float(), torch.nn.functional.linear(xt.float(), w.float()),
                           rtol=2 ** -7, atol=1e-2)
 
 
-@needs_kernel
-def test_supports_only_small_cpu_products_in_a_loaded_dtype():
-    cpu_kernels.status(torch.bfloat16)
+def test_supports_only_small_cpu_products_in_a_loaded_dtype(native_path):
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w)
-    assert not cpu_kernels.supports(torch.zeros(BF16.max_rows + 1, 16, dtype=torch.bfloat16), w)
-    assert not cpu_kernels.supports(torch.zeros(1, 16), w)  # mixed dtypes
-    assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.float16), w.half())  # no fp16 kernel
-    assert not cpu_kernels.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w.T.contiguous().T)
+    max_rows = cpu_kernels.KERNELS[torch.bfloat16].max_rows
+    assert kernel_ops.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    assert not kernel_ops.supports(torch.zeros(max_rows + 1, 16, dtype=torch.bfloat16), w)
+    assert not kernel_ops.supports(torch.zeros(1, 16), w)  # mixed dtypes
+    assert not kernel_ops.supports(torch.zeros(1, 16, dtype=torch.float16), w.half())  # no fp16 kernel
+    assert not kernel_ops.supports(torch.zeros(1, 16, dtype=torch.bfloat16), w.T.contiguous().T)
     x = torch.zeros(1, 16, dtype=torch.bfloat16, requires_grad=True)
-    assert not cpu_kernels.supports(x, w)
+    assert not kernel_ops.supports(x, w)
     with torch.no_grad():
-        assert cpu_kernels.supports(x, w)
+        assert kernel_ops.supports(x, w)
+
+
+def test_operator_checks_operands_and_has_fake_shapes(kernel_path):
+    """Registered with torch.library: wrong operands raise a clear error; fake tensors give shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w = torch.randn(12, 40).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit weight"):
+        torch.ops.loadmaster.linear(torch.randn(2, 41).to(torch.bfloat16), w, None)
+    with pytest.raises(ValueError, match="bfloat16 or float32 weights"):
+        torch.ops.loadmaster.linear(torch.randn(2, 40).half(), w.half(), None)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(torch.randn(3, 5, 40).to(torch.bfloat16))
+        out = torch.ops.loadmaster.linear(fx, mode.from_tensor(w), None)
+    assert tuple(out.shape) == (3, 5, 12) and out.dtype == torch.bfloat16
+    meta = torch.ops.loadmaster.linear(torch.empty(4, 40, device="meta"), torch.empty(7, 40, device="meta"), None)
+    assert meta.shape == (4, 7) and meta.device.type == "meta"
+    # Beyond the kernel's rows the operator runs torch's GEMM: the same result as F.linear, exactly.
+    x = torch.randn(100, 40).to(torch.bfloat16)
+    assert torch.equal(torch.ops.loadmaster.linear(x, w, None), torch.nn.functional.linear(x, w))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +202,7 @@ def test_torch_choice_and_unknown_choice(tiny_llama, tmp_path):
         use_native_linears(model, "fastest")
 
 
-@needs_f32_kernel
+@needs_kernel
 def test_fp32_model_on_the_kernel_matches_transformers(tiny_llama, tmp_path):
     """fp32 decode on the kernel: logits within 1e-5 of transformers' and identical greedy tokens."""
     from tests.loaders.helpers import assert_equivalent
@@ -193,39 +226,78 @@ def test_disabled_by_environment_and_native_then_refuses(tmp_path):
             "m = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)\n"
             "assert use_native_linears(m, 'auto') == 0\n"
             "try:\n    use_native_linears(m, 'native')\nexcept RuntimeError as e:\n    print('refused:', e)\n")
-    r = _run(code, {"LOADMASTER_CPU_KERNELS": "torch", "LOADMASTER_KERNEL_CACHE": str(tmp_path)})
-    assert r.returncode == 0, r.stderr
-    assert "refused:" in r.stdout and "LOADMASTER_CPU_KERNELS=torch" in r.stdout
+    for env in ({"LOADMASTER_CPU_KERNELS": "torch"}, {"LOADMASTER_CPU_ISA": "torch"}):
+        r = _run(code, {**env, "LOADMASTER_KERNEL_CACHE": str(tmp_path)})
+        assert r.returncode == 0, r.stderr
+        assert "refused:" in r.stdout and "LOADMASTER_CPU_ISA=torch" in r.stdout
+
+
+_STATUS = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+           "from loaders import cpu_kernels; st = cpu_kernels.status(); print(st.available, '|', st.library, '|', "
+           "st.reason)")
 
 
 @needs_kernel
 def test_concurrent_first_builds_leave_one_complete_library(tmp_path):
     """Several processes building into an empty cache at once all load a complete library; no temp files stay."""
-    code = "from loaders import cpu_kernels; st = cpu_kernels.status(); assert st.available, st.reason; print(st.library)"
     env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env},
+    procs = [subprocess.Popen([sys.executable, "-c", _STATUS], cwd=ROOT, env={**os.environ, **env},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
-    libs = {o[0].strip() for o in outs}
-    assert len(libs) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(libs.pop()).name]
+    libs = {o[0].split("|")[1].strip() for o in outs}
+    assert len(libs) == 1 and all(o[0].startswith("True") for o in outs)
+    lib = Path(libs.pop())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([lib.name, lib.with_suffix(".json").name])
+
+
+@needs_kernel
+def test_built_once_then_reused_and_a_stale_manifest_is_rebuilt(tmp_path):
+    """The first use builds (one log line); the next process builds nothing; a manifest that does not match the
+    sources, flags or path is not trusted, and the library is rebuilt."""
+    env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path)}
+    first = _run(_STATUS, env)
+    assert first.returncode == 0 and first.stdout.startswith("True"), first.stderr
+    assert first.stderr.count("building the native CPU kernels") == 1
+    lib = Path(first.stdout.split("|")[1].strip())
+    manifest = json.loads(lib.with_suffix(".json").read_text())
+    assert manifest["isa"] == cpu_kernels.runnable_isas()[0] and manifest["source_hash"] == cpu_kernels.source_hash()
+    assert manifest["compiler"] and manifest["cflags"][-1].startswith("-m")
+    mtime = lib.stat().st_mtime_ns
+    second = _run(_STATUS, env)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    assert "building" not in second.stderr and lib.stat().st_mtime_ns == mtime
+    lib.with_suffix(".json").write_text(json.dumps({**manifest, "source_hash": "0" * 64}))
+    third = _run(_STATUS, env)
+    assert third.returncode == 0 and third.stdout.startswith("True") and "building" in third.stderr
+    assert json.loads(lib.with_suffix(".json").read_text()) == manifest
 
 
 @needs_kernel
 def test_a_library_built_ahead_is_used_where_no_compiler_is(tmp_path):
-    """An image builds the kernel in its build stage; the runtime has no compiler and still uses it."""
+    """An image builds the kernels in its build stage; the runtime has no compiler and still uses them. Without
+    any library, one log line says why and torch's kernels run."""
     env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache"), "PATH": str(tmp_path / "empty-bin"), "CC": ""}
-    code = "from loaders import cpu_kernels; st = cpu_kernels.status(); print(st.available, '|', st.reason)"
-    r = _run(code, env)
+    r = _run(_STATUS, env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("False |") and "no C compiler" in r.stdout
+    assert [line for line in r.stderr.splitlines() if "cpu_kernels" in line and "no C compiler" in line]
     built = _run("from loaders import cpu_kernels; print(*cpu_kernels.build_all(), sep='\\n')",
                  {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")})
     assert built.returncode == 0, built.stderr
     libs = built.stdout.split()
-    assert len(libs) == len(cpu_kernels.KERNELS)
+    assert len(libs) == len(cpu_kernels.ISAS)
     assert all(Path(p).stat().st_mode & 0o777 == 0o755 for p in libs)  # loadable by other users (an image's)
-    r = _run(code, env)
+    r = _run(_STATUS, env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("True |"), r.stdout
+
+
+@needs_kernel
+def test_a_library_for_another_path_is_refused(tmp_path, monkeypatch):
+    """The loaded library must report the path it was asked for: a mislabelled cache entry is not run."""
+    monkeypatch.setenv("LOADMASTER_KERNEL_CACHE", str(tmp_path))
+    isas = list(cpu_kernels.ISAS)
+    wrong = cpu_kernels.build(isas[1])
+    with pytest.raises(OSError, match=f"holds the {isas[1]} path, not {isas[0]}"):
+        cpu_kernels._Library(wrong, isas[0])

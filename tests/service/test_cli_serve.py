@@ -59,6 +59,7 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
         (["serve", "{model}", "--max-memory", "lots"], {}, "DEV=SIZE"),
         (["serve", "{model}"], {"LOADMASTER_MAX_BATCH_SIZE": "many"}, "max_batch_size"),
         (["serve", "{model}", "--max-input-tokens", "4096", "--max-total-tokens", "100"], {}, "max_input_tokens"),
+        (["serve", "{model}", "--cpu-quantization", "int3"], {}, "cpu_quantization"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], env: dict, mentions: str) -> None:

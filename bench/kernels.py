@@ -1,0 +1,127 @@
+"""Kernel benchmark: the native CPU kernels on each instruction-set path, side by side, as memory bandwidth.
+
+For each weight format (bf16, fp32, int8, int4) and each path this CPU runs (``avx512``, ``avx2``, forced the way
+``LOADMASTER_CPU_ISA`` forces them) plus torch's own kernels (``F.linear`` on the same weights, dequantized once for
+the quantized formats), it times one-row products ``x @ W^T`` over a set of matrices larger than the caches, and
+reports the bandwidth reached: bytes of weights (and scales) read per second. Paths alternate within each round
+and every figure is the best of the rounds, so a neighbour's burst on this shared machine hits all of them alike.
+The headline is AVX2's bandwidth as a share of AVX-512's (target: at least 0.85).
+
+Run: ``.venv/bin/python bench/kernels.py [--rows 1] [--rounds 5] [--threads 2] [--out bench/results/kernels.json]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.common import machine, print_table, write_json  # noqa: E402
+from loaders import cpu_kernels, cpu_quant, kernel_ops  # noqa: E402
+
+FORMATS = ("bfloat16", "float32", "int8", "int4")
+
+
+def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
+    """``count`` random matrices of one format, each as the operands its kernel takes, with its bytes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        w = torch.randn(n, k, generator=g) * 0.02
+        if fmt in ("bfloat16", "float32"):
+            wt = w.to(getattr(torch, fmt))
+            out.append({"w": wt, "bytes": wt.numel() * wt.element_size(), "dense": wt})
+        else:
+            q, s = cpu_quant.QUANTIZERS[fmt](w)
+            deq = (kernel_ops.dequantize_int8 if fmt == "int8" else kernel_ops.dequantize_int4)(q, s, k,
+                                                                                               torch.bfloat16)
+            out.append({"q": q, "s": s, "bytes": q.numel() * q.element_size() + s.numel() * s.element_size(),
+                        "dense": deq})
+    return out
+
+
+def _call(fmt: str, x: torch.Tensor, m: dict, k: int, native: bool) -> torch.Tensor:
+    if not native:
+        return torch.nn.functional.linear(x, m["dense"])
+    if fmt in ("bfloat16", "float32"):
+        return kernel_ops.linear(x, m["w"], None)
+    op = kernel_ops.linear_q8 if fmt == "int8" else kernel_ops.linear_q4
+    return op(x, m["q"], m["s"], None, k)
+
+
+def _time(fmt: str, mats: list[dict], rows: int, k: int, native: bool, sweeps: int) -> float:
+    """Bytes per second over ``sweeps`` passes through all matrices (one product each)."""
+    xdtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    x = torch.randn(rows, k).to(xdtype)
+    for m in mats[:2]:
+        _call(fmt, x, m, k, native)
+    t0 = time.perf_counter()
+    for _ in range(sweeps):
+        for m in mats:
+            _call(fmt, x, m, k, native)
+    dt = time.perf_counter() - t0
+    return sweeps * sum(m["bytes"] for m in mats) / dt
+
+
+def _use(path: str) -> None:
+    os.environ["LOADMASTER_CPU_ISA"] = path
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    if path != "torch" and (not st.available or st.isa != path):
+        raise SystemExit(f"the {path} path did not load: {st.reason}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=1, help="rows of activations per product (1 = a decode step)")
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--matrices-mib", type=int, default=256, help="total weight bytes per format, beyond the caches")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = cpu_kernels.runnable_isas() + ["torch"]
+    rows = []
+    for fmt in args.formats.split(","):
+        if fmt not in FORMATS:
+            raise SystemExit(f"--formats: unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        one = _weights(fmt, args.n, args.k, 1)[0]["bytes"]
+        mats = _weights(fmt, args.n, args.k, max(2, (args.matrices_mib << 20) // one))
+        best = {p: 0.0 for p in paths}
+        runs = {p: [] for p in paths}
+        for _ in range(args.rounds):
+            for p in paths:
+                _use(p)
+                bw = _time(fmt, mats, args.rows, args.k, p != "torch", sweeps=3)
+                runs[p].append(round(bw / 1e9, 2))
+                best[p] = max(best[p], bw)
+        row = {"format": fmt, "matrices": f"{len(mats)} x {args.n}x{args.k}"}
+        for p in paths:
+            row[f"{p}_gb_s"] = best[p] / 1e9
+            row[f"{p}_runs"] = runs[p]
+        if "avx512" in best and "avx2" in best:
+            row["avx2_vs_avx512"] = best["avx2"] / best["avx512"]
+        if "avx512" in best or "avx2" in best:
+            row["native_vs_torch"] = max(best.get("avx512", 0), best.get("avx2", 0)) / best["torch"]
+        rows.append(row)
+        print(f"{fmt}: " + ", ".join(f"{p} {best[p] / 1e9:.1f} GB/s" for p in paths), flush=True)
+    os.environ.pop("LOADMASTER_CPU_ISA", None)
+    cols = [("format", "format"), ("matrices", "matrices")] + [(f"{p}_gb_s", f"{p} GB/s") for p in paths]
+    cols += [("avx2_vs_avx512", "avx2 / avx512"), ("native_vs_torch", "native / torch")]
+    print(f"\nOne-row products (rows={args.rows}), {args.threads} threads, best of {args.rounds} rounds:\n")
+    print_table(rows, cols)
+    if args.out:
+        write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                              "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

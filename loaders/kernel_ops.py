@@ -1,0 +1,199 @@
+"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_q8`` and ``linear_q4``.
+
+Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
+checked by the dispatcher), a fake implementation (shapes and dtypes propagate through fake tensors and the meta
+device, so tracing and ``torch.compile`` see what comes out without running C), and one CPU implementation that
+checks its operands and calls :mod:`loaders.cpu_kernels`. Each call passes ``torch.get_num_threads()``.
+
+The CPU implementations fall back to torch's own kernels where the native library is not loaded (another CPU, no
+compiler, ``LOADMASTER_CPU_ISA=torch``) and, for the quantized operators, for products with more rows than the
+kernel takes (long prefills), where the weight is dequantized for that call and torch's GEMM runs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from loaders import cpu_kernels
+from loaders.cpu_kernels import KERNELS, QUANT_KERNELS
+
+GROUP = 64  # inputs per activation group and per 4-bit scale group; LM_GROUP in kernels/common.h
+
+_lib = torch.library.Library("loadmaster", "DEF")
+_lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
+_lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
+
+
+_bound: dict[str, object] = {}
+
+
+def _fn(name: str):
+    """The bound kernel, or ``None`` where the native library is not loaded (the torch fallback runs).
+
+    Looked up once per process and kernel: this runs for every linear layer at every decode step."""
+    try:
+        return _bound[name]
+    except KeyError:
+        fn = cpu_kernels.function(name) if cpu_kernels.status().available else None
+        _bound[name] = fn
+        return fn
+
+
+cpu_kernels.on_reset(_bound.clear)  # a reset (tests, benches switching paths) rebinds on the next call
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _out_shape(x: torch.Tensor, n: int) -> list[int]:
+    return [*x.shape[:-1], n]
+
+
+
+
+# -- float kernels -----------------------------------------------------------------------------------------------
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    dtype = weight.dtype
+    kernel = KERNELS.get(dtype)
+    if kernel is None:
+        raise ValueError(f"loadmaster::linear takes bfloat16 or float32 weights, not {dtype}")
+    if x.dtype is not dtype or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"loadmaster::linear: x {tuple(x.shape)} {x.dtype} does not fit weight "
+                         f"{tuple(weight.shape)} {dtype}")
+    n, k = weight.shape
+    fn = _fn(kernel.name)
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    if fn is None or weight.stride(1) != 1 or not 0 < m <= kernel.max_rows or k == 0:
+        return F.linear(x, weight, bias)
+    out = torch.empty((m, n), dtype=dtype)
+    bias_ptr = None
+    if bias is not None:
+        bias = bias.to(dtype).contiguous()
+        bias_ptr = bias.data_ptr()
+    rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr, out.data_ptr(), n, m, n, k,
+            torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"{kernel.symbol} rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
+    return out.view(_out_shape(x, n))
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "loadmaster::linear: x and weight disagree on in_features")
+    torch._check(x.dtype == weight.dtype, lambda: "loadmaster::linear: x and weight dtypes differ")
+    return x.new_empty(_out_shape(x, weight.shape[0]))
+
+
+# -- quantized kernels -------------------------------------------------------------------------------------------
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, in_features]`` that int8 rows and per-channel scales stand for."""
+    return (qweight[:, :in_features].to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, in_features]`` that packed 4-bit groups and their float16 scales stand for."""
+    n = packed.shape[0]
+    p = packed.view(n, -1, GROUP // 2)
+    q = torch.cat([p & 0x0F, p >> 4], dim=2).to(torch.float32) - 8.0  # [N, G, 64]
+    w = q * scales.to(torch.float32)[:, :, None]
+    return w.reshape(n, -1)[:, :in_features].to(dtype)
+
+
+def _check_quant(op: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, in_features: int,
+                 row_bytes: int, qdtype: torch.dtype, sdtype: torch.dtype, scale_cols: Optional[int]) -> None:
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        raise ValueError(f"loadmaster::{op} takes float32 or bfloat16 x, not {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"loadmaster::{op}: x has {x.shape[-1]} features, the layer {in_features}")
+    if qweight.dtype is not qdtype or qweight.dim() != 2 or qweight.shape[1] < row_bytes or qweight.stride(1) != 1:
+        raise ValueError(f"loadmaster::{op}: weight must be {qdtype} [N, >= {row_bytes}] with contiguous rows, "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    want_scale = (qweight.shape[0],) if scale_cols is None else (qweight.shape[0], scale_cols)
+    if scale.dtype is not sdtype or tuple(scale.shape) != want_scale or not scale.is_contiguous():
+        raise ValueError(f"loadmaster::{op}: scales must be contiguous {sdtype} {want_scale}, "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+
+
+def _groups(in_features: int) -> int:
+    return (in_features + GROUP - 1) // GROUP
+
+
+def _call_quant(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], n: int, k: int, args) -> Optional[torch.Tensor]:
+    """Run a quantized kernel, or return ``None`` for the torch fallback."""
+    fn = _fn(name)
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    if fn is None or not 0 < m <= QUANT_KERNELS["int8" if name == "linear_q8" else "int4"].max_rows:
+        return None
+    out = torch.empty((m, n), dtype=x.dtype)
+    bias_ptr = None
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+        bias_ptr = bias.data_ptr()
+    rc = fn(x2.data_ptr(), x2.stride(0), int(x.dtype == torch.bfloat16), *args, bias_ptr, out.data_ptr(), n, m, n,
+            k, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"lm_{name} failed ({rc}) for x={tuple(x.shape)} and {n} outputs")
+    return out.view(_out_shape(x, n))
+
+
+def _linear_q8_cpu(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
+    _check_quant("linear_q8", x, qweight, scale, in_features, _groups(in_features) * GROUP, torch.int8,
+                 torch.float32, None)
+    n = qweight.shape[0]
+    out = _call_quant("linear_q8", x, bias, n, in_features,
+                      (qweight.data_ptr(), qweight.stride(0), scale.data_ptr()))
+    if out is None:
+        out = F.linear(x, dequantize_int8(qweight, scale, in_features, x.dtype), bias)
+    return out
+
+
+def _linear_q4_cpu(x, packed, scales, bias, in_features: int) -> torch.Tensor:
+    g = _groups(in_features)
+    _check_quant("linear_q4", x, packed, scales, in_features, g * GROUP // 2, torch.uint8, torch.float16, g)
+    n = packed.shape[0]
+    out = _call_quant("linear_q4", x, bias, n, in_features,
+                      (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0)))
+    if out is None:
+        out = F.linear(x, dequantize_int4(packed, scales, in_features, x.dtype), bias)
+    return out
+
+
+def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
+    torch._check(x.shape[-1] == in_features, lambda: "x's last dimension must equal in_features")
+    torch._check(x.dtype in (torch.float32, torch.bfloat16), lambda: "x must be float32 or bfloat16")
+    return x.new_empty(_out_shape(x, qweight.shape[0]))
+
+
+_lib.impl("linear", _linear_cpu, "CPU")
+_lib.impl("linear_q8", _linear_q8_cpu, "CPU")
+_lib.impl("linear_q4", _linear_q4_cpu, "CPU")
+torch.library.register_fake("loadmaster::linear", _linear_fake, lib=_lib)
+torch.library.register_fake("loadmaster::linear_q8", _quant_fake, lib=_lib)
+torch.library.register_fake("loadmaster::linear_q4", _quant_fake, lib=_lib)
+
+linear = torch.ops.loadmaster.linear.default
+linear_q8 = torch.ops.loadmaster.linear_q8.default
+linear_q4 = torch.ops.loadmaster.linear_q4.default
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the native float kernel takes these operands: a small CPU product in a dtype with a kernel, with
+    the kernels loaded. Called once per linear layer per token, so it reads only cheap attributes."""
+    dtype = weight.dtype
+    kernel = KERNELS.get(dtype)
+    if kernel is None or x.dtype is not dtype or not x.is_cpu or not weight.is_cpu:
+        return False
+    if _fn(kernel.name) is None:
+        return False
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.stride(1) != 1 or k != weight.shape[1] or k == 0:
+        return False
+    if not 0 < x.numel() // k <= kernel.max_rows:
+        return False
+    return not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
