@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planner.errors import LoadmasterError
-from service import openai_routes, plan_routes, routes
+from service import openai_routes, plan_routes, routes, ui_routes
 from service.errors import (
     GenerationError,
     OverloadedError,
@@ -31,7 +31,7 @@ from service.memory import memory_gauges, memory_report, weight_bytes_by_device
 from service.metrics import Metrics
 from service.model_loading import Loader, LoadedModel, ModelHost, load_model
 from service.runtime import Runtime
-from service.security import OPEN_PATHS, check_api_key
+from service.security import check_api_key, is_open
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
@@ -82,7 +82,7 @@ class GuardMiddleware:
             await resp(scope, receive, send_wrapped)
 
         try:
-            if self.settings.api_key and path not in OPEN_PATHS:
+            if self.settings.api_key and not is_open(scope.get("method", ""), path):
                 try:
                     check_api_key(headers.get("authorization"), self.settings.api_key)
                 except ServiceError as exc:
@@ -199,5 +199,6 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     app.include_router(routes.router)
     app.include_router(openai_routes.router)
     app.include_router(plan_routes.router)
+    app.include_router(ui_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     return app

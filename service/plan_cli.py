@@ -182,7 +182,20 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result = plan(args.model, **planner_kwargs(args))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
+    write_pictures(result, svg=args.svg, html=args.html)
     return 0
+
+
+def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:
+    """``--svg``/``--html``: the plan's picture (service.plan_picture), and the web page with it embedded."""
+    if svg:
+        from service.plan_picture import render_svg
+
+        Path(svg).write_text(render_svg(result), encoding="utf-8")
+    if html:
+        from service.ui_page import page_html
+
+        Path(html).write_text(page_html(plan=result.to_dict()), encoding="utf-8")
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -219,6 +232,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", help="a model directory (config.json + safetensors) or a config.json")
     add_planner_flags(p)
     p.add_argument("--json", action="store_true", help="print the Plan as JSON (what /plan returns)")
+    p.add_argument("--svg", default=None, metavar="FILE", help="also write the plan's picture as SVG")
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help="also write the web page with this plan embedded (works offline, from a file)")
     p.set_defaults(func=run_plan)
 
     e = subparsers.add_parser("estimate", help="model size per dtype/quantization and the smallest memory that serves it")

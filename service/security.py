@@ -14,6 +14,13 @@ from service.errors import AuthError, NotFoundError, RequestValidationError
 
 #: Routes open without a key: probes must work for orchestrators that hold no secrets.
 OPEN_PATHS = frozenset({"/health", "/health/ready"})
+#: GET paths open without a key: the web page's shell, which holds no data and must load to ask for the key.
+OPEN_PAGES = frozenset({"/", "/ui"})
+
+
+def is_open(method: str, path: str) -> bool:
+    """Whether a request needs no API key (probes, and the page itself; never ``POST /``)."""
+    return path in OPEN_PATHS or (method in ("GET", "HEAD") and path in OPEN_PAGES)
 
 
 def bearer_token(header: str | None) -> str | None:
