@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from service.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.errors import openai_status
 from service.runtime import EngineStream, request_id_of, runtime_of, sse
+from service.stop_matcher import StopHoldback
 from service.validation import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -63,27 +64,6 @@ async def _start(request: Request, build) -> tuple[EngineStream, GenerationReque
         raise
 
 
-class _Holdback:
-    """Streams text without ever emitting the start of a stop sequence that may still complete."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.keep = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-
-    def push(self, piece: str) -> str:
-        self.text += piece
-        safe = max(self.sent, len(self.text) - self.keep)
-        out, self.sent = self.text[self.sent : safe], safe
-        return out
-
-    def finish(self, final_text: str) -> str:
-        out = final_text[self.sent :]
-        self.sent = len(final_text)
-        return out
-
-
-
 async def _final_or_response(stream: EngineStream, request: Request, rid: str) -> tuple[Any, Response | None]:
     """Wait for a non-streamed request's final event. When there is nothing to build an answer on (the client left,
     or generation failed), the second item is the response to send instead."""
@@ -95,8 +75,10 @@ async def _final_or_response(stream: EngineStream, request: Request, rid: str) -
         return None, Response(status_code=499)
     if isinstance(final, ErrorEvent):
         log.error("request %s failed: %s", rid, final.message)
-        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=openai_status(final.status_code, final.error_type))
+        status = openai_status(final.status_code, final.error_type)
+        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=status)
     return final, None
+
 
 def _stream_response(
     stream: EngineStream,
@@ -107,7 +89,7 @@ def _stream_response(
     include_usage: bool,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
-        hold = _Holdback(gen.stop)
+        hold = StopHoldback(gen.stop)
         try:
             if first_chunk is not None:
                 yield sse(first_chunk, "data: ")

@@ -1,4 +1,11 @@
-"""Session-wide fixtures: the shared tiny models, built once per cache and never downloaded."""
+"""Session-wide fixtures (the shared tiny models, built once per cache and never downloaded) and the ``slow`` mark.
+
+A test is ``slow`` when it starts something outside the test function: a subprocess, a real uvicorn server, Docker
+or a browser. It is marked here automatically, by what the test uses: its own code, the same module's helpers it
+calls, and its fixtures (``server``, ``client`` and their kin) are read for ``subprocess``, ``Popen``, a
+``LiveServer``, ``uvicorn`` or ``playwright``. A test that reaches such things another way says ``@pytest.mark.slow`` itself.
+``pytest -m "not slow"`` is then the fast subset; plain ``pytest`` (and ``.ci/run``) runs everything.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,17 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import inspect  # noqa: E402
+import re  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests import models  # noqa: E402
+
+#: What in a test's code (or its helpers' or fixtures') starts a process or a server.
+STARTS_SOMETHING = re.compile(r"\bsubprocess\.|\bPopen\(|\bLiveServer\(|\buvicorn\.|\bplaywright\b|\bchromium\.launch\(")
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +40,36 @@ def tiny_gpt2() -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe() -> Path:
     return models.tiny_moe_dir()
+
+
+def _starts_something(func: object, seen: set[object]) -> bool:
+    """Whether ``func``'s source, or that of a same-module function it names, starts a process or a server."""
+    func = inspect.unwrap(func)  # type: ignore[arg-type]
+    if func in seen or not isinstance(func, types.FunctionType):
+        return False
+    seen.add(func)
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    if STARTS_SOMETHING.search(source):
+        return True
+    module = inspect.getmodule(func)
+    helpers = (getattr(module, name, None) for name in func.__code__.co_names)
+    return any(
+        _starts_something(h, seen) for h in helpers if isinstance(h, types.FunctionType) and h.__module__ == func.__module__
+    )
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    seen: set[object] = set()
+    if isinstance(item, pytest.Function) and _starts_something(item.function, seen):
+        return True
+    fixture_defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(_starts_something(d.func, seen) for defs in fixture_defs.values() for d in defs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") is None and _is_slow(item):
+            item.add_marker(pytest.mark.slow)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.stop_matcher import StopMatch, StopMatcher
+from service.stop_matcher import StopHoldback, StopMatch, StopMatcher
 
 
 def feed_all(matcher: StopMatcher, parts: list[str]) -> StopMatch | None:
@@ -52,3 +52,23 @@ def test_any_cutting_of_the_text_finds_what_searching_the_whole_text_finds(text:
             expected = StopMatch(stop, at)
             break
     assert found == expected
+
+
+@given(
+    text=st.text(alphabet="ab c", max_size=40),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
+    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_a_held_back_stream_never_shows_a_stop_and_ends_with_the_cut_text(text: str, cuts: list[int], stops: list[str]):
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    matcher, hold, shown = StopMatcher(tuple(stops)), StopHoldback(tuple(stops)), ""
+    final_text = text
+    for a, b in zip(bounds, bounds[1:]):
+        match = matcher.feed(text[a:b])
+        if match is not None:
+            final_text = text[: match.at]
+            break
+        shown += hold.push(text[a:b])
+        assert final_text.startswith(shown)
+    assert shown + hold.finish(final_text) == final_text
+    assert not any(s in final_text for s in stops)
