@@ -7,22 +7,19 @@ reports the bandwidth reached: bytes of weights (and scales) read per second. Pa
 and every figure is the best of the rounds, so a neighbour's burst on this shared machine hits all of them alike.
 The headline is AVX2's bandwidth as a share of AVX-512's (target: at least 0.85).
 
-Run: ``.venv/bin/python bench/kernels.py [--rows 1] [--rounds 5] [--threads 2] [--out bench/results/kernels.json]``
+Run from the repository root: ``.venv/bin/python -m bench.kernels [--rows 1] [--rounds 5] [--threads 2] [--out bench/results/kernels.json]``
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import machine, print_table, write_json  # noqa: E402
-from loaders import cpu_kernels, cpu_quant, kernel_ops  # noqa: E402
+from bench.common import machine, print_table, write_json
+from loaders import cpu_kernels, cpu_quant, kernel_ops
 
 FORMATS = ("bfloat16", "float32", "int8", "int4")
 
