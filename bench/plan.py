@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from planner.api import make_problem, make_workload, plan  # noqa: E402
-from planner.hardware import build_hardware, device_label  # noqa: E402
+from planner.devices import device_label  # noqa: E402
+from planner.hardware import build_hardware  # noqa: E402
 from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
 from planner.strategies import compute_loads  # noqa: E402
 from planner.types import Block, DeviceId, KVGeometry, Skeleton, TensorSpec  # noqa: E402

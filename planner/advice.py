@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from planner import strategies
 from planner.errors import PlanError
-from planner.hardware import device_label
+from planner.devices import device_label, gpu_range_label
 from planner.strategies import FillResult, Problem, compute_loads
 from planner.types import DeviceId, Hardware, Skeleton, Workload
 from planner.units import format_bytes
@@ -81,7 +81,7 @@ def _describe_devices(hardware: Hardware) -> str:
 
     def flush() -> None:
         if run:
-            ids = f"GPU {run[0].id}" if len(run) == 1 else f"GPU {run[0].id}-{run[-1].id}"
+            ids = gpu_range_label(run[0].id, run[-1].id)
             parts.append(f"{ids} {format_bytes(run[0].capacity)}" + (" each" if len(run) > 1 else ""))
             run.clear()
 

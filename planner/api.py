@@ -15,7 +15,8 @@ from planner import strategies
 from planner.cost_model import predict
 from planner.device_map import merge_device_map, resolve_custom_map
 from planner.errors import PlanError
-from planner.hardware import build_hardware, device_label, normalize_device_key
+from planner.devices import device_label, parse_device
+from planner.hardware import build_hardware
 from planner.sizing import (
     activation_bytes,
     logits_bytes,
@@ -318,7 +319,7 @@ def plan(
 
         strategy = json.loads(strategy)
     if isinstance(strategy, Mapping):
-        strategy = {k: normalize_device_key(v) if not isinstance(v, int) else v for k, v in strategy.items()}
+        strategy = {k: parse_device(v) for k, v in strategy.items()}
     problem, result, name, reasons = _solve(skeleton, hardware, workload, strategy, complete)
     if result.assignment is None:
         from planner.advice import explain_no_fit

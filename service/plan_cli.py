@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlanError
-from planner.hardware import device_label
+from planner.devices import device_label
 from planner.types import Plan
 from planner.units import format_bytes
 
