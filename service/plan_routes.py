@@ -60,7 +60,7 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
 def plan_route(request: Request, body: PlanRequest) -> dict[str, Any]:
     import planner
     from planner.advice import largest_batch, largest_context
-    from planner.api import make_workload, resolve_skeleton
+    from planner.inputs import make_workload, resolve_skeleton
     from planner.hardware import build_hardware
 
     source = _model_source(request, body)
