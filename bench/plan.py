@@ -30,8 +30,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from planner.api import make_problem, make_workload, plan  # noqa: E402
-from planner.hardware import build_hardware, device_label  # noqa: E402
+from planner.api import plan  # noqa: E402
+from planner.inputs import make_workload  # noqa: E402
+from planner.solve import make_problem  # noqa: E402
+from planner.devices import device_label  # noqa: E402
+from planner.hardware import build_hardware  # noqa: E402
 from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
 from planner.strategies import compute_loads  # noqa: E402
 from planner.types import Block, DeviceId, KVGeometry, Skeleton, TensorSpec  # noqa: E402

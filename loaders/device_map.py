@@ -11,24 +11,13 @@ from typing import Iterable, Mapping
 
 import torch
 
+from planner.devices import parse_device
 from planner.errors import PlanError
-from planner.hardware import normalize_device_key
 from planner.types import DeviceId
 
 
-def normalize_device(value) -> DeviceId:
-    """Accept the spellings users write (0, "0", "cuda:0", a torch.device, "cpu", "disk") -> int | str.
-
-    A torch.device is turned into its name; everything else is the planner's reading of ``max_memory`` keys, so a
-    device map and ``max_memory`` accept exactly the same spellings.
-    """
-    if isinstance(value, torch.device):
-        return value.index or 0 if value.type == "cuda" else normalize_device_key(value.type)
-    return normalize_device_key(value)
-
-
 def normalize_map(device_map: Mapping[str, object]) -> dict[str, DeviceId]:
-    return {str(k): normalize_device(v) for k, v in device_map.items()}
+    return {str(k): parse_device(v) for k, v in device_map.items()}
 
 
 def _covers(prefix: str, name: str) -> bool:

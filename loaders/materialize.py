@@ -29,6 +29,7 @@ from loaders.offload_folder import OffloadFolder
 from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
 from loaders.shard_reader import ShardReader, populate
+from planner.devices import parse_device, torch_device_name
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Materializer:
         for name, src, dtype, dev in sorted(gpu_jobs, key=lambda j: self._file_order(j[1])):
             t = self._load_gpu(src, dtype, dev)
             out[name] = t
-            self._count(f"cuda:{dev.index}", t.numel() * t.element_size())
+            self._count(torch_device_name(parse_device(dev)), t.numel() * t.element_size())
         if to_convert:
             self._serve_from_offload_folder(to_convert, out)
         self.reader.close_files()
@@ -164,7 +165,7 @@ class Materializer:
                 self._staging.upload(self.reader, entry, tmp)
                 view.copy_(tmp.view(view.shape))
             self.stats.bytes_read += entry.nbytes
-            self.reporter.advance(entry.nbytes, f"cuda:{device.index}")
+            self.reporter.advance(entry.nbytes, torch_device_name(parse_device(device)))
         self._staging.synchronize()
         return dest
 

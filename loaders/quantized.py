@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from loaders.progress import LoadProgress, LoadStats, peak_rss_bytes
+from planner.devices import parse_device, torch_device_name
 from planner.errors import PlanError
 from planner.types import DeviceId
 
@@ -59,7 +60,7 @@ def load_quantized(path: Path, device_map: Mapping[str, DeviceId], dtype: torch.
         if id(t) in seen:
             continue
         seen.add(id(t))
-        dev = "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index}"
+        dev = torch_device_name(parse_device(t.device))
         stats.bytes_per_device[dev] = stats.bytes_per_device.get(dev, 0) + t.numel() * t.element_size()
     for m in model.modules():  # int8 row scales (SCB) and 4-bit absmax live beside the weight, not as parameters
         w = getattr(m, "weight", None)
@@ -68,7 +69,7 @@ def load_quantized(path: Path, device_map: Mapping[str, DeviceId], dtype: torch.
         for extra in (getattr(w, "SCB", None), *qs_tensors):
             if isinstance(extra, torch.Tensor) and id(extra) not in seen:
                 seen.add(id(extra))
-                dev = "cpu" if extra.device.type == "cpu" else f"{extra.device.type}:{extra.device.index}"
+                dev = torch_device_name(parse_device(extra.device))
                 stats.bytes_per_device[dev] = stats.bytes_per_device.get(dev, 0) + extra.numel() * extra.element_size()
     stats.seconds = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()

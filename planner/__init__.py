@@ -8,6 +8,7 @@ Public API::
 ``model`` is a model directory, a ``config.json`` path, a config dict (naming ``model_type`` or ``architectures``)
 or a :class:`Skeleton`. ``Plan.to_json()`` / ``Plan.from_json()`` round-trip losslessly.
 """
+from planner.api import plan
 from planner.errors import HardwareSpecError, HeaderError, LoadmasterError, ModelSourceError, PlanError
 from planner.types import (
     Block,
@@ -27,9 +28,3 @@ __all__ = [
     "LoadmasterError", "ModelSourceError", "Plan", "PlanError", "Prediction", "Skeleton", "TensorSpec",
     "Workload", "plan",
 ]
-
-
-def plan(*args, **kwargs):  # re-exported lazily so that importing planner stays light
-    from planner.api import plan as _plan
-
-    return _plan(*args, **kwargs)

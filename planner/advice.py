@@ -5,25 +5,27 @@ Every suggestion is checked by planning again with the change applied; nothing i
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from planner import strategies
-from planner.errors import PlanError
-from planner.hardware import device_label
-from planner.strategies import FillResult, Problem, compute_loads
+from planner.devices import device_label, gpu_range_label
+from planner.inputs import ResolvedInputs, Strategy
+from planner.solve import Solution, fallbacks, fits
+from planner.strategies import Problem, compute_loads, sequential
 from planner.types import DeviceId, Hardware, Skeleton, Workload
 from planner.units import format_bytes
 
 
-def _feasible(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any) -> bool:
-    from planner.api import _solve
+@dataclass(frozen=True)
+class Shortfall:
+    """What a plan would need per device if the last device could overflow, and the bytes missing in all."""
 
-    try:
-        _, result, _, _ = _solve(skeleton, hardware, workload, strategy, complete=True)
-    except PlanError:
-        return False
-    return result.assignment is not None
+    need: dict[DeviceId, int]
+    missing: int
+
+
+def _feasible(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy) -> bool:
+    return fits(ResolvedInputs(skeleton, hardware, workload, strategy))
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
@@ -39,24 +41,26 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
-def largest_context(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any = "auto", limit: int = 1 << 22) -> int | None:
+def largest_context(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto",
+                    limit: int = 1 << 22) -> int | None:
+    """The longest context that fits with this batch (None when not even one token does)."""
     return _largest(1, limit, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy))
 
 
-def largest_batch(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Any = "auto", limit: int = 1 << 16) -> int | None:
+def largest_batch(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto",
+                  limit: int = 1 << 16) -> int | None:
+    """The largest batch that fits at this context (None when not even one sequence does)."""
     return _largest(1, limit, lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy))
 
 
-def _shortfall(problem: Problem) -> tuple[dict[DeviceId, int], int]:
+def shortfall(problem: Problem) -> Shortfall:
     """Per-device need when the last device is allowed to overflow, and the total bytes missing."""
     devices = problem.hardware.devices
     last = devices[-1].id
     unlimited = replace(problem.hardware, devices=devices[:-1] + (replace(devices[-1], capacity=1 << 62),))
-    from planner.api import _fallbacks
-
     assignment = None
-    for candidate in _fallbacks(replace(problem, hardware=unlimited)):
-        assignment = strategies.sequential(candidate).assignment
+    for candidate in fallbacks(replace(problem, hardware=unlimited)):
+        assignment = sequential(candidate).assignment
         if assignment is not None:
             problem = candidate
             break
@@ -71,7 +75,7 @@ def _shortfall(problem: Problem) -> tuple[dict[DeviceId, int], int]:
     need = {d.id: loads.total(d.id) for d in devices}
     need.update({dev: loads.total(dev) for dev in set(assignment) if dev not in need})
     missing = sum(max(0, need[d.id] - d.capacity) for d in devices)
-    return need, missing
+    return Shortfall(need, missing)
 
 
 def _describe_devices(hardware: Hardware) -> str:
@@ -81,7 +85,7 @@ def _describe_devices(hardware: Hardware) -> str:
 
     def flush() -> None:
         if run:
-            ids = f"GPU {run[0].id}" if len(run) == 1 else f"GPU {run[0].id}-{run[-1].id}"
+            ids = gpu_range_label(run[0].id, run[-1].id)
             parts.append(f"{ids} {format_bytes(run[0].capacity)}" + (" each" if len(run) > 1 else ""))
             run.clear()
 
@@ -97,11 +101,14 @@ def _describe_devices(hardware: Hardware) -> str:
     return ", ".join(parts)
 
 
-def explain_no_fit(
-    skeleton: Skeleton, hardware: Hardware, workload: Workload, problem: Problem, result: FillResult, strategy: Any, advise: bool
-) -> str:
+def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = True) -> str:
+    """Why ``solution`` (which does not fit) failed, in bytes per device, and, with ``advise``, every single change
+    that would fit (each checked by solving again)."""
+    skeleton, hardware, workload, strategy = inputs.skeleton, inputs.hardware, inputs.workload, inputs.strategy
+    problem = solution.problem
     caps = _describe_devices(hardware)
-    need, missing = _shortfall(problem)
+    gap = shortfall(problem)
+    need, missing = gap.need, gap.missing
     short = "; ".join(
         f"{device_label(d.id)} needs {format_bytes(need[d.id])} of {format_bytes(d.capacity)} "
         f"(short by {need[d.id] - d.capacity} B)"

@@ -13,7 +13,7 @@ returns ``None``, and the caller walks the meta model as before: slower, never w
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -23,8 +23,9 @@ from planner.types import Block, Skeleton, TensorSpec
 log = logging.getLogger(__name__)
 
 #: Config keys that shape no tensor in any family here (token ids, dropout, norms' epsilons, positional limits,
-#: attention windows and soft-caps, routing losses, bookkeeping). A key outside this set and outside the family's
-#: own ``understood`` keys sends the config to the meta-model walk.
+#: attention windows and soft-caps, routing losses, bookkeeping; ``auto_map`` names remote code, which the walk does
+#: not run either). A key outside this set and outside the family's own ``understood`` keys sends the config to the
+#: meta-model walk.
 HARMLESS_KEYS = frozenset({
     "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "max_position_embeddings",
@@ -38,11 +39,15 @@ HARMLESS_KEYS = frozenset({
     "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "task_specific_params",
     "output_attentions", "output_hidden_states", "return_dict", "is_decoder", "id2label", "label2id",
     "tokenizer_class", "max_length", "attention_chunk_size", "rope_scaling", "rope_parameters",
-    "tie_word_embeddings", "layer_types",
+    "tie_word_embeddings", "layer_types", "auto_map",
 })
 
-#: RoPE variants whose inverse frequencies have ``head_dim // 2`` entries (with no partial rotary factor).
-_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
+#: RoPE variants the fast path lays out, with the keys transformers requires of each (it refuses a config missing
+#: one; the others, e.g. yarn or longrope, have more rules than are worth copying, so they go to the walk).
+_ROPE_REQUIRED = {
+    "default": frozenset(),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+}
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,6 @@ class _Config:
 
     values: dict[str, Any]
     head_dim: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -287,6 +291,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     ),
 )}
 
+
 def family_of(config: Mapping[str, Any]) -> Family | None:
     """The family a config dict belongs to, by its ``model_type``.
 
@@ -314,14 +319,9 @@ def _rope_dims(rope: Any, head_dim: int) -> int | None:
     if not isinstance(rope, Mapping):
         return None
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("su", "yarn") and "short_factor" in rope:
-        kind = "longrope"
-    factor = rope.get("partial_rotary_factor", 1.0)
-    if kind not in _ROPE_TYPES or factor != 1.0:
+    required = _ROPE_REQUIRED.get(kind) if isinstance(kind, str) else None
+    if required is None or not required <= set(rope) or rope.get("partial_rotary_factor", 1.0) != 1.0:
         return None
-    for key in ("short_factor", "long_factor"):
-        if key in rope and (not isinstance(rope[key], list) or len(rope[key]) != head_dim // 2):
-            return None
     return (head_dim + 1) // 2
 
 

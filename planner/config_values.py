@@ -117,3 +117,4 @@ def model_sizes(cfg: Any) -> dict[str, int]:
         "intermediate_size": int(inter or 0),
         "num_attention_heads": int(config_value(cfg, "num_attention_heads", "n_head", "num_heads") or 0),
     }
+

@@ -17,6 +17,7 @@ link. Disk-placed tensors are served from the checkpoint in place, so they cost 
 from __future__ import annotations
 
 from planner.strategies import Loads, Problem
+from planner.devices import device_key
 from planner.types import DeviceId, Prediction
 
 COST_MODEL = (
@@ -25,10 +26,6 @@ COST_MODEL = (
     "in free RAM) + KV cache / bandwidth of its device; tokens/s = batch / step; "
     "load = non-disk bytes / storage read + GPU bytes / host link"
 )
-
-
-def _label(dev: DeviceId) -> str:
-    return f"gpu{dev}" if isinstance(dev, int) else str(dev)
 
 
 def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int) -> Prediction:
@@ -57,7 +54,7 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
         if item.kv:
             runs_on = runs[dev]
             seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / by_id[runs_on].bandwidth
-    seconds = {_label(d): v for d, v in seconds_by_dev.items()}
+    seconds = {device_key(d): v for d, v in seconds_by_dev.items()}
     step = sum(seconds.values())
     tps = batch_size / step if step > 0 else float("inf")
 

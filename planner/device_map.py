@@ -10,9 +10,8 @@ import difflib
 from typing import Any, Mapping
 
 from planner.errors import PlanError
-from planner.hardware import normalize_device_key
+from planner.devices import parse_device
 from planner.types import DeviceId, Skeleton
-from planner.units import format_bytes
 
 
 def merge_device_map(skeleton: Skeleton, placement: Mapping[str, DeviceId]) -> dict[str, DeviceId]:
@@ -85,7 +84,7 @@ def resolve_custom_map(
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise PlanError(f"device map names {key!r}, which is not a module or tensor of this model{hint}")
         try:
-            keys[key] = normalize_device_key(value)
+            keys[key] = parse_device(value)
         except PlanError as e:
             raise PlanError(f"device map entry {key!r}: {e}") from None
 
@@ -138,12 +137,3 @@ def resolve_custom_map(
             )
     return placement
 
-
-def shortfall_text(need: Mapping[DeviceId, int], capacity: Mapping[DeviceId, int]) -> str:
-    parts = []
-    for dev, n in need.items():
-        cap = capacity.get(dev, 0)
-        if n > cap:
-            label = f"GPU {dev}" if isinstance(dev, int) else dev
-            parts.append(f"{label} needs {format_bytes(n)} ({n} B) but has {format_bytes(cap)} (short by {n - cap} B)")
-    return "; ".join(parts)

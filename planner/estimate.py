@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from planner.api import make_problem, make_workload, resolve_skeleton
+from planner.hardware import DEFAULT_GPU_RESERVE
+from planner.inputs import make_workload, resolve_skeleton
+from planner.solve import make_problem
 from planner.strategies import compute_loads
 from planner.types import Device, Hardware
 from planner.units import parse_size
-from planner.hardware import DEFAULT_GPU_RESERVE
 
 FORMATS: tuple[tuple[str, str, str | None], ...] = (
     ("fp32", "float32", None),

@@ -6,12 +6,12 @@ hardware never needs a GPU, or even torch.
 """
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import shutil
 from typing import Any, Mapping
 
+from planner.devices import device_order, parse_device
 from planner.errors import HardwareSpecError
 from planner.types import Device, DeviceId, Hardware
 from planner.units import parse_size
@@ -25,41 +25,6 @@ DEFAULT_BANDWIDTHS: dict[str, float] = {
     "disk": 2.0e9,   # NVMe sequential read
 }
 DEFAULT_GPU_RESERVE = 512 * 2**20  # CUDA context + allocator slack per GPU
-
-
-def normalize_device_key(key: Any) -> DeviceId:
-    """``0``, ``"0"``, ``"cuda:0"`` -> ``0``; ``"cpu"``, ``"disk"`` stay. Anything else is an error with a hint."""
-    if isinstance(key, bool):
-        raise HardwareSpecError(f"device key {key!r} is a boolean; use a GPU index (0, 'cuda:0'), 'cpu' or 'disk'")
-    if isinstance(key, int):
-        if key < 0:
-            raise HardwareSpecError(f"GPU index {key} is negative; GPU indices start at 0")
-        return key
-    if isinstance(key, str):
-        k = key.strip().lower()
-        if k in ("cpu", "disk"):
-            return k
-        if k in ("cuda", "gpu"):
-            return 0
-        m = re.fullmatch(r"(?:cuda:|gpu:?)?(\d+)", k)
-        if m:
-            return int(m.group(1))
-        hint = difflib.get_close_matches(k, ["cpu", "disk", "cuda:0"], n=1)
-        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise HardwareSpecError(
-            f"unknown device {key!r}{extra}; use a GPU index (0, '0', 'cuda:0'), 'cpu' or 'disk'"
-        )
-    raise HardwareSpecError(f"device key {key!r} has type {type(key).__name__}; use 0, 'cuda:0', 'cpu' or 'disk'")
-
-
-def device_label(device: DeviceId) -> str:
-    return f"GPU {device}" if isinstance(device, int) else str(device)
-
-
-def _order_key(device: DeviceId) -> tuple[int, int]:
-    if isinstance(device, int):
-        return (0, device)
-    return (1, 0) if device == "cpu" else (2, 0)
 
 
 def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]:
@@ -180,7 +145,7 @@ def build_hardware(
         if not max_memory:
             raise HardwareSpecError("max_memory is empty; name at least one device, e.g. {'cpu': '16GiB'}")
         for key, value in max_memory.items():
-            dev = normalize_device_key(key)
+            dev = parse_device(key)
             try:
                 capacities[dev] = parse_size(value)
             except HardwareSpecError as e:
@@ -195,7 +160,7 @@ def build_hardware(
         source = "detected"
 
     devices = []
-    for dev in sorted(capacities, key=_order_key):
+    for dev in sorted(capacities, key=device_order):
         kind = "gpu" if isinstance(dev, int) else str(dev)
         if kind == "gpu":
             own, link = bw["gpu"], bw["gpu"]

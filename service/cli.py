@@ -98,7 +98,7 @@ def serve(settings: "ServiceSettings") -> int:
     import uvicorn
 
     from service.app import create_app
-    from service.model_loading import planner_kwargs, resolve_model_dir
+    from service.model_loading import resolve_model_dir
 
     _configure_logging(settings.log_level)
     if settings.threads:
@@ -107,7 +107,7 @@ def serve(settings: "ServiceSettings") -> int:
         torch.set_num_threads(settings.threads)
     if not settings.demo:
         resolve_model_dir(settings)  # a missing directory is a usage error now, not a failed load later
-    planner_kwargs(settings)  # so are unreadable planner flags
+    settings.plan_inputs()  # so are unreadable planner flags
     app = create_app(settings)
     runtime = app.state.runtime
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 from transformers.cache_utils import DynamicCache
 
+from planner.devices import torch_device_name
 from service.batch import DecodeBatch, prefill, prefill_groups, stackable
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
 from service.detokenizer import make_detokenizer
@@ -205,7 +206,7 @@ def input_device(model: torch.nn.Module) -> torch.device:
     except (AttributeError, NotImplementedError):
         pass
     gpus = sorted(d for d in getattr(model, "hf_device_map", {}).values() if isinstance(d, int))
-    return torch.device(f"cuda:{gpus[0]}") if gpus else torch.device("cpu")
+    return torch.device(torch_device_name(gpus[0]) if gpus else "cpu")
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

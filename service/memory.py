@@ -9,15 +9,13 @@ from typing import Any
 
 import torch
 
+from planner.devices import DISK, device_key, parse_device
 from planner.types import Plan
 
 
 def _device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        return str(device.index or 0)
-    if device.type == "meta":
-        return "disk"
-    return device.type
+    """A tensor's device as a report key ("0", "cpu"); a ``meta`` tensor's weights are offloaded to disk."""
+    return device_key(DISK if device.type == "meta" else parse_device(device))
 
 
 def weight_bytes_by_device(model: torch.nn.Module) -> dict[str, int]:

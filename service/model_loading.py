@@ -5,18 +5,18 @@ records progress from the loader's callback. Routes read :class:`LoadState` and 
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from planner.api import plan_inputs
 from planner.errors import LoadmasterError
 from planner.types import Plan
 from service.model_positions import model_position_limit
-from service.settings import PLANNER_FIELDS, ServiceSettings
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,6 @@ class LoadState:
         return out
 
 
-def planner_kwargs(settings: ServiceSettings) -> dict[str, Any]:
-    """The settings as ``planner.plan`` keyword arguments, parsed exactly as ``loadmaster plan`` parses flags."""
-    from service.plan_cli import planner_kwargs as cli_kwargs
-
-    ns = argparse.Namespace(**{name: getattr(settings, name) for name in PLANNER_FIELDS})
-    ns.max_memory = settings.max_memory or None
-    ns.bandwidth = settings.bandwidth or None
-    ns.batch_size = settings.planned_batch_size()
-    ns.context = settings.planned_context()
-    return dict(cli_kwargs(ns))
-
-
 def resolve_model_dir(settings: ServiceSettings) -> Path:
     """The directory to serve: ``--demo`` builds (or reuses) the demo model, otherwise ``MODEL``."""
     if settings.demo:
@@ -104,17 +92,15 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
 
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
     """Plan, then load the model and tokenizer the plan says where. Runs on the loading thread."""
-    import planner
-
     if settings.demo:
         progress(LoadPhase(phase="building demo model"))
     path = resolve_model_dir(settings)
-    kwargs = planner_kwargs(settings)
+    inputs = settings.plan_inputs()
     if settings.context is None:  # plan for what the server will allow, which the model's positions cap
         positions = model_position_limit(path)
-        if positions:
-            kwargs["context"] = min(kwargs["context"], positions)
-    the_plan = planner.plan(str(path), **kwargs)
+        if positions and inputs.context is not None:
+            inputs = replace(inputs, context=min(inputs.context, positions))
+    the_plan = plan_inputs(str(path), inputs)
     from loaders import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(

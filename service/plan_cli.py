@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planner.errors import PlanError
-from planner.hardware import device_label
+from planner.api import plan_inputs
+from planner.devices import device_label
+from planner.estimate import estimate
+from planner.inputs import PlanInputs
 from planner.types import Plan
 from planner.units import format_bytes
 
@@ -37,69 +39,21 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                    help="override a cost-model bandwidth per second, repeatable: gpu=3.3TB, cpu=80GB, link=50GB, disk=7GB")
 
 
-def parse_max_memory(entries: list[str] | None) -> dict[str, str] | None:
-    if not entries:
-        return None
-    out: dict[str, str] = {}
-    for entry in entries:
-        for part in entry.split(","):
-            if "=" not in part:
-                raise PlanError(f"--max-memory {part!r} must look like DEV=SIZE, e.g. 0=20GiB or cpu=64GiB")
-            dev, size = part.split("=", 1)
-            out[dev.strip()] = size.strip()
-    return out
-
-
-def parse_bandwidths(entries: list[str] | None) -> dict[str, float] | None:
-    """``gpu=3.3TB`` -> ``{"gpu": 3.3e12}`` (bytes per second; the units of sizes)."""
-    if not entries:
-        return None
-    from planner.units import parse_size
-
-    out: dict[str, float] = {}
-    for entry in entries:
-        for part in entry.split(","):
-            if "=" not in part:
-                raise PlanError(f"--bandwidth {part!r} must look like KIND=RATE, e.g. gpu=3.3TB or disk=2GB")
-            kind, rate = part.split("=", 1)
-            out[kind.strip()] = float(parse_size(rate.strip().removesuffix("/s")))
-    return out
-
-
-def parse_strategy(text: str) -> str | dict[str, Any]:
-    text = text.strip()
-    if text.startswith("@"):
-        path = Path(text[1:])
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read device map file {path}: {e.strerror}") from None
-    if text.startswith("{"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"custom device map is not valid JSON ({e.msg} at char {e.pos})") from None
-        if not isinstance(value, dict):
-            raise PlanError("a custom device map must be a JSON object of module name -> device")
-        return value
-    return text
-
-
-def planner_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``planner.plan`` keyword arguments from parsed flags (also what ``serve`` hands the loader)."""
-    return {
-        "max_memory": parse_max_memory(args.max_memory),
-        "gpus": args.gpus,
-        "strategy": parse_strategy(args.strategy),
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "batch_size": args.batch_size,
-        "context": args.context,
-        "gpu_reserve": args.gpu_reserve,
-        "offload_folder": args.offload_folder,
-        "complete": args.complete,
-        "bandwidths": parse_bandwidths(getattr(args, "bandwidth", None)),
-    }
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share."""
+    return PlanInputs.from_text(
+        max_memory=args.max_memory,
+        gpus=args.gpus,
+        strategy=args.strategy,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        batch_size=args.batch_size,
+        context=args.context,
+        gpu_reserve=args.gpu_reserve,
+        offload_folder=args.offload_folder,
+        bandwidth=args.bandwidth,
+        complete=args.complete,
+    )
 
 
 def _bar(fraction: float, width: int = 20) -> str:
@@ -178,9 +132,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from planner.api import plan
-
-    result = plan(args.model, **planner_kwargs(args))
+    result = plan_inputs(args.model, inputs_from_args(args))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)
     return 0
@@ -199,8 +151,6 @@ def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from planner.estimate import estimate
-
     rows = estimate(args.model, batch_size=args.batch_size, context=args.context,
                     gpu_reserve=args.gpu_reserve)
     if args.json:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from planner.devices import device_label
 from planner.types import DeviceId, Plan
 from planner.units import format_bytes
 
@@ -45,10 +46,6 @@ def device_colour(device: DeviceId) -> str:
     if isinstance(device, int):
         return GPU_COLOURS[device % len(GPU_COLOURS)]
     return {"cpu": CPU_COLOUR, "disk": DISK_COLOUR}.get(str(device), "#666666")
-
-
-def device_name(device: DeviceId) -> str:
-    return f"GPU {device}" if isinstance(device, int) else str(device)
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ def describe(plan: Plan) -> str:
     ]
     for b in plan.budgets:
         parts.append(
-            f"{device_name(b.device)}: {format_bytes(b.total)} of {format_bytes(b.capacity)} "
+            f"{device_label(b.device)}: {format_bytes(b.total)} of {format_bytes(b.capacity)} "
             f"(weights {format_bytes(b.weights)}, KV cache {format_bytes(b.kv_cache)}, "
             f"activations {format_bytes(b.activations)}, reserve {format_bytes(b.reserve)}); "
             f"{len(b.blocks)} blocks."
@@ -124,7 +121,7 @@ def render_svg(plan: Plan) -> str:
         dev = escape(str(b.device))
         out.append(f'<g class="device-bar" data-device="{dev}" data-capacity="{b.capacity}" data-total="{b.total}">')
         out.append(f'<rect x="{MARGIN}" y="{y}" width="10" height="{BAR_H}" fill="{device_colour(b.device)}"/>')
-        out.append(_text(MARGIN + 14, y + BAR_H - 6, device_name(b.device), 12, weight="bold"))
+        out.append(_text(MARGIN + 14, y + BAR_H - 6, device_label(b.device), 12, weight="bold"))
         out.append(f'<rect class="capacity" x="{x0}" y="{y}" width="{inner}" height="{BAR_H}" fill="#f2f2f2" '
                    f'stroke="#888"/>')
         x = float(x0)
@@ -135,7 +132,7 @@ def render_svg(plan: Plan) -> str:
             if value <= 0 or width <= 0:
                 continue
             out.append(f'<rect class="segment" data-kind="{key}" data-bytes="{value}" x="{x:.2f}" y="{y}" '
-                       f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_name(b.device))} '
+                       f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_label(b.device))} '
                        f'{label}: {format_bytes(value)}</title></rect>')
             x += width
         frac = b.total / b.capacity if b.capacity else 0.0
@@ -159,7 +156,7 @@ def render_svg(plan: Plan) -> str:
         out.append(
             f'<rect class="layer" data-name="{escape(blk.name)}" data-device="{escape(str(blk.device))}"{layer} '
             f'x="{MARGIN + i * cell:.2f}" y="{y}" width="{max(cell - gap, 0.5):.2f}" height="26" '
-            f'fill="{device_colour(blk.device)}"><title>{escape(blk.name)} on {escape(device_name(blk.device))}'
+            f'fill="{device_colour(blk.device)}"><title>{escape(blk.name)} on {escape(device_label(blk.device))}'
             f"</title></rect>"
         )
     for i in hops(blocks):
@@ -176,7 +173,7 @@ def render_svg(plan: Plan) -> str:
                      f"(batch {w.batch_size}); offloaded {format_bytes(plan.offloaded_bytes)}", 12, cls="prediction"))
     y += 20
     x = float(MARGIN)
-    legend: list[tuple[str, str]] = [(device_name(b.device), device_colour(b.device)) for b in plan.budgets]
+    legend: list[tuple[str, str]] = [(device_label(b.device), device_colour(b.device)) for b in plan.budgets]
     legend += [(label, colour) for _, label, colour in SEGMENTS]
     legend.append(("hop", "#d62728"))
     out.append('<g class="legend">')

@@ -11,7 +11,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.advice import largest_batch, largest_context
+from planner.api import plan_inputs
 from planner.errors import PlanError
+from planner.inputs import PlanInputs, resolve_skeleton
 from service.errors import RequestValidationError
 from service.model_positions import model_position_limit
 from service.runtime import runtime_of
@@ -58,38 +61,32 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
 
 @router.post("/plan", summary="Plan a model's device map without loading weights (dry run)")
 def plan_route(request: Request, body: PlanRequest) -> dict[str, Any]:
-    import planner
-    from planner.advice import largest_batch, largest_context
-    from planner.api import make_workload, resolve_skeleton
-    from planner.hardware import build_hardware
-
     source = _model_source(request, body)
     skeleton = resolve_skeleton(source)
-    kwargs = dict(
+    inputs = PlanInputs(
         max_memory=body.max_memory,
+        gpus=body.gpus,
         strategy=body.strategy,
         dtype=body.dtype,
         quantization=body.quantization,
         batch_size=body.batch_size,
         context=body.context,
-        gpus=body.gpus,
     )
     answer: dict[str, Any]
     try:
-        answer = planner.plan(skeleton, **kwargs).to_dict()
+        answer = plan_inputs(skeleton, inputs).to_dict()
     except PlanError:
         if body.what_if is None:
             raise
         answer = {"plan": None}
     if body.what_if is not None:
-        hardware = build_hardware(body.max_memory, body.gpus)
-        workload = make_workload(skeleton, body.dtype, body.quantization, body.batch_size, body.context)
+        hardware, workload, strategy = inputs.hardware(), inputs.workload(skeleton), inputs.checked_strategy()
         if body.what_if == "max_context":
             limit = model_position_limit(source) or (1 << 22)
-            best = largest_context(skeleton, hardware, workload, body.strategy, limit=limit)
+            best = largest_context(skeleton, hardware, workload, strategy, limit=limit)
             what = {"question": "max_context", "batch_size": body.batch_size, "max_context": best, "limit": limit}
         else:
-            best = largest_batch(skeleton, hardware, workload, body.strategy)
+            best = largest_batch(skeleton, hardware, workload, strategy)
             what = {"question": "max_batch", "context": workload.context, "max_batch_size": best}
         answer["what_if"] = what
     return answer

@@ -11,11 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-#: Settings that are the planner's inputs (the same flags as ``loadmaster plan``).
-PLANNER_FIELDS = (
-    "max_memory", "gpus", "strategy", "complete", "dtype", "quantization", "batch_size", "context", "gpu_reserve",
-    "offload_folder", "bandwidth",
-)
+from planner.inputs import PlanInputs
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -88,6 +84,23 @@ class ServiceSettings(BaseSettings):
                 f"({self.max_total_tokens}), or no token could be generated; raise --max-total-tokens."
             )
         return self
+
+    def plan_inputs(self) -> PlanInputs:
+        """The planning settings, read by the same parser as ``loadmaster plan``'s flags (and so with its messages).
+        Batch and context default to what the server allows."""
+        return PlanInputs.from_text(
+            max_memory=self.max_memory or None,
+            gpus=self.gpus,
+            strategy=self.strategy,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            batch_size=self.planned_batch_size(),
+            context=self.planned_context(),
+            gpu_reserve=self.gpu_reserve,
+            offload_folder=self.offload_folder,
+            bandwidth=self.bandwidth or None,
+            complete=self.complete,
+        )
 
     def planned_batch_size(self) -> int:
         return self.batch_size or self.max_batch_size

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loaders.device_map import assign_devices, entry_of, execution_device, normalize_device
+from loaders.device_map import assign_devices, entry_of, execution_device
+from planner.devices import parse_device
 from planner.errors import PlanError
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
@@ -16,13 +17,13 @@ NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "mode
     ("CPU", "cpu"), ("disk", "disk"), ("gpu0", 0),
 ])
 def test_normalize_device(value, expected):
-    assert normalize_device(value) == expected
+    assert parse_device(value) == expected
 
 
 @pytest.mark.parametrize("value", [-1, True, "tpu0", "cuda:x", 1.5, "meta"])
 def test_normalize_device_rejects(value):
     with pytest.raises(PlanError):
-        normalize_device(value)
+        parse_device(value)
 
 
 def test_longest_prefix_wins_and_prefixes_respect_dots():

@@ -78,7 +78,9 @@ CASES: dict[str, list[dict]] = {
     ],
     "phi3": [
         dict(_SMALL, vocab_size=32064, num_key_value_heads=2, dtype="bfloat16"),
-        dict(_SMALL, vocab_size=32064, tie_word_embeddings=True, pad_token_id=0),
+        dict(_SMALL, vocab_size=32064, tie_word_embeddings=True, pad_token_id=0, embd_pdrop=0.0, resid_pdrop=0.0,
+             original_max_position_embeddings=4096, auto_map={"AutoConfig": "configuration_phi3.Phi3Config"},
+             rope_scaling=None),
     ],
     "gpt2": [
         dict(n_embd=64, n_layer=3, n_head=4, vocab_size=128, n_positions=32),
@@ -124,6 +126,8 @@ def test_example_configs_take_the_fast_path_and_equal_the_walk(path: Path) -> No
     {"quantization_config": {"quant_method": "fp8"}},  # may change what the model holds: not modelled
     {"partial_rotary_factor": 0.5},
     {"rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 2, 4]}},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},  # transformers' rules for yarn are not copied here
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},  # transformers refuses it: keys missing
     {"dtype": "float64"},
     {"hidden_size": 66},  # not a multiple of the heads: transformers must be the one to say so
     {"model_type": None, "architectures": ["LlamaForCausalLM"]},  # which model_type is transformers' choice

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from planner.errors import HardwareSpecError
-from planner.hardware import build_hardware, normalize_device_key, parse_gpus
+from planner.devices import parse_device
+from planner.hardware import build_hardware, parse_gpus
 from planner.units import format_bytes, parse_size
 
 
@@ -33,19 +34,19 @@ def test_format_bytes_labels_binary_units_and_round_trips():
 
 @pytest.mark.parametrize("key,expected", [(0, 0), ("0", 0), ("cuda:1", 1), ("CUDA:2", 2), ("cpu", "cpu"), ("disk", "disk"), ("gpu3", 3)])
 def test_device_keys(key, expected):
-    assert normalize_device_key(key) == expected
+    assert parse_device(key) == expected
 
 
 @pytest.mark.parametrize("bad", ["cpuu", "tpu", -1, "cuda:-1", 1.5, "mps"])
 def test_unknown_device_key(bad):
     with pytest.raises(HardwareSpecError) as e:
-        normalize_device_key(bad)
+        parse_device(bad)
     assert "cpu" in str(e.value) or "start at 0" in str(e.value)
 
 
 def test_unknown_device_suggests_nearest():
     with pytest.raises(HardwareSpecError, match="did you mean 'cpu'"):
-        normalize_device_key("cpuu")
+        parse_device("cpuu")
 
 
 def test_declared_gpus():

@@ -4,7 +4,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.api import make_problem, plan
+from planner.api import plan
+from planner.solve import make_problem
 from planner.errors import PlanError
 from planner.hardware import build_hardware
 from planner.sizing import tensor_bytes

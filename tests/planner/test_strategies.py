@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from planner.api import make_problem, plan
+from planner.api import plan
+from planner.solve import make_problem
 from planner.hardware import build_hardware
 from planner.sizing import activation_bytes, kv_bytes_per_layer, logits_bytes
 from planner.strategies import compute_loads

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.errors import PlanError
 from planner.types import Plan
 
 LOADMASTER = str(Path(sys.executable).parent / "loadmaster")
@@ -128,3 +129,29 @@ def test_plan_and_estimate_import_no_torch_transformers_or_server(tiny_llama, ar
     assert "HEAVY=" in r.stderr, r.stderr
     assert r.stderr.rsplit("HEAVY=", 1)[1].strip() == ""
     assert r.stdout.strip() or "does not fit" in r.stderr
+
+
+def test_flags_and_environment_settings_read_to_the_same_plan_inputs(monkeypatch, tmp_path):
+    """One parser: ``loadmaster plan`` flags and ``LOADMASTER_*`` settings (what ``serve`` plans with) agree."""
+    import argparse
+
+    from service.plan_cli import add_planner_flags, inputs_from_args
+    from service.settings import ServiceSettings
+
+    f = tmp_path / "map.json"
+    f.write_text(json.dumps({"": "cpu"}))
+    parser = argparse.ArgumentParser()
+    add_planner_flags(parser)
+    args = parser.parse_args(["--max-memory", "0=1GiB", "--max-memory", "cpu=2GiB", "--gpus", "1x1GiB",
+                              "--strategy", f"@{f}", "--dtype", "bf16", "--batch-size", "3", "--context", "99",
+                              "--gpu-reserve", "1MiB", "--bandwidth", "gpu=1TB,disk=3GB", "--complete"])
+    for name, value in {"MAX_MEMORY": "0=1GiB,cpu=2GiB", "GPUS": "1x1GiB", "STRATEGY": f"@{f}", "DTYPE": "bf16",
+                        "BATCH_SIZE": "3", "CONTEXT": "99", "GPU_RESERVE": "1MiB", "BANDWIDTH": "gpu=1TB,disk=3GB",
+                        "COMPLETE": "1"}.items():
+        monkeypatch.setenv(f"LOADMASTER_{name}", value)
+    from_flags = inputs_from_args(args)
+    assert ServiceSettings().plan_inputs() == from_flags
+    assert from_flags.strategy == {"": "cpu"} and from_flags.bandwidths == {"gpu": 1e12, "disk": 3e9}
+    monkeypatch.setenv("LOADMASTER_MAX_MEMORY", "cpu")
+    with pytest.raises(PlanError, match="DEV=SIZE"):
+        ServiceSettings().plan_inputs()

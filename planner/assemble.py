@@ -1,0 +1,109 @@
+"""The planner's last stage: a solution that fits, written up as the Plan users and the loader read.
+
+The device map is merged to the shortest prefixes (transformers' ``hf_device_map`` format); each device gets its
+budget (weights, KV cache, activations, reserve); the cost model's predictions, one reason per run of blocks and the
+warnings a user should see are attached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.cost_model import predict
+from planner.device_map import merge_device_map
+from planner.devices import device_label
+from planner.solve import Solution
+from planner.strategies import compute_loads
+from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive blocks ``first..last`` (indices) placed on one device."""
+
+    device: DeviceId
+    first: int
+    last: int
+
+
+def runs_of(assignment: list[DeviceId]) -> list[Run]:
+    runs: list[Run] = []
+    for i, dev in enumerate(assignment):
+        if runs and runs[-1].device == dev and runs[-1].last == i - 1:
+            runs[-1] = replace(runs[-1], last=i)
+        else:
+            runs.append(Run(dev, i, i))
+    return runs
+
+
+def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
+    """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
+    problem, assignment, strategy_name = solution.problem, solution.fill.assignment, solution.strategy
+    if assignment is None:
+        raise ValueError("assemble() needs a solution that fits; explain the others with planner.advice")
+    hw = problem.hardware
+    loads = solution.fill.loads or compute_loads(problem, assignment)
+    placement = {b.name: dev for b, dev in zip(skeleton.blocks, assignment)}
+    budgets = []
+    for d in hw.devices:
+        budgets.append(
+            DeviceBudget(
+                device=d.id,
+                capacity=d.capacity,
+                weights=loads.weights.get(d.id, 0),
+                kv_cache=loads.kv.get(d.id, 0),
+                activations=loads.activations.get(d.id, 0),
+                reserve=loads.reserve.get(d.id, 0),
+                blocks=[b.name for b, dev in zip(skeleton.blocks, assignment) if dev == d.id],
+            )
+        )
+    prediction = predict(problem, assignment, loads, workload.batch_size)
+    offloaded = sum(it.weight for it, dev in zip(problem.items, assignment) if problem.computes_on(dev) != dev)
+    reasons = list(solution.reasons)
+    for run in runs_of(assignment):
+        dev, first = run.device, skeleton.blocks[run.first].name
+        n = run.last - run.first + 1
+        span = first if n == 1 else f"{first} .. {skeleton.blocks[run.last].name} ({n} blocks)"
+        cap = hw.get(dev).capacity  # type: ignore[union-attr]
+        util = f", {loads.total(dev) / cap:.0%} of {format_bytes(cap)}" if cap else ""
+        why = ""
+        if run.first in problem.follows:
+            why = f" (tied to {skeleton.blocks[problem.follows[run.first]].name})"
+        elif run.first in problem.pinned and strategy_name.endswith("embeddings_on_cpu"):
+            why = " (input embeddings: decode reads one row per token, so they are offloaded first)"
+        elif run.first in problem.pinned:
+            why = " (as the custom map says)"
+        elif problem.computes_on(dev) != dev:
+            why = " (offloaded: did not fit on faster devices)"
+        reasons.append(f"{device_label(dev)} <- {span}{why}{util}")
+    warnings = []
+    if offloaded:
+        where = sorted({device_label(dev) for dev in assignment if problem.computes_on(dev) != dev})
+        warnings.append(
+            f"{format_bytes(offloaded)} of weights offloaded to {', '.join(where)}; they are streamed to "
+            f"{device_label(problem.computes_on('cpu'))} for every token, which bounds decode speed"
+        )
+    for d in hw.gpus:
+        if d.id not in set(assignment):
+            warnings.append(f"{device_label(d.id)} holds nothing under this plan")
+    if strategy_name.endswith("balanced_low_0") and len(hw.gpus) < 2:
+        warnings.append("balanced_low_0 needs at least two GPUs; with fewer it is the same as balanced")
+    for i, anchor in problem.follows.items():
+        if i > 0 and assignment[i] != assignment[i - 1]:
+            warnings.append(
+                f"{skeleton.blocks[i].name} shares weights with {skeleton.blocks[anchor].name} and runs on "
+                f"{device_label(assignment[i])}: one extra device hop per token"
+            )
+    return Plan(
+        model=skeleton.name,
+        architecture=skeleton.architecture,
+        strategy=strategy_name,
+        workload=workload,
+        device_map=merge_device_map(skeleton, placement),
+        budgets=budgets,
+        offloaded_bytes=offloaded,
+        prediction=prediction,
+        warnings=warnings,
+        reasons=reasons,
+        placement=placement,
+    )
