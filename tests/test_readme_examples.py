@@ -96,7 +96,8 @@ def parse_examples(text: str) -> list[Example]:
             raise ValueError(f"README.md:{i + 1}: fence language {language!r} is neither run ({sorted(RUN_LANGUAGES)}) "
                              f"nor an output sample ({sorted(SAMPLE_LANGUAGES)})")
         elif marker:
-            raise ValueError(f"README.md:{i}: a readme-test marker above a {language or 'plain'} block, which is not run")
+            raise ValueError(f"README.md:{i}: a readme-test marker above a {language or 'plain'} block, "
+                             "which is not run")
         i = end + 1
     return examples
 
@@ -188,7 +189,8 @@ def readme_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             if process.poll() is not None:
-                pytest.fail(f"{example.test_id}: the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"{example.test_id}: the server exited with {process.returncode}:\n"
+                            f"{log.read_text()[-3000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
                     break
@@ -206,7 +208,8 @@ def readme_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-    assert process.returncode == 0, f"the README's server exited {process.returncode} on SIGTERM:\n{log.read_text()[-3000:]}"
+    assert process.returncode == 0, (
+        f"the README's server exited {process.returncode} on SIGTERM:\n{log.read_text()[-3000:]}")
 
 
 def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
