@@ -3,7 +3,9 @@
 # registry can be reached), build the image on it (pip gets the host's CA bundle and wheel folder at build time
 # only), run it on the demo model, wait for its HEALTHCHECK to say healthy, send /generate, stop it.
 #
-# Exits 0 with "docker smoke: NOT RUN: <why>" when no Docker engine can be started here; non-zero on a failure.
+# Exits 0 with "docker smoke: NOT RUN: <why>" when no Docker engine can be started here (scripts/install-docker
+# installs one; CI runs it first, and tests/docker/test_smoke.py fails on NOT RUN when CI is set); non-zero on a
+# failure.
 # Environment: LOADMASTER_SMOKE_KEEP=1 keeps the image; DEBIAN_MIRROR overrides the debootstrap mirror.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -18,14 +20,10 @@ say() { echo "docker smoke: $*"; }
 not_run() { say "NOT RUN: $*"; exit 0; }
 
 # -- an engine ------------------------------------------------------------------------------------------------------
-command -v docker >/dev/null 2>&1 || not_run "no docker client (apt-get install docker.io)"
+command -v docker >/dev/null 2>&1 || not_run "no docker client (bash scripts/install-docker installs one)"
 if ! docker info >/dev/null 2>&1; then
-    if command -v dockerd >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        say "starting dockerd in the background (log: /tmp/loadmaster-dockerd.log)"
-        (dockerd >/tmp/loadmaster-dockerd.log 2>&1 &)
-        for _ in $(seq 1 30); do docker info >/dev/null 2>&1 && break; sleep 1; done
-    fi
-    docker info >/dev/null 2>&1 || not_run "no Docker engine could be started ($(tail -n 1 /tmp/loadmaster-dockerd.log 2>/dev/null || echo 'dockerd not installed or not root'))"
+    started="$(bash scripts/install-docker --start 2>&1)" || not_run "no Docker engine could be started: $(echo "$started" | tail -n 1)"
+    echo "$started"
 fi
 
 DANGLING_BEFORE="$(docker images -q -f dangling=true 2>/dev/null | tr '\n' ' ')"
@@ -44,7 +42,7 @@ trap cleanup EXIT
 
 # -- a local Debian base ---------------------------------------------------------------------------------------------
 if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
-    command -v debootstrap >/dev/null 2>&1 || not_run "debootstrap is not installed (apt-get install debootstrap)"
+    command -v debootstrap >/dev/null 2>&1 || not_run "debootstrap is not installed (bash scripts/install-docker installs it)"
     rootfs="$(mktemp -d)"
     say "debootstrap bookworm from $MIRROR (a few minutes)"
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$MIRROR" \
