@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, TokenEvent
+from service.errors import NotReadyError
 from service.memory import memory_report
 from service.runtime import EngineStream, request_id_of, runtime_of, sse
 from service.validation import TGIRequest
@@ -131,12 +132,12 @@ async def ready(request: Request) -> Response:
     state = runtime.host.state.to_dict()
     if runtime.draining:
         state["status"] = "draining"
-        return JSONResponse(state, status_code=503)
+        return JSONResponse(state, status_code=NotReadyError.status_code)
     if runtime.engine is None or not runtime.host.state.ready:
-        return JSONResponse(state, status_code=503)
+        return JSONResponse(state, status_code=NotReadyError.status_code)
     if not runtime.engine.alive:
         state["status"] = "engine stopped"
-        return JSONResponse(state, status_code=503)
+        return JSONResponse(state, status_code=NotReadyError.status_code)
     return JSONResponse(state)
 
 
