@@ -9,6 +9,9 @@ repository root, with ``.venv/bin`` (the running interpreter's folder) first on 
   (``--fail-with-body``), so an example that gets a 4xx or 5xx fails the test.
 - ``python``: the block runs in a fresh interpreter and must exit 0.
 
+The ``console`` examples of ``docs/*.md`` run the same way (a ``loadmaster: error:`` line shown under a command
+means the command must fail with exit code 2 and print that on stderr).
+
 An HTML comment on the line just above a block tells this test how to treat it:
 
 - ``<!-- readme-test: server -->``: the block starts a server. It runs in the background (on a free port, see
@@ -53,7 +56,8 @@ TIMEOUT_S = 300
 class Example:
     """One fenced block of the README that the test runs."""
 
-    line: int  # 1-based line of the opening fence, for messages and test ids
+    source: str  # the Markdown file's name, for messages and test ids
+    line: int  # 1-based line of the opening fence
     language: str  # "bash", "console" or "python"
     code: str
     marker: str | None  # "server", "skip" or None
@@ -61,10 +65,10 @@ class Example:
 
     @property
     def test_id(self) -> str:
-        return f"README.md:{self.line}-{self.language}"
+        return f"{self.source}:{self.line}-{self.language}"
 
 
-def parse_examples(text: str) -> list[Example]:
+def parse_examples(text: str, source: str = "README.md") -> list[Example]:
     """The README's runnable blocks in order. Unknown fence languages are an error, so an example cannot drop out
     of the test by being fenced as ``sh-session`` or similar."""
     lines = text.splitlines()
@@ -80,23 +84,24 @@ def parse_examples(text: str) -> list[Example]:
         while end < len(lines) and lines[end].rstrip() != "```":
             end += 1
         if end == len(lines):
-            raise ValueError(f"README.md:{i + 1}: the fenced block is never closed")
+            raise ValueError(f"{source}:{i + 1}: the fenced block is never closed")
         above = lines[i - 1].strip() if i > 0 else ""
         marker = MARKER.match(above)
         if above.startswith("<!--") and "readme-test" in above and not marker:
-            raise ValueError(f"README.md:{i}: unreadable marker {above!r}: use '<!-- readme-test: server -->' or "
+            raise ValueError(f"{source}:{i}: unreadable marker {above!r}: use '<!-- readme-test: server -->' or "
                              "'<!-- readme-test: skip (why) -->'")
         if language in RUN_LANGUAGES:
             kind = marker.group("kind") if marker else None
             why = (marker.group("why") or "").strip() if marker else None
             if kind == "skip" and not why:
-                raise ValueError(f"README.md:{i}: a skipped example must say why: '<!-- readme-test: skip (why) -->'")
-            examples.append(Example(i + 1, RUN_LANGUAGES[language], "\n".join(lines[i + 1:end]) + "\n", kind, why))
+                raise ValueError(f"{source}:{i}: a skipped example must say why: '<!-- readme-test: skip (why) -->'")
+            code = "\n".join(lines[i + 1:end]) + "\n"
+            examples.append(Example(source, i + 1, RUN_LANGUAGES[language], code, kind, why))
         elif language not in SAMPLE_LANGUAGES:
-            raise ValueError(f"README.md:{i + 1}: fence language {language!r} is neither run ({sorted(RUN_LANGUAGES)}) "
+            raise ValueError(f"{source}:{i + 1}: fence language {language!r} is neither run ({sorted(RUN_LANGUAGES)}) "
                              f"nor an output sample ({sorted(SAMPLE_LANGUAGES)})")
         elif marker:
-            raise ValueError(f"README.md:{i}: a readme-test marker above a {language or 'plain'} block, "
+            raise ValueError(f"{source}:{i}: a readme-test marker above a {language or 'plain'} block, "
                              "which is not run")
         i = end + 1
     return examples
@@ -104,6 +109,9 @@ def parse_examples(text: str) -> list[Example]:
 
 EXAMPLES = parse_examples(README.read_text())
 SERVER_EXAMPLES = [e for e in EXAMPLES if e.marker == "server"]
+#: The ``console`` examples of docs/*.md run too: each shows a command and what it prints, which must stay true.
+DOCS_CONSOLE = [e for page in sorted((REPO / "docs").glob("*.md"))
+                for e in parse_examples(page.read_text(), f"docs/{page.name}") if e.language == "console"]
 
 
 def _env() -> dict[str, str]:
@@ -216,6 +224,28 @@ def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProce
     return subprocess.run(args, input=stdin, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+def _check_console(example: Example, code: str) -> None:
+    """Run each ``$ command`` and compare what it prints (stdout, or stderr when it fails with exit code 2: a usage
+    error's one line) with the lines shown under it."""
+    for command, shown in console_commands(code):
+        p = _run(["bash", "-euo", "pipefail", "-c", command])
+        printed = p.stdout if p.returncode == 0 else p.stderr
+        shows_usage_error = any(line.startswith("loadmaster: error:") for line in shown)
+        assert p.returncode == 0 or (p.returncode == 2 and shows_usage_error), (
+            f"{example.test_id}: '{command}' exited {p.returncode}:\n{p.stderr[-3000:]}")
+        actual = [line.rstrip() for line in printed.splitlines()]
+        assert output_matches(shown, actual), (
+            f"{example.test_id}: '{command}' printed something other than the page shows.\n"
+            f"shown:\n" + "\n".join(shown) + "\nactual:\n" + "\n".join(actual))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", DOCS_CONSOLE, ids=lambda e: e.test_id)
+def test_docs_console_example(example: Example) -> None:
+    _check_console(example, example.code)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e.marker is None], ids=lambda e: e.test_id)
 def test_readme_example(example: Example, request: pytest.FixtureRequest, tiny_llama: Path) -> None:
     port = None
@@ -223,13 +253,7 @@ def test_readme_example(example: Example, request: pytest.FixtureRequest, tiny_l
         port = request.getfixturevalue("readme_server").port
     code = _substitute(example.code, tiny_llama, port)
     if example.language == "console":
-        for command, shown in console_commands(code):
-            p = _run(["bash", "-euo", "pipefail", "-c", command])
-            assert p.returncode == 0, f"{example.test_id}: '{command}' exited {p.returncode}:\n{p.stderr[-3000:]}"
-            actual = [line.rstrip() for line in p.stdout.splitlines()]
-            assert output_matches(shown, actual), (
-                f"{example.test_id}: '{command}' printed something other than the README shows.\n"
-                f"README:\n" + "\n".join(shown) + "\nactual:\n" + "\n".join(actual))
+        _check_console(example, code)
     elif example.language == "bash":
         script = 'curl() { command curl --fail-with-body --max-time 120 "$@"; }\n' + code
         p = _run(["bash", "-euo", "pipefail", "-s"], stdin=script)
