@@ -8,8 +8,9 @@ Public API::
     load_checkpoint(path_or_described, ...) -> LoadResult   (typed: model, device_map, plan, stats, skeleton)
 
 Placement (``loaders.placement``) and execution (``loaders.execution``) are separate rooms; ``load_checkpoint``
-runs one after the other. ``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"), a dict in transformers'
-hf_device_map format, or a :class:`planner.Plan` (obeyed exactly). The model carries ``hf_device_map`` and
+runs one after the other. ``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"),
+a dict in transformers' hf_device_map format, or a :class:`planner.Plan` (obeyed exactly; refused when made for
+another checkpoint). The model carries ``hf_device_map`` and
 ``load_stats`` (:class:`LoadStats`); ``progress`` receives :class:`LoadProgress` updates.
 """
 from loaders.errors import CheckpointError

@@ -140,8 +140,10 @@ def load_checkpoint(
         if quantization:
             from loaders.quantized import load_quantized  # bitsandbytes: only for quantized loads
 
+            reporter.set_phase("loading")
+            model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=None, t0=t0)
+            model.loadmaster_plan = the_plan
             reporter.close()
-            model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=progress, t0=t0)
             return LoadResult(model, dict(dmap), the_plan, model.load_stats, described.skeleton)
         if described.dtype != run:
             log.info("building %s again in %s (it was described in %s)", root, run, described.dtype)

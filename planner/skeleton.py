@@ -379,7 +379,7 @@ def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) ->
     kv = kv_geometry(cfg, n_layers or None) if cfg is not None else None
     sizes = model_sizes(cfg) if cfg is not None else {}
     model_type = str(getattr(cfg, "model_type", "") or "")
-    default = dtype_name(getattr(cfg, "dtype", None)) if cfg is not None else None
+    default = default_dtype(getattr(cfg, "dtype", None)) if cfg is not None else None
     if name is None:
         name = str(getattr(cfg, "_name_or_path", "") or model_type or type(model).__name__)
     for d in {t.dtype for b in blocks for t in b.tensors}:

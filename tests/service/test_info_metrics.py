@@ -144,3 +144,20 @@ def test_disk_offloaded_weights_are_reported_under_disk(half_on_disk, tiny_llama
     gauges = _samples(httpx.get(half_on_disk.url + "/metrics").text)
     assert gauges['loadmaster_memory_bytes{device="disk",kind="measured"}'] == on_disk
     assert gauges['loadmaster_memory_bytes{device="cpu",kind="measured"}'] == total - on_disk
+
+
+def test_serve_builds_the_meta_model_once(tiny_gpt2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve describes the checkpoint once: the planner plans from that Skeleton and the loader fills its model."""
+    import planner.skeleton as skeleton
+
+    builds = []
+    real = skeleton.build_meta_model
+    monkeypatch.setattr(skeleton, "build_meta_model", lambda *a, **kw: builds.append(a) or real(*a, **kw))
+    server = LiveServer(settings_for(tiny_gpt2)).start()
+    try:
+        r = httpx.post(server.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+        assert len(builds) == 1
+        assert server.runtime.loaded.plan.fingerprint == skeleton.skeleton_from_dir(tiny_gpt2).fingerprint
+    finally:
+        server.stop()
