@@ -28,6 +28,7 @@ from loaders.execution import apply_execution
 from loaders.fast_linear import CPU_KERNEL_CHOICES
 from loaders.placement import place
 from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
+from loaders.quantized import load_quantized
 from loaders.safetensors_index import CheckpointIndex
 from planner.inputs import make_workload
 from planner.solve import STRATEGY_NAMES
@@ -138,8 +139,6 @@ def load_checkpoint(
                                             quantization=quantization, workload=workload,
                                             offload_folder=offload_folder)
         if quantization:
-            from loaders.quantized import load_quantized  # bitsandbytes: only for quantized loads
-
             reporter.set_phase("loading")
             model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=None, t0=t0)
             model.loadmaster_plan = the_plan
