@@ -5,13 +5,17 @@ Public API::
     load_model(path, device_map="auto", max_memory=None, dtype=None, quantization=None, offload_folder=None,
                *, progress=None, **workload) -> torch.nn.Module
     load_model_and_tokenizer(path, ...) -> (model, tokenizer)
+    load_checkpoint(path_or_described, ...) -> LoadResult   (typed: model, device_map, plan, stats, skeleton)
 
-``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"), a dict in transformers'
-hf_device_map format, or a :class:`planner.Plan` (obeyed exactly). The model carries ``hf_device_map`` and
+Placement (``loaders.placement``) and execution (``loaders.execution``) are separate rooms; ``load_checkpoint``
+runs one after the other. ``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"),
+a dict in transformers' hf_device_map format, or a :class:`planner.Plan` (obeyed exactly; refused when made for
+another checkpoint). The model carries ``hf_device_map`` and
 ``load_stats`` (:class:`LoadStats`); ``progress`` receives :class:`LoadProgress` updates.
 """
 from loaders.errors import CheckpointError
-from loaders.load import load_model, load_model_and_tokenizer
+from loaders.load import LoadResult, load_checkpoint, load_model, load_model_and_tokenizer, load_tokenizer
 from loaders.progress import LoadProgress, LoadStats
 
-__all__ = ["CheckpointError", "LoadProgress", "LoadStats", "load_model", "load_model_and_tokenizer"]
+__all__ = ["CheckpointError", "LoadProgress", "LoadResult", "LoadStats", "load_checkpoint", "load_model",
+           "load_model_and_tokenizer", "load_tokenizer"]

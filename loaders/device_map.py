@@ -1,18 +1,17 @@
-"""Turning a device map (hf_device_map format) into a device for every tensor of the model.
+"""A device map (hf_device_map format) as the loader's execution side needs it: torch devices and module order.
 
-A device map names module prefixes (``""`` is the root) or single tensors; each tensor goes where its longest
-matching prefix says. Devices are an int GPU index, ``"cpu"`` or ``"disk"``; ``"cuda:1"`` and ``"1"`` are accepted
-and normalised.
+Validating a map against a model and placing every tensor is the planner's (:func:`planner.device_map.
+assign_devices`, the one validator), and so is reading a device's spelling (:mod:`planner.devices`); this module
+adds what involves torch: the execution device, and the modules a map's keys name, in the order they run.
 """
 from __future__ import annotations
 
-import difflib
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
+from planner.device_map import covering_key
 from planner.devices import parse_device
-from planner.errors import PlanError
 from planner.types import DeviceId
 
 
@@ -20,59 +19,35 @@ def normalize_map(device_map: Mapping[str, object]) -> dict[str, DeviceId]:
     return {str(k): parse_device(v) for k, v in device_map.items()}
 
 
-def _covers(prefix: str, name: str) -> bool:
-    return prefix == "" or name == prefix or name.startswith(prefix + ".")
-
-
-def assign_devices(names: Iterable[str], device_map: Mapping[str, DeviceId], module_names: Iterable[str] = ()
-                   ) -> dict[str, DeviceId]:
-    """Device of every tensor name, by longest matching prefix. Unknown or missing entries raise PlanError.
-
-    ``module_names`` (all module paths of the model) lets a map name a module that owns no tensors of its own.
-    """
-    names = list(names)
-    known = set(names) | set(module_names)
-    for n in names:  # every ancestor prefix of a tensor is a valid map key
-        parts = n.split(".")
-        for i in range(1, len(parts)):
-            known.add(".".join(parts[:i]))
-    unknown = [k for k in device_map if k != "" and k not in known]
-    if unknown:
-        hints = []
-        for k in unknown[:5]:
-            near = difflib.get_close_matches(k, sorted(known), n=3)
-            hints.append(f"{k!r}" + (f" (did you mean {', '.join(near)}?)" if near else ""))
-        raise PlanError(f"The device map names modules this model does not have: {'; '.join(hints)}. "
-                        "Use module names as printed by model.named_modules().")
-    by_len = sorted(device_map, key=len, reverse=True)
-    out: dict[str, DeviceId] = {}
-    uncovered = []
-    for n in names:
-        for p in by_len:
-            if _covers(p, n):
-                out[n] = device_map[p]
-                break
-        else:
-            uncovered.append(n)
-    if uncovered:
-        shown = ", ".join(uncovered[:10]) + (f", ... ({len(uncovered) - 10} more)" if len(uncovered) > 10 else "")
-        raise PlanError(f"The device map leaves {len(uncovered)} tensors without a device: {shown}. "
-                        "Add entries for them (or a '' entry for everything not named).")
-    return out
-
-
 def entry_of(name: str, device_map: Mapping[str, DeviceId]) -> str:
-    """The device-map key that places tensor ``name`` (its longest covering prefix)."""
-    best = None
-    for p in device_map:
-        if _covers(p, name) and (best is None or len(p) > len(best)):
-            best = p
-    if best is None:
+    """The device-map key that places tensor ``name`` (its longest covering prefix); KeyError when none does."""
+    key = covering_key(name, device_map)
+    if key is None:
         raise KeyError(name)
-    return best
+    return key
 
 
 def execution_device(device_map: Mapping[str, DeviceId]) -> torch.device:
     """Where offloaded blocks compute: the lowest GPU index in the map, or the CPU when the map names no GPU."""
     gpus = sorted(d for d in device_map.values() if isinstance(d, int))
     return torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+
+
+def ordered_entries(model: torch.nn.Module, device_map: Mapping[str, DeviceId]) -> list[str]:
+    """Device-map keys in module order (the order blocks run in for decoder stacks)."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    pos = {}
+    for key in device_map:
+        mod_key = key
+        while mod_key and mod_key not in order:
+            mod_key = mod_key.rpartition(".")[0]
+        pos[key] = order.get(mod_key, 0)
+    return sorted(device_map, key=lambda k: (pos[k], k))
+
+
+def module_for_entry(model: torch.nn.Module, key: str) -> torch.nn.Module:
+    """The module a device-map key names; for a single-tensor key, the module owning that tensor."""
+    try:
+        return model.get_submodule(key)
+    except AttributeError:
+        return model.get_submodule(key.rpartition(".")[0])

@@ -24,7 +24,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from loaders.checkpoint_layout import TensorSource, piece_shape, to_torch_index
+from loaders.checkpoint_layout import to_torch_index
+from planner.checkpoint_keys import TensorSource, piece_shape
 from loaders.offload_folder import OffloadFolder
 from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry

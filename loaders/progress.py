@@ -10,6 +10,9 @@ from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
+from planner.devices import parse_device
+from planner.types import DeviceId
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +48,14 @@ class LoadStats:
     native_linears: int = 0
     #: What ``cpu_quantization`` did (a :class:`loaders.cpu_quant.QuantizationStats`), or None.
     cpu_quantization: Optional[object] = None
+
+    def bytes_by_device_id(self) -> dict[DeviceId, int]:
+        """``bytes_per_device`` keyed as device maps and plans key devices: GPU index, "cpu" or "disk"."""
+        out: dict[DeviceId, int] = {}
+        for label, n in self.bytes_per_device.items():
+            device = parse_device(label)
+            out[device] = out.get(device, 0) + n
+        return out
 
 
 class ProgressReporter:

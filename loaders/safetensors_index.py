@@ -19,7 +19,7 @@ import torch
 from loaders.errors import CheckpointError
 from planner.errors import ModelSourceError
 from planner.safetensors_header import SAFETENSORS_DTYPES as _CODE_TO_NAME
-from planner.safetensors_header import read_checkpoint_headers, read_header
+from planner.safetensors_header import CheckpointHeaders, read_checkpoint_headers
 
 #: safetensors dtype codes -> torch dtypes.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in _CODE_TO_NAME.items()}
@@ -57,35 +57,43 @@ class ShardFile:
 class CheckpointIndex:
     """All tensors of a checkpoint, by key. Construct with :meth:`open`."""
 
-    def __init__(self, root: Path, entries: dict[str, ShardEntry], files: list[ShardFile], metadata: dict):
+    def __init__(self, root: Path, entries: dict[str, ShardEntry], files: list[ShardFile], metadata: dict,
+                 headers: CheckpointHeaders):
         self.root = root
         self.entries = entries
         self.files = files
         self.metadata = metadata
+        #: The planner's validated headers this index was made from (what ``describe_checkpoint`` reads too).
+        self.headers = headers
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
-        """Read and validate every header of a checkpoint directory (or one ``.safetensors`` file)."""
+        """Read and validate every header of a checkpoint directory (or of the directory of one shard)."""
         root = Path(path)
+        root = root.parent if root.is_file() else root
         try:
-            if root.is_file():
-                headers = (read_header(root),)
-                root = root.parent
-            else:
-                headers = read_checkpoint_headers(root).files
+            headers = read_checkpoint_headers(root)
         except ModelSourceError as exc:  # HeaderError is a ModelSourceError
             raise CheckpointError(str(exc)) from exc
+        return cls.from_headers(headers)
+
+    @classmethod
+    def from_headers(cls, headers: CheckpointHeaders) -> "CheckpointIndex":
+        """The index of a checkpoint whose headers the planner has already read and validated."""
         entries: dict[str, ShardEntry] = {}
         files: list[ShardFile] = []
         metadata: dict = {}
-        for h in headers:
-            st = os.stat(h.path)
+        for h in headers.files:
+            try:
+                st = os.stat(h.path)
+            except OSError as exc:
+                raise CheckpointError(f"{h.path} is gone since its header was read ({exc}); load again.") from exc
             files.append(ShardFile(str(h.path), h.file_size, st.st_mtime_ns))
             metadata.update(h.metadata)
             for name, t in h.tensors.items():
                 entries[name] = ShardEntry(name, str(h.path), getattr(torch, t.dtype), t.shape,
                                            t.offset, t.offset + t.nbytes)
-        return cls(root, entries, files, metadata)
+        return cls(Path(headers.directory), entries, files, metadata, headers)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -98,9 +106,3 @@ class CheckpointIndex:
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
-
-    def first_float_dtype(self) -> torch.dtype | None:
-        for e in self.entries.values():
-            if e.dtype.is_floating_point:
-                return e.dtype
-        return None

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from loaders.device_map import entry_of, module_for_entry, ordered_entries
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -335,8 +336,6 @@ def build_blocks(model: torch.nn.Module, entries: list[str], placement: Mapping[
     A tensor belongs to the block of the entry that places it (``placement``); tensors that are already off the
     CPU (non-persistent buffers built on the execution device) are not streamed.
     """
-    from loaders.device_map import entry_of
-
     keys = list(device_map)
     blocks: list[StreamedBlock] = []
     resident: list[tuple[torch.nn.Module, str]] = []
@@ -396,15 +395,13 @@ def move_to(obj, device: torch.device):
 
 
 def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, DeviceId],
-                          placement: Mapping[str, DeviceId], materializer, exec_device: torch.device,
+                          placement: Mapping[str, DeviceId], exec_device: torch.device,
                           backend=None) -> Optional[BlockStreamer]:
     """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
 
     ``backend`` defaults to CUDA on ``exec_device``; tests pass :class:`CpuBackend` with ``exec_device=cpu`` to
     run this exact wiring on a machine without GPUs.
     """
-    from loaders.dispatch import module_for_entry, ordered_entries
-
     entries = ordered_entries(model, device_map)
     for key in entries:
         dev = device_map[key]

@@ -106,4 +106,5 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         warnings=warnings,
         reasons=reasons,
         placement=placement,
+        fingerprint=skeleton.fingerprint,
     )

@@ -40,9 +40,9 @@ Everything is one linear pass (iterative, garbage collection paused): no step is
 
 From a checkpoint directory, stored dtypes replace the meta dtypes where a stored key is a module-tree tensor, and
 ``Skeleton.checkpoint_keys`` is filled (for every block, complete) as soon as any stored key is not a module-tree
-name: a key belongs to the block whose name is its longest dotted prefix (fused MoE experts), or to the block of the
-tensor it names once the model's ``base_model_prefix`` is prepended; a stored tied alias belongs to its source's
-block.
+name: a key belongs to the block of the module tensor that :mod:`planner.checkpoint_keys` (the mapping the loader
+reads too) says it holds or helps assemble (fused MoE experts, a ``base_model_prefix`` left out); a stored tied alias
+belongs to its source's block; any other key to the block whose name is its longest dotted prefix.
 """
 from __future__ import annotations
 
@@ -53,12 +53,15 @@ import logging
 import os
 import re
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from planner.checkpoint_keys import tensor_source
 from planner.config_skeleton import base_model_prefix, config_file_name, config_skeleton
 from planner.config_values import CONFIG_NAME, dtype_name, kv_geometry, model_sizes, read_config_json
 from planner.errors import ModelSourceError
+from planner.fingerprint import checkpoint_fingerprint
 from planner.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
 from planner.types import DTYPE_BYTES, Block, Skeleton, TensorSpec
 
@@ -161,35 +164,70 @@ def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
     )
 
 
-def _meta_model(cfg: "PretrainedConfig") -> "torch.nn.Module":
-    """Instantiate the causal-LM class of ``cfg`` on the meta device (no storage is allocated).
+def model_class(cfg: "PretrainedConfig") -> type:
+    """The transformers class a config describes: the one rule, for the planner and the loader alike.
 
-    The class is AutoModelForCausalLM's for the config's model_type, else the first class named in
+    The causal-LM class of the config's ``model_type`` (what ``AutoModelForCausalLM`` builds, so a checkpoint whose
+    ``architectures`` names a headless base class still gets its LM head), else the first class named in
     ``architectures`` that transformers exports (e.g. an encoder-decoder ``T5ForConditionalGeneration``).
     """
-    import torch
     import transformers
     from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    with torch.device("meta"):
-        try:
-            if cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-                return AutoModelForCausalLM.from_config(cfg)
-            for arch in getattr(cfg, "architectures", None) or []:
-                cls = getattr(transformers, str(arch), None)
-                if cls is not None and hasattr(cls, "_from_config"):
-                    return cls._from_config(cfg)
-        except Exception as e:  # noqa: BLE001 - whatever the modeling code raises, the config is the cause
-            detail = " ".join(str(e).split())
-            raise ModelSourceError(
-                f"transformers could not build the {cfg.model_type} model from this config: {detail}"
-            ) from None
+    archs = [str(a) for a in (getattr(cfg, "architectures", None) or [])]
+    try:
+        mapped = AutoModelForCausalLM._model_mapping[type(cfg)]
+    except KeyError:
+        mapped = None
+    if isinstance(mapped, (list, tuple)):  # several classes for one config: the one the config names, else the first
+        mapped = next((c for c in mapped if c.__name__ in archs), mapped[0])
+    if mapped is not None:
+        return mapped
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and hasattr(cls, "_from_config"):
+            return cls
     raise ModelSourceError(
         f"transformers has no causal-LM class for model_type {cfg.model_type!r} "
         f"(architectures={getattr(cfg, 'architectures', None)}). "
         "Name a causal-LM class in 'architectures' (e.g. 'LlamaForCausalLM')."
     )
+
+
+def build_meta_model(cfg: "PretrainedConfig", dtype: str | None = None) -> "torch.nn.Module":
+    """The model of ``cfg`` on the meta device (no storage, no weight initialisation), in eval mode.
+
+    Built in ``dtype`` (a dtype name; None keeps the config's) exactly as ``from_pretrained`` builds it, so the
+    buffers the architecture creates in the default dtype match transformers'. ``cfg.dtype`` is set to it.
+    """
+    import torch
+
+    cls = model_class(cfg)
+    kwargs = {"dtype": getattr(torch, dtype)} if dtype is not None else {}
+    with torch.device("meta"):
+        try:
+            model = cls._from_config(cfg, **kwargs)
+        except Exception as e:  # noqa: BLE001 - whatever the modeling code raises, the config is the cause
+            detail = " ".join(str(e).split())
+            raise ModelSourceError(
+                f"transformers could not build the {cfg.model_type} model from this config: {detail}"
+            ) from None
+    model.eval()
+    return model
+
+
+def default_dtype(config_dtype: Any, stored_dtypes: Any = ()) -> str:
+    """The dtype a model runs in when the user names none: the one definition, for the planner and the loader.
+
+    The config's ``dtype`` (``torch_dtype``) when it names one, as transformers' ``dtype="auto"`` does; else the
+    most common floating dtype among the stored tensors (``stored_dtypes``: one dtype name per tensor); else
+    float32.
+    """
+    named = dtype_name(config_dtype)
+    if named is not None:
+        return named
+    floats = Counter(d for d in stored_dtypes if str(d).startswith(("float", "bfloat")))
+    return floats.most_common(1)[0][0] if floats else "float32"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -341,7 +379,7 @@ def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) ->
     kv = kv_geometry(cfg, n_layers or None) if cfg is not None else None
     sizes = model_sizes(cfg) if cfg is not None else {}
     model_type = str(getattr(cfg, "model_type", "") or "")
-    default = dtype_name(getattr(cfg, "dtype", None)) if cfg is not None else None
+    default = default_dtype(getattr(cfg, "dtype", None)) if cfg is not None else None
     if name is None:
         name = str(getattr(cfg, "_name_or_path", "") or model_type or type(model).__name__)
     for d in {t.dtype for b in blocks for t in b.tensors}:
@@ -378,7 +416,7 @@ def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name
         if fast is not None:
             return fast
     cfg, default_name = _as_config(config)
-    model = _meta_model(cfg)
+    model = build_meta_model(cfg)
     return skeleton_from_model(model, name=name or default_name)
 
 
@@ -390,8 +428,8 @@ def _block_of_key(key: str, tensor_block: Mapping[str, str], block_names: set[st
                   base_prefix: str) -> tuple[str | None, str | None]:
     """(block, tensor name) a checkpoint key belongs to. The tensor name is set when the key IS a tensor of the
     module tree (directly, or with the model's ``base_model_prefix`` prepended: old GPT-2 checkpoints store
-    ``h.0...``). Otherwise the block is the longest block name that is a dotted prefix of the key
-    (``model.layers.0.block_sparse_moe.experts.3.w1.weight`` -> ``model.layers.0``) and the tensor name is None."""
+    ``h.0...``). Otherwise the block is the longest block name that is a dotted prefix of the key (a stored
+    tensor the model does not use, such as an old GPT-2 ``attn.bias`` mask) and the tensor name is None."""
     candidates = (key, f"{base_prefix}.{key}") if base_prefix else (key,)
     for k in candidates:
         b = tensor_block.get(k)
@@ -416,19 +454,35 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     block_names = {b.name for b in skel.blocks}
     keys_of: dict[str, list[str]] = {}
     key_of_tensor: dict[str, str] = {}  # module-tree name -> the stored key holding exactly that tensor
+    fused_dtype: dict[str, str] = {}  # module-tree name -> stored dtype of the pieces it is assembled from
+    claimed: set[str] = set()
+    # Every module tensor's keys, through the one mapping the loader also reads (planner.checkpoint_keys).
+    for blk in skel.blocks:
+        for t in blk.tensors:
+            if t.kind == "buffer_nonpersistent":
+                continue
+            src = tensor_source(t.name, t.shape, stored, base_prefix)
+            if src is None:
+                continue
+            for piece in src.pieces:
+                if piece.key not in claimed:
+                    claimed.add(piece.key)
+                    keys_of.setdefault(blk.name, []).append(piece.key)
+            if src.is_plain:
+                key_of_tensor[t.name] = src.pieces[0].key
+            else:
+                fused_dtype[t.name] = stored[src.pieces[0].key].dtype
+    # The rest: a stored tied alias belongs to its source's block, anything else to its longest block prefix.
     unmatched: list[str] = []
-    renamed = False
     for key in stored:
-        is_alias = key in alias_source
-        b, tname = _block_of_key(alias_source.get(key, key), tensor_block, block_names, base_prefix)
+        if key in claimed:
+            continue
+        b, _ = _block_of_key(alias_source.get(key, key), tensor_block, block_names, base_prefix)
         if b is None:
             unmatched.append(key)
             continue
         keys_of.setdefault(b, []).append(key)
-        if tname is not None and not is_alias:
-            key_of_tensor.setdefault(tname, key)
-        if key not in tensor_block:
-            renamed = True
+    renamed = any(k not in tensor_block for ks in keys_of.values() for k in ks)
     if unmatched:
         log.warning("%s: %d checkpoint tensor(s) match no module of the %s model and will not be placed: %s",
                     name, len(unmatched), skel.architecture, ", ".join(unmatched[:5]))
@@ -436,10 +490,6 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     blocks = []
     shape_mismatch = []
     for blk in skel.blocks:
-        keys = keys_of.get(blk.name, [])
-        exact = {key_of_tensor[t.name] for t in blk.tensors if t.name in key_of_tensor}
-        other_dtypes = Counter(stored[k].dtype for k in keys if k not in exact and k not in alias_source)
-        fused_dtype = other_dtypes.most_common(1)[0][0] if other_dtypes else None
         new_tensors = []
         for t in blk.tensors:
             k = key_of_tensor.get(t.name)
@@ -449,8 +499,8 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
                     shape_mismatch.append(f"{t.name}: model {list(t.shape)}, checkpoint {list(h.shape)}")
                 if h.dtype != t.dtype:
                     t = TensorSpec(t.name, t.shape, h.dtype, t.kind, t.quantizable)
-            elif t.kind == "parameter" and fused_dtype and fused_dtype != t.dtype:
-                t = TensorSpec(t.name, t.shape, fused_dtype, t.kind, t.quantizable)
+            elif t.name in fused_dtype and fused_dtype[t.name] != t.dtype:
+                t = TensorSpec(t.name, t.shape, fused_dtype[t.name], t.kind, t.quantizable)
             new_tensors.append(t)
         blocks.append(Block(blk.name, tuple(new_tensors), blk.no_split, blk.layer_index, blk.is_head,
                             blk.is_embedding))
@@ -473,11 +523,6 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     elif stored_bytes > need:  # e.g. legacy buffers (old GPT-2 attn.bias masks) that transformers now ignores
         log.info("%s: the checkpoint stores %d bytes more than the model uses", name, stored_bytes - need)
 
-    default = skel.default_dtype
-    if default == "float32" and stored:
-        floats = Counter(t.dtype for t in stored.values() if t.dtype.startswith(("float", "bfloat")))
-        if floats:
-            default = floats.most_common(1)[0][0]
     # Complete or empty: when any stored key is not a module-tree name (fused experts, a stored tied alias, a
     # base-model prefix), every block that stores something lists all its keys, so a loader needs no other source.
     ckpt_keys = {b: tuple(ks) for b, ks in keys_of.items()} if renamed else {}
@@ -485,7 +530,7 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
         name=name, architecture=skel.architecture, model_type=skel.model_type, blocks=tuple(blocks),
         tied_groups=skel.tied_groups, no_split_classes=skel.no_split_classes, kv=skel.kv,
         vocab_size=skel.vocab_size, hidden_size=skel.hidden_size, intermediate_size=skel.intermediate_size,
-        num_attention_heads=skel.num_attention_heads, default_dtype=default, checkpoint_keys=ckpt_keys,
+        num_attention_heads=skel.num_attention_heads, default_dtype=skel.default_dtype, checkpoint_keys=ckpt_keys,
     )
 
 
@@ -536,10 +581,7 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
         blocks.append(Block(bname, tuple(other[bname])))
     for bname in sorted((n for n in other if category(n) == 3)):
         blocks.append(Block(bname, tuple(other[bname]), is_head=True))
-    floats = Counter(t.dtype for t in headers.tensors.values() if t.dtype.startswith(("float", "bfloat")))
-    default = dtype_name((config or {}).get("dtype") or (config or {}).get("torch_dtype"))
-    if default is None:
-        default = floats.most_common(1)[0][0] if floats else "float32"
+    default = default_dtype(_config_dtype(config or {}), (t.dtype for t in headers.tensors.values()))
     n_layers = len({idx for idx, _ in layer_blocks.values()})
     kv = kv_geometry(config, n_layers or None) if config else None
     sizes = model_sizes(config) if config else {}
@@ -554,16 +596,14 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
     )
 
 
-def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_walk: bool = False) -> Skeleton:
-    """Skeleton of a checkpoint directory: ``config.json`` for structure, safetensors headers for stored dtypes.
+def _config_dtype(doc: Mapping[str, Any]) -> Any:
+    return doc.get("dtype") or doc.get("torch_dtype")
 
-    Without a ``config.json``, or when transformers does not know its architecture, the skeleton is inferred from
-    the header names (see :func:`skeleton_from_headers`) and a warning says so.
-    """
-    d = Path(path)
+
+def _checkpoint_headers(d: Path) -> CheckpointHeaders:
+    """The headers of a model directory's shards, or the error that says what the directory lacks."""
     if not d.is_dir():
         raise ModelSourceError(f"{d}: not a directory")
-    name = name or d.resolve().name
     has_config = (d / CONFIG_NAME).is_file()
     if not has_config and not has_weight_files(d):
         pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
@@ -581,23 +621,80 @@ def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_
             raise ModelSourceError(
                 f"{e}. To plan from the architecture alone, pass {d / CONFIG_NAME} instead of the directory."
             ) from None
-    headers = read_checkpoint_headers(d)
-    if not has_config:
+    return read_checkpoint_headers(d)
+
+
+#: Dtypes a model can be built in (torch's default dtype must be one of them).
+_BUILD_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    """A checkpoint directory's model, described once, for the planner and the loader alike.
+
+    ``skeleton`` is what the planner plans with (plain data, with the checkpoint's fingerprint); ``model`` is the
+    transformers model it was walked from, on the meta device, built in ``dtype``: what the loader fills with
+    the checkpoint's tensors. ``headers`` are the shards' validated safetensors headers.
+    """
+
+    skeleton: Skeleton
+    model: Any  # torch.nn.Module on the meta device
+    headers: CheckpointHeaders
+    dtype: str
+
+
+def describe_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, name: str | None = None,
+                        headers: CheckpointHeaders | None = None) -> CheckpointModel:
+    """Read a model directory (``config.json`` + safetensors headers; no weight is read) into its Skeleton and its
+    meta model, built in ``dtype`` (a dtype name; None: the model's :func:`default_dtype`). ``headers``: the
+    directory's headers when the caller has already read them.
+
+    Raises :class:`ModelSourceError` when the directory has no usable config or transformers cannot build it.
+    """
+    d = Path(path)
+    headers = headers if headers is not None else _checkpoint_headers(d)
+    name = name or d.resolve().name
+    if not (d / CONFIG_NAME).is_file():
+        raise ModelSourceError(f"{d} has no {CONFIG_NAME}: point at a model directory saved by save_pretrained.")
+    doc = read_config_json(d / CONFIG_NAME)
+    cfg = config_from_dict(doc, source=str(d / CONFIG_NAME))
+    default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
+    build = dtype or default
+    model = build_meta_model(cfg, build if build in _BUILD_DTYPES else None)
+    skel = _with_checkpoint(skeleton_from_model(model, name=name), headers,
+                            str(getattr(model, "base_model_prefix", "") or ""), name)
+    skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers))
+    return CheckpointModel(skel, model, headers, dtype_name(getattr(model.config, "dtype", None)) or build)
+
+
+def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_walk: bool = False) -> Skeleton:
+    """Skeleton of a checkpoint directory: ``config.json`` for structure, safetensors headers for stored dtypes,
+    and the checkpoint's fingerprint.
+
+    A family :mod:`planner.config_skeleton` knows is laid out from the config alone (unless ``meta_walk``); others
+    are walked from their meta model (:func:`describe_checkpoint`). Without a ``config.json``, or when transformers
+    does not know its architecture, the skeleton is inferred from the header names (see
+    :func:`skeleton_from_headers`) and a warning says so.
+    """
+    d = Path(path)
+    headers = _checkpoint_headers(d)
+    name = name or d.resolve().name
+    fingerprint = checkpoint_fingerprint(headers)
+    if not (d / CONFIG_NAME).is_file():
         log.warning("%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
                     "KV geometry known)", d, CONFIG_NAME)
-        return skeleton_from_headers(headers, name=name)
+        return replace(skeleton_from_headers(headers, name=name), fingerprint=fingerprint)
     doc = read_config_json(d / CONFIG_NAME)
     fast = None if meta_walk else config_skeleton(doc, name=name)
     if fast is not None:
-        return _with_checkpoint(fast, headers, base_model_prefix(fast.model_type) or "", name)
+        skel = _with_checkpoint(fast, headers, base_model_prefix(fast.model_type) or "", name)
+        default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
+        return replace(skel, default_dtype=default, fingerprint=fingerprint)
     try:
-        cfg = config_from_dict(doc, source=str(d / CONFIG_NAME))
-        model = _meta_model(cfg)
+        return describe_checkpoint(d, name=name, headers=headers).skeleton
     except ModelSourceError as e:
         log.warning("%s; the skeleton is inferred from safetensors key names instead", e)
-        return skeleton_from_headers(headers, name=name, config=doc)
-    skel = skeleton_from_model(model, name=name)
-    return _with_checkpoint(skel, headers, str(getattr(model, "base_model_prefix", "") or ""), name)
+        return replace(skeleton_from_headers(headers, name=name, config=doc), fingerprint=fingerprint)
 
 
 def load_skeleton(model: Any, *, name: str | None = None) -> Skeleton:

@@ -89,6 +89,8 @@ class Skeleton:
     #: Tensor names as stored in the checkpoint when they differ from the module tree (fused MoE experts):
     #: block name -> checkpoint keys. Empty when names are identical.
     checkpoint_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Identity of the checkpoint this skeleton was read from (:mod:`planner.fingerprint`); None from a bare config.
+    fingerprint: str | None = None
 
     def tensors(self) -> list[TensorSpec]:
         return [t for b in self.blocks for t in b.tensors]
@@ -195,6 +197,9 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     #: Block name -> device: the unmerged placement, for readers that want per-layer detail.
     placement: dict[str, DeviceId] = field(default_factory=dict)
+    #: The checkpoint this plan was made for (:mod:`planner.fingerprint`); None when planned from a bare config.
+    #: The loader refuses to apply the plan to a checkpoint with another fingerprint.
+    fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -224,6 +229,7 @@ class Plan:
             warnings=list(d.get("warnings", [])),
             reasons=list(d.get("reasons", [])),
             placement=dict(d.get("placement", {})),
+            fingerprint=d.get("fingerprint"),
         )
 
     @classmethod

@@ -173,12 +173,11 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     runtime = Runtime(settings, host, metrics)
 
     def on_ready(loaded: LoadedModel) -> None:
-        runtime.weight_bytes = weight_bytes_by_device(loaded.model)
+        runtime.weight_bytes = weight_bytes_by_device(loaded.load_stats)
 
     host.on_ready(on_ready)
     metrics.memory_reader = lambda: memory_gauges(
-        memory_report(runtime.loaded.model if runtime.loaded else None, runtime.loaded.plan if runtime.loaded else None,
-                      runtime.weight_bytes)
+        memory_report(runtime.loaded.plan if runtime.loaded else None, runtime.weight_bytes)
     )
 
     @asynccontextmanager

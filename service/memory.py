@@ -1,42 +1,33 @@
-"""Memory per device, planned (from the plan in force) and measured (from the loaded model and CUDA's allocator).
+"""Memory per device, planned (from the plan in force) and measured (from the load's typed result and CUDA's
+allocator).
 
-Measured weights are counted from where each parameter and buffer actually sits (``meta`` ones are offloaded to
-disk); for GPUs, the allocator's live figure is reported too, since it also holds the KV cache and activations.
+Measured weights are what the loader placed on each device (:class:`loaders.LoadStats`), not where torch says each
+tensor lives: disk-offloaded weights are memory maps of the checkpoint, which torch reports as CPU tensors. For
+GPUs, the allocator's live figure is reported too, since it also holds the KV cache and activations.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.devices import DISK, device_key, parse_device
+from planner.devices import device_key
 from planner.types import Plan
 
-
-def _device_label(device: torch.device) -> str:
-    """A tensor's device as a report key ("0", "cpu"); a ``meta`` tensor's weights are offloaded to disk."""
-    return device_key(DISK if device.type == "meta" else parse_device(device))
+if TYPE_CHECKING:
+    from loaders.progress import LoadStats
 
 
-def weight_bytes_by_device(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of parameters and buffers per device label ("0", "1", "cpu", "disk")."""
-    out: dict[str, int] = {}
-    seen: set[int] = set()
-    tensors = list(model.parameters()) + list(model.buffers())
-    for t in tensors:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        label = _device_label(t.device)
-        out[label] = out.get(label, 0) + t.numel() * t.element_size()
-    return out
+def weight_bytes_by_device(stats: LoadStats) -> dict[str, int]:
+    """Bytes of weights per device label ("0", "1", "cpu", "disk"), as the load placed them."""
+    return {device_key(device): n for device, n in stats.bytes_by_device_id().items()}
 
 
 def planned_bytes_by_device(plan: Plan | None) -> dict[str, dict[str, int]]:
     if plan is None:
         return {}
     return {
-        str(b.device): {
+        device_key(b.device): {
             "capacity": b.capacity,
             "weights": b.weights,
             "kv_cache": b.kv_cache,
@@ -48,10 +39,11 @@ def planned_bytes_by_device(plan: Plan | None) -> dict[str, dict[str, int]]:
     }
 
 
-def memory_report(model: torch.nn.Module | None, plan: Plan | None, weights: dict[str, int] | None = None) -> dict[str, Any]:
-    """Per device: ``planned`` (the plan's budget) and ``measured`` (weights there, and CUDA allocated/reserved)."""
+def memory_report(plan: Plan | None, weights: dict[str, int] | None) -> dict[str, Any]:
+    """Per device: ``planned`` (the plan's budget) and ``measured`` (weights placed there, from
+    :func:`weight_bytes_by_device`, and CUDA allocated/reserved)."""
     planned = planned_bytes_by_device(plan)
-    measured_weights = weights if weights is not None else (weight_bytes_by_device(model) if model is not None else {})
+    measured_weights = weights or {}
     devices = sorted(set(planned) | set(measured_weights), key=lambda d: (not d.isdigit(), d))
     report: dict[str, Any] = {}
     for dev in devices:

@@ -1,6 +1,7 @@
 """Loading the served model in the background, and the load's progress for ``/health/ready`` and ``/info``.
 
-The server listens at once; :class:`ModelHost` loads on a thread (plan first, then the loader obeys the plan) and
+The server listens at once; :class:`ModelHost` loads on a thread (the checkpoint is described once, planned from
+its Skeleton, then the loader fills that same meta model as the plan says) and
 records progress from the loader's callback. Routes read :class:`LoadState` and answer 503 until it is ready.
 """
 from __future__ import annotations
@@ -10,13 +11,16 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from planner.api import plan_inputs
 from planner.errors import LoadmasterError
 from planner.types import Plan
 from service.model_positions import model_position_limit
 from service.settings import ServiceSettings
+
+if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
+    from loaders.progress import LoadStats
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,8 @@ class LoadedModel:
     plan: Plan | None
     dtype: str
     quantization: str | None
+    #: What the load placed where, typed: ``/info`` and ``/metrics`` read memory per device from it.
+    load_stats: LoadStats
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,12 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
 
 
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
-    """Plan, then load the model and tokenizer the plan says where. Runs on the loading thread."""
+    """Describe the checkpoint once, plan from its Skeleton, then load into the very meta model the Skeleton was
+    walked from. Runs on the loading thread."""
+    from loaders import load_checkpoint, load_tokenizer
+    from planner.sizing import normalize_dtype
+    from planner.skeleton import describe_checkpoint
+
     if settings.demo:
         progress(LoadPhase(phase="building demo model"))
     path = resolve_model_dir(settings)
@@ -100,24 +111,23 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         positions = model_position_limit(path)
         if positions and inputs.context is not None:
             inputs = replace(inputs, context=min(inputs.context, positions))
-    the_plan = plan_inputs(str(path), inputs)
-    from loaders import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(
-        str(path), device_map=the_plan, offload_folder=settings.offload_folder, progress=progress,
-        cpu_kernels=settings.cpu_kernels, cpu_quantization=settings.cpu_quantization,
-        cpu_quantized_dir=settings.cpu_quantized_dir,
-    )
-    model.eval()
+    tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
+    described = describe_checkpoint(path, normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None)
+    the_plan = plan_inputs(described.skeleton, inputs)
+    result = load_checkpoint(described, device_map=the_plan, offload_folder=settings.offload_folder,
+                             progress=progress, cpu_kernels=settings.cpu_kernels,
+                             cpu_quantization=settings.cpu_quantization, cpu_quantized_dir=settings.cpu_quantized_dir)
+    result.model.eval()
     name = settings.served_model_name or path.name
     return LoadedModel(
-        model=model,
+        model=result.model,
         tokenizer=tokenizer,
         path=path,
         name=name,
         plan=the_plan,
         dtype=the_plan.workload.dtype,
         quantization=the_plan.workload.quantization,
+        load_stats=result.stats,
     )
 
 

@@ -171,7 +171,7 @@ async def info(request: Request) -> dict[str, Any]:
             "quantization": loaded.quantization,
             "device_map": getattr(model, "hf_device_map", None) or (loaded.plan.device_map if loaded.plan else None),
             "plan": loaded.plan.to_dict() if loaded.plan else None,
-            "memory": memory_report(model, loaded.plan, runtime.weight_bytes),
+            "memory": memory_report(loaded.plan, runtime.weight_bytes),
             "load_stats": _plain(getattr(model, "load_stats", None)),
             "cpu_kernels": kernel_report(s.cpu_kernels),
         }

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loaders.device_map import assign_devices, entry_of, execution_device
+from loaders.device_map import entry_of, execution_device
+from planner.device_map import assign_devices
 from planner.devices import parse_device
 from planner.errors import PlanError
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import loaders
-from loaders.dispatch import ordered_entries
+from loaders.device_map import ordered_entries
 from loaders.streaming import BlockStreamer, CpuBackend, build_blocks
 from tests.loaders.helpers import assert_equivalent, prompt
 
@@ -174,7 +174,7 @@ def test_gpu_wiring_runs_with_the_cpu_backend(tiny_gpt2):
           "transformer.h.2": "cpu", "transformer.h.3": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
     model = loaders.load_model(tiny_gpt2, device_map=dm, show_progress=False)
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
-    streamer = install_gpu_execution(model, dm, placement, None, torch.device("cpu"), backend=LazyBackend())
+    streamer = install_gpu_execution(model, dm, placement, torch.device("cpu"), backend=LazyBackend())
     assert streamer is not None and {b.key for b in streamer.blocks} == set(dm)
     # the tied head is streamed on its own, from the same host tensor as the embeddings
     head = next(b for b in streamer.blocks if b.key == "lm_head")

@@ -112,3 +112,52 @@ def test_out_of_memory_fails_the_request_cleanly_and_the_server_keeps_serving(fa
     assert r.status_code == 500 and "Out of memory" in r.json()["error"] and "Traceback" not in r.text
     assert httpx.post(server.url + "/generate", json=body).status_code == 200
     assert server.runtime.in_flight == 0
+
+
+DISK_MAP = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+
+
+@pytest.fixture(scope="module")
+def half_on_disk(tiny_llama: Path, tmp_path_factory):
+    settings = settings_for(tiny_llama, max_memory=["cpu=4GiB", "disk=1GiB"], strategy=json.dumps(DISK_MAP),
+                            offload_folder=str(tmp_path_factory.mktemp("offload")))
+    s = LiveServer(settings).start()
+    yield s
+    s.stop()
+
+
+def test_disk_offloaded_weights_are_reported_under_disk(half_on_disk, tiny_llama: Path) -> None:
+    """Disk tensors are memory maps that torch calls CPU tensors; /info and /metrics must still say disk."""
+    from planner.safetensors_header import read_checkpoint_headers
+
+    stored = read_checkpoint_headers(tiny_llama).tensors
+    on_disk = sum(t.nbytes for k, t in stored.items() if k.startswith(("model.layers.1.", "model.layers.2.")))
+    total = sum(t.nbytes for t in stored.values())
+    assert 0 < on_disk < total
+    r = httpx.post(half_on_disk.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    assert r.status_code == 200
+    info = httpx.get(half_on_disk.url + "/info").json()
+    assert {k for k, v in info["device_map"].items() if v == "disk"} == {"model.layers.1", "model.layers.2"}
+    memory = info["memory"]
+    assert memory["disk"]["measured"]["weights"] == on_disk == memory["disk"]["planned"]["weights"]
+    assert memory["cpu"]["measured"]["weights"] == total - on_disk
+    gauges = _samples(httpx.get(half_on_disk.url + "/metrics").text)
+    assert gauges['loadmaster_memory_bytes{device="disk",kind="measured"}'] == on_disk
+    assert gauges['loadmaster_memory_bytes{device="cpu",kind="measured"}'] == total - on_disk
+
+
+def test_serve_builds_the_meta_model_once(tiny_gpt2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve describes the checkpoint once: the planner plans from that Skeleton and the loader fills its model."""
+    import planner.skeleton as skeleton
+
+    builds = []
+    real = skeleton.build_meta_model
+    monkeypatch.setattr(skeleton, "build_meta_model", lambda *a, **kw: builds.append(a) or real(*a, **kw))
+    server = LiveServer(settings_for(tiny_gpt2)).start()
+    try:
+        r = httpx.post(server.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+        assert len(builds) == 1
+        assert server.runtime.loaded.plan.fingerprint == skeleton.skeleton_from_dir(tiny_gpt2).fingerprint
+    finally:
+        server.stop()

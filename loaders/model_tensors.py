@@ -1,52 +1,11 @@
-"""The empty model: the transformers class built on the meta device, then filled tensor by tensor.
-
-Also owns the two finishing steps after the weights are in: computing non-persistent buffers (rotary
-``inv_freq``...) on their real device, and re-tying tied weights.
+"""Filling a model built on the meta device: setting each tensor, computing non-persistent buffers (rotary
+``inv_freq``...) on their real device, and re-tying tied weights. The model itself is built by the planner's
+:func:`planner.skeleton.build_meta_model`, the one place a config becomes a model class.
 """
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
-import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-
-from planner.errors import ModelSourceError
-
-log = logging.getLogger(__name__)
-
-
-def read_config(path: str | Path) -> PretrainedConfig:
-    path = Path(path)
-    root = path.parent if path.is_file() else path
-    if not (root / "config.json").is_file():
-        raise ModelSourceError(f"{root} has no config.json: point at a model directory saved by save_pretrained.")
-    try:
-        return AutoConfig.from_pretrained(str(root))
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelSourceError(f"Cannot read {root / 'config.json'}: {exc}") from exc
-
-
-def model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
-    """The class named by ``config.architectures`` when transformers has it, else the causal-LM auto class."""
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-            return cls
-    return AutoModelForCausalLM._model_mapping[type(config)]  # raises KeyError for unknown configs
-
-
-def build_meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
-    """Instantiate the model with every parameter and buffer on the meta device: no memory, no init cost."""
-    try:
-        cls = model_class(config)
-    except KeyError as exc:
-        raise ModelSourceError(f"transformers has no causal-LM class for model_type {config.model_type!r}.") from exc
-    with torch.device("meta"):
-        model = cls._from_config(config, dtype=dtype)
-    model.eval()
-    return model
+from transformers import PreTrainedModel
 
 
 def tensor_owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

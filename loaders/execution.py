@@ -1,0 +1,69 @@
+"""Execution: making a placed model run across its devices, applied explicitly after placement.
+
+* Host without GPUs: ``"cpu"`` and ``"disk"`` modules run as plain modules (disk tensors are memory maps); the only
+  hooks are :class:`loaders.readahead.DiskReadahead`'s on disk blocks. Linear layers are then quantized when asked
+  (:mod:`loaders.cpu_quant`), and small linear products run on the native CPU kernels (:mod:`loaders.fast_linear`)
+  where they build.
+* With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
+  the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`). Every block computes on a GPU,
+  so no CPU kernel is switched on.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from loaders.cpu_quant import QuantizationStats, quantize_cpu_linears
+from loaders.device_map import entry_of, ordered_entries
+from loaders.fast_linear import use_native_linears
+from loaders.placement import PlacedModel
+from loaders.readahead import DiskReadahead, merge_ranges
+from loaders.streaming import install_gpu_execution
+from planner.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What execution changed: linear layers switched to the native kernels, and CPU quantization's report."""
+
+    native_linears: int = 0
+    cpu_quantization: Optional[QuantizationStats] = None
+
+
+def apply_execution(placed: PlacedModel, cpu_kernels: str = "auto", *, cpu_quantization: Optional[str] = None,
+                    cpu_quantized_dir: Optional[Path] = None,
+                    checkpoint_files: Sequence[tuple[str, int, int]] = ()) -> Execution:
+    """Install the hooks the placement needs; on a CPU-executed model, quantize its linears first when
+    ``cpu_quantization`` asks (:mod:`loaders.cpu_quant`; ``checkpoint_files`` (path, size, mtime_ns) key the saved
+    copy in ``cpu_quantized_dir``), then switch them to the native kernels (``cpu_kernels``: "auto", "native" or
+    "torch")."""
+    model, device_map = placed.model, placed.device_map
+    model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
+    if placed.execution_device.type != "cpu":
+        if cpu_quantization:
+            raise PlanError(f"cpu_quantization={cpu_quantization!r} quantizes layers that compute on the CPU, "
+                            "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
+                            "(bitsandbytes) for GPU layers.")
+        install_gpu_execution(model, device_map, placed.tensor_devices, placed.execution_device)
+        return Execution()
+    by_entry: dict[str, list] = OrderedDict()
+    for name, rng in placed.disk_ranges.items():
+        by_entry.setdefault(entry_of(name, device_map), []).append(rng)
+    if by_entry:
+        blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
+        readahead = DiskReadahead(placed.reader, blocks)
+        readahead.install(model)
+        model._loadmaster_readahead = readahead
+    quant_stats = None
+    if cpu_quantization:
+        quant_stats = quantize_cpu_linears(model, cpu_quantization, checkpoint_files=list(checkpoint_files),
+                                           save_dir=cpu_quantized_dir)
+    return Execution(use_native_linears(model, cpu_kernels), quant_stats)
+
+
+__all__ = ["Execution", "apply_execution"]

@@ -1,0 +1,102 @@
+"""Placement: the checkpoint's tensors put on the devices a device map names, in a model built once, on the meta
+device, by the planner's :func:`planner.skeleton.describe_checkpoint`. No hook is installed here: what runs where
+is :mod:`loaders.execution`'s, applied after placement.
+
+The steps: the one validator (:func:`planner.device_map.assign_devices`) gives every tensor its device; the one key
+mapping (:mod:`planner.checkpoint_keys`, applied by :mod:`loaders.checkpoint_layout`) says which checkpoint keys
+fill it, or the checkpoint is refused before any weight is allocated; :class:`loaders.materialize.Materializer`
+reads each tensor onto its device (zero-copy maps for ``"disk"``, the offload folder for converted disk tensors);
+then non-persistent buffers are computed on their devices and tied weights re-tied.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from loaders.checkpoint_layout import resolve_sources
+from loaders.device_map import execution_device
+from loaders.errors import CheckpointError
+from loaders.materialize import Materializer
+from loaders.model_tensors import init_non_persistent_buffers, set_tensor, tie_weights
+from loaders.progress import LoadStats, ProgressReporter
+from loaders.safetensors_index import CheckpointIndex
+from loaders.shard_reader import ShardReader
+from planner.device_map import assign_devices, check_tied_groups
+from planner.errors import PlanError
+from planner.skeleton import CheckpointModel
+from planner.types import DeviceId
+
+
+@dataclass
+class PlacedModel:
+    """A model whose every tensor sits on its device, before any execution hook: what placement hands execution."""
+
+    model: torch.nn.Module
+    device_map: dict[str, DeviceId]
+    #: Every parameter and buffer name (tied aliases included) -> its device.
+    tensor_devices: dict[str, DeviceId]
+    #: Where offloaded blocks compute: the lowest GPU of the map, or the CPU.
+    execution_device: torch.device
+    #: The shard maps the CPU and disk tensors are views of (kept alive with the model).
+    reader: ShardReader
+    #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead.
+    disk_ranges: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    stats: LoadStats = field(default_factory=LoadStats)
+
+
+def _keep_fp32_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    pats = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        pats += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return pats
+
+
+def place(described: CheckpointModel, index: CheckpointIndex, device_map: Mapping[str, DeviceId],
+          run_dtype: torch.dtype, reporter: ProgressReporter, *, model_path: Path,
+          offload_folder: Optional[Path] = None) -> PlacedModel:
+    """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says."""
+    model = described.model
+    skeleton = described.skeleton
+    tied_targets = {alias for group in skeleton.tied_groups for alias in group[1:]}
+    specs = skeleton.tensors()
+    wanted = {t.name: t.shape for t in specs if t.kind != "buffer_nonpersistent"}
+    np_bufs = [t.name for t in specs if t.kind == "buffer_nonpersistent"]
+    ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignore_unexpected += [r"rotary_emb\.inv_freq$"] + [f"^{re.escape(t)}$" for t in tied_targets]
+    sources = resolve_sources(wanted, index, base_prefix=getattr(model, "base_model_prefix", ""),
+                              ignore_unexpected=ignore_unexpected,
+                              ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    all_names = list(wanted) + np_bufs + sorted(tied_targets)
+    devices = assign_devices(all_names, device_map, (n for n, _ in model.named_modules()))
+    check_tied_groups(skeleton.tied_groups, devices.get)
+    has_gpu = any(isinstance(d, int) for d in devices.values())
+    if has_gpu and not torch.cuda.is_available():
+        raise PlanError("The device map places modules on a GPU but torch sees no CUDA device here. "
+                        "Plan for this machine (device_map='auto') or use 'cpu'/'disk'.")
+    exec_dev = execution_device(device_map)
+
+    reporter.set_phase("loading")
+    mat = Materializer(index, run_dtype, _keep_fp32_patterns(model, run_dtype), reporter,
+                       offload_folder=offload_folder, model_path=model_path, has_gpu=has_gpu)
+    for name, t in mat.materialize(sources, {n: devices[n] for n in sources}).items():
+        set_tensor(model, name, t)
+    buf_devices = {n: (torch.device("cuda", devices[n]) if isinstance(devices[n], int) else exec_dev)
+                   for n in np_bufs}
+    init_non_persistent_buffers(model, buf_devices)
+    tie_weights(model)
+    _check_materialized(model)
+    return PlacedModel(model, dict(device_map), devices, exec_dev, mat.reader, mat.disk_ranges, mat.stats)
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise CheckpointError(f"Tensors left without data after loading: {left[:10]}. This is a loader bug; "
+                              "please report it with the model's config.json.")
+
+
+__all__ = ["PlacedModel", "place"]
