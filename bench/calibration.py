@@ -10,7 +10,7 @@ One run, side by side, because the machine is shared and its rates move with its
 The prediction is made for the context actually decoded (prompt + new tokens), the same device map as measured
 (``bench/offload.py``'s half-on-disk map: the second half of the layers on disk, warm page cache).
 
-Run: ``.venv/bin/python bench/calibration.py [--models 100m,1b] [--repeats 2] [--out bench/results/calibration.json]``
+Run: ``.venv/bin/python -m bench.calibration [--models 100m,1b] [--repeats 2] [--out bench/results/calibration.json]``
 """
 from __future__ import annotations
 
@@ -21,13 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from bench.common import best_of, llama_dir, machine, print_table, write_json
+from bench.offload import half_on_disk_map
 
-from bench.common import best_of, machine, print_table, write_json  # noqa: E402
-from bench.offload import half_on_disk_map  # noqa: E402
-
-LOAD_SCRIPT = Path(__file__).resolve().parent / "load.py"
+LOAD_MODULE = "bench.load"
 PROMPT_TOKENS = 16  # what bench.common.time_generation feeds
 TOLERANCE = 0.25
 
@@ -37,14 +34,12 @@ COLUMNS = [("model", "model"), ("placement", "placement"), ("predicted_default",
 
 
 def _models(names: list[str]) -> list[tuple[str, Path, str]]:
-    from tests.models import llama_1b_dir, llama_100m_dir
-
     out = []
     for name in names:
         if name == "100m":
-            out.append(("llama-100m", llama_100m_dir("float32"), "float32"))
+            out.append(("llama-100m", llama_dir("100m", "float32"), "float32"))
         elif name == "1b":
-            out.append(("llama-1b", llama_1b_dir("bfloat16"), "bfloat16"))
+            out.append(("llama-1b", llama_dir("1b", "bfloat16"), "bfloat16"))
         else:
             raise SystemExit(f"unknown model {name!r}; use 100m and/or 1b")
     return out
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"contender": "loadmaster", "label": f"{case['model']} {case['placement']}", "path": str(case["path"]),
                 "dtype": case["dtype"], "device_map": case["device_map"], "new_tokens": args.new_tokens,
                 "threads": 0, "offload_folder": str(work / "offload")}
-        r = best_of(LOAD_SCRIPT, spec, args.repeats)
+        r = best_of(LOAD_MODULE, spec, args.repeats)
         if "error" in r:
             case["error"] = r["error"]
             print(r["error"])

@@ -106,10 +106,11 @@ def link(nbytes: int, repeats: int = 5) -> float | None:
 
 
 def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    from loaders import cpu_kernels
+    """The decode-time linear the loader uses for ``dtype``: the native operator where it runs, else torch's."""
+    from loaders import cpu_kernels, kernel_ops  # noqa: F401  (kernel_ops registers torch.ops.loadmaster)
 
     if dtype in cpu_kernels.KERNELS and cpu_kernels.status(dtype).available:
-        return "native", lambda x, w: cpu_kernels.linear(x, w)
+        return "native", lambda x, w: torch.ops.loadmaster.linear(x, w, None)
     return "torch", lambda x, w: torch.nn.functional.linear(x, w)
 
 

@@ -43,12 +43,22 @@ class GpuInfo:
 
 
 @dataclass
-class KernelInfo:
-    dtype: str
-    available: bool
-    reason: str
+class IsaInfo:
+    """One instruction-set path the native kernels are built for, and whether this CPU runs it."""
+
+    name: str
     cpu_flags_needed: list[str]
     cpu_flags_missing: list[str]
+    runnable: bool
+
+
+@dataclass
+class KernelInfo:
+    """One native kernel (bf16, fp32, int8, int4 linear) and whether it runs here."""
+
+    name: str
+    weights: str
+    available: bool
 
 
 @dataclass
@@ -64,6 +74,10 @@ class EnvReport:
     cpu_cores_usable: int | None
     torch_threads: int | None
     cpu_flags: list[str]
+    kernel_isas: list[IsaInfo]
+    #: The path in use (``avx512``, ``avx2``) or None where torch's kernels run, and why.
+    kernel_path: str | None
+    kernel_reason: str
     kernels: list[KernelInfo]
     ram_total_bytes: int | None
     ram_available_bytes: int | None
@@ -155,16 +169,18 @@ def _gpus(torch: Any) -> tuple[list[GpuInfo], str]:
     return gpus, f"{count} CUDA GPU(s)"
 
 
-def _kernels(flags: set[str]) -> list[KernelInfo]:
+def _kernels(flags: set[str]) -> tuple[list[IsaInfo], str | None, str, list[KernelInfo]]:
     from loaders import cpu_kernels
 
-    out = []
-    for dtype, kernel in cpu_kernels.KERNELS.items():
-        st = cpu_kernels.status(dtype)
-        out.append(KernelInfo(dtype=str(dtype).removeprefix("torch."), available=st.available, reason=st.reason,
-                              cpu_flags_needed=list(kernel.cpu_flags),
-                              cpu_flags_missing=[f for f in kernel.cpu_flags if f not in flags]))
-    return out
+    isas = [IsaInfo(name=name, cpu_flags_needed=list(isa.cpu_flags),
+                    cpu_flags_missing=[f for f in isa.cpu_flags if f not in flags],
+                    runnable=name in cpu_kernels.runnable_isas()) for name, isa in cpu_kernels.ISAS.items()]
+    st = cpu_kernels.status()
+    kernels = [KernelInfo(name=k.name, weights=str(d).removeprefix("torch."), available=st.available)
+               for d, k in cpu_kernels.KERNELS.items()]
+    kernels += [KernelInfo(name=k.name, weights=scheme, available=st.available)
+                for scheme, k in cpu_kernels.QUANT_KERNELS.items()]
+    return isas, st.isa if st.available else None, st.reason, kernels
 
 
 def bitsandbytes_check(torch: Any) -> tuple[bool, str]:
@@ -197,6 +213,7 @@ def collect(offload_folder: str | os.PathLike | None = None, environ: dict[str, 
     folder = Path(offload_folder or env.get("LOADMASTER_OFFLOAD_FOLDER") or Path.cwd())
     flags = cpu_kernels.cpu_flags()
     gpus, gpu_note = _gpus(torch)
+    isas, kernel_path, kernel_reason, kernels = _kernels(flags)
     total, available = _meminfo()
     works, detail = bitsandbytes_check(torch)
     try:
@@ -217,7 +234,10 @@ def collect(offload_folder: str | os.PathLike | None = None, environ: dict[str, 
         cpu_cores_usable=usable,
         torch_threads=torch.get_num_threads(),
         cpu_flags=[f for f in REPORTED_CPU_FLAGS if f in flags],
-        kernels=_kernels(flags),
+        kernel_isas=isas,
+        kernel_path=kernel_path,
+        kernel_reason=kernel_reason,
+        kernels=kernels,
         ram_total_bytes=total,
         ram_available_bytes=available,
         offload_folder=str(folder),
@@ -251,10 +271,14 @@ def format_report(r: EnvReport) -> str:
     rows.append(("CPU", r.cpu_model))
     rows.append(("cores", f"{r.cpu_cores} ({r.cpu_cores_usable} usable here, torch uses {r.torch_threads} threads)"))
     rows.append(("instruction sets", " ".join(r.cpu_flags) or "none of the reported ones"))
+    for isa in r.kernel_isas:
+        missing = f"; missing {' '.join(isa.cpu_flags_missing)}" if isa.cpu_flags_missing else ""
+        rows.append((f"kernel path {isa.name}", f"{'runs here' if isa.runnable else 'cannot run here'} "
+                                                f"(needs {' '.join(isa.cpu_flags_needed)}{missing})"))
+    in_use = f"path {r.kernel_path}" if r.kernel_path else "not in use (torch's kernels run)"
+    rows.append(("native kernels", f"{in_use}: {r.kernel_reason}"))
     for k in r.kernels:
-        state = "available" if k.available else "not available"
-        missing = f"; missing {' '.join(k.cpu_flags_missing)}" if k.cpu_flags_missing else ""
-        rows.append((f"kernel {k.dtype}", f"{state} (needs {' '.join(k.cpu_flags_needed)}{missing}): {k.reason}"))
+        rows.append((f"kernel {k.weights}", f"{k.name}, {'available' if k.available else 'not available'}"))
     rows.append(("RAM", f"{_size(r.ram_total_bytes)} total, {_size(r.ram_available_bytes)} available"))
     rows.append(("disk free", f"{_size(r.disk_free_bytes)} at {r.offload_folder}"))
     rows.append(("bitsandbytes works", f"{'yes' if r.bitsandbytes_works else 'no'}: {r.bitsandbytes_detail}"))

@@ -39,14 +39,17 @@ def test_env_json_parses_and_masks_secrets(tmp_path: Path) -> None:
     assert report["cuda"] == torch.version.cuda
     from loaders import cpu_kernels
 
-    kernels = {k["dtype"]: k for k in report["kernels"]}
-    assert set(kernels) == {str(d).removeprefix("torch.") for d in cpu_kernels.KERNELS}
-    for dtype, kernel in cpu_kernels.KERNELS.items():
-        entry = kernels[str(dtype).removeprefix("torch.")]
-        assert entry["available"] == cpu_kernels.status(dtype).available
-        assert entry["cpu_flags_needed"] == list(kernel.cpu_flags)
-        flags = cpu_kernels.cpu_flags()
-        assert entry["cpu_flags_missing"] == [f for f in kernel.cpu_flags if f not in flags]
+    st = cpu_kernels.status()
+    assert report["kernel_path"] == (st.isa if st.available else None)
+    assert {k["weights"]: k["available"] for k in report["kernels"]} == {
+        **{str(d).removeprefix("torch."): st.available for d in cpu_kernels.KERNELS},
+        **{q: st.available for q in cpu_kernels.QUANT_KERNELS}}
+    flags = cpu_kernels.cpu_flags()
+    for isa in report["kernel_isas"]:
+        needed = list(cpu_kernels.ISAS[isa["name"]].cpu_flags)
+        assert isa["cpu_flags_needed"] == needed
+        assert isa["cpu_flags_missing"] == [f for f in needed if f not in flags]
+        assert isa["runnable"] == (isa["name"] in cpu_kernels.runnable_isas())
     assert report["cpu_cores"] == os.cpu_count() and report["cpu_model"]
     assert report["ram_total_bytes"] > report["ram_available_bytes"] > 0
     assert report["disk_free_bytes"] > 0 and report["offload_folder"] == str(tmp_path)
@@ -58,7 +61,8 @@ def test_env_table_names_everything_a_bug_report_needs(tmp_path: Path) -> None:
     report = env_report.collect(tmp_path, environ={"LOADMASTER_API_KEY": SECRET, "LOADMASTER_CALIBRATION": "off"})
     text = env_report.format_report(report)
     for needle in ("loadmaster", "python", "torch", "transformers", "safetensors", "bitsandbytes", "CUDA", "GPUs",
-                   "CPU", "cores", "instruction sets", "kernel bfloat16", "kernel float32", "RAM", "disk free",
+                   "CPU", "cores", "instruction sets", "kernel path avx2", "native kernels", "kernel bfloat16",
+                   "kernel float32", "kernel int8", "RAM", "disk free",
                    "bitsandbytes works", "calibration", "LOADMASTER_API_KEY"):
         assert needle in text, needle
     assert SECRET not in text
