@@ -59,11 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="100m,1b")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process decode runs per case (best kept)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for calibration and decode alike (0: torch's default)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "calibration.json"))
     args = ap.parse_args(argv)
 
+    import torch
+
     import planner.calibration as pc
     from service.calibration import calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     models = _models(args.models.split(","))
     work = Path(tempfile.mkdtemp(prefix="loadmaster-bench-calibration-"))
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
         spec = {"contender": "loadmaster", "label": f"{case['model']} {case['placement']}", "path": str(case["path"]),
                 "dtype": case["dtype"], "device_map": case["device_map"], "new_tokens": args.new_tokens,
-                "threads": 0, "offload_folder": str(work / "offload")}
+                "threads": args.threads, "offload_folder": str(work / "offload")}
         r = best_of(LOAD_MODULE, spec, args.repeats)
         if "error" in r:
             case["error"] = r["error"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -30,20 +31,23 @@ log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median time of ``fn`` after a warm-up. The median, not the best: decode is judged by its typical step
+    (bench.common.time_generation takes the median gap), and on a shared machine the best run is the rare moment
+    the neighbours were idle."""
     fn()  # warm-up: first touch, lazy builds
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
-def memory_read(nbytes: int, repeats: int = 5) -> float:
+def memory_read(nbytes: int, repeats: int = 7) -> float:
     """Bytes/s of a streaming read of ``nbytes`` of RAM (torch's sum, over all of torch's threads)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return x.numel() * 4 / _best_seconds(lambda: x.sum(), repeats)
+    return x.numel() * 4 / _typical_seconds(lambda: x.sum(), repeats)
 
 
 def _read_all(path: Path, chunk: int = 8 << 20) -> int:
@@ -102,7 +106,7 @@ def link(nbytes: int, repeats: int = 5) -> float | None:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
 
-    return nbytes / _best_seconds(copy, repeats)
+    return nbytes / _typical_seconds(copy, repeats)
 
 
 def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -114,7 +118,7 @@ def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.T
     return "torch", lambda x, w: torch.nn.functional.linear(x, w)
 
 
-def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 5) -> KernelRate:
+def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 7) -> KernelRate:
     """Weight bytes/s of a one-row product (a decode step's linear), weights resident and memory-mapped."""
     elt = torch.tensor([], dtype=dtype).element_size()
     k = 4096
@@ -123,14 +127,14 @@ def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 5)
     with torch.inference_mode():
         x = torch.randn(1, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
-        resident = n * k * elt / _best_seconds(lambda: fn(x, w), repeats)
+        resident = n * k * elt / _typical_seconds(lambda: fn(x, w), repeats)
         fd, name = tempfile.mkstemp(prefix=".loadmaster-calibrate-", dir=folder)
         os.close(fd)
         try:
             w.view(torch.uint8).numpy().tofile(name)
             del w
             mapped_w = torch.from_file(name, shared=True, size=n * k, dtype=dtype).view(n, k)  # reads in place
-            mapped = n * k * elt / _best_seconds(lambda: fn(x, mapped_w), repeats)
+            mapped = n * k * elt / _typical_seconds(lambda: fn(x, mapped_w), repeats)
             del mapped_w
         finally:
             Path(name).unlink(missing_ok=True)
@@ -149,7 +153,8 @@ def _small_llama(folder: Path, layers: int) -> Path:
 
 
 def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> float:
-    """Median seconds between generated tokens of a model loaded by our loader (as ``serve`` and the benches do)."""
+    """Median seconds between generated tokens (all runs pooled) of a model loaded by our loader, as ``serve`` and
+    the benches load it."""
     from transformers import StoppingCriteria
 
     from loaders import load_model
@@ -164,16 +169,15 @@ def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> 
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    best = float("inf")
+    gaps: list[float] = []
     ids = torch.arange(1, 9).unsqueeze(0)
     with torch.inference_mode():
         for _ in range(repeats):
             clock = Clock()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            stopping_criteria=[clock], pad_token_id=0)
-            gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
-            best = min(best, gaps[len(gaps) // 2])
-    return best
+            gaps += [b - a for a, b in zip(clock.times, clock.times[1:])]
+    return statistics.median(gaps)
 
 
 def step_overheads(folder: Path) -> tuple[float, float]:
