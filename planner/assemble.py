@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.cost_model import predict
+from planner.cost_model import compute_dtype, predict
 from planner.device_map import merge_device_map
 from planner.devices import device_label
 from planner.solve import Solution
@@ -57,7 +57,7 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
                 blocks=[b.name for b, dev in zip(skeleton.blocks, assignment) if dev == d.id],
             )
         )
-    prediction = predict(problem, assignment, loads, workload.batch_size)
+    prediction = predict(problem, assignment, loads, workload.batch_size, compute_dtype(workload))
     offloaded = sum(it.weight for it, dev in zip(problem.items, assignment) if problem.computes_on(dev) != dev)
     reasons = list(solution.reasons)
     for run in runs_of(assignment):

@@ -13,12 +13,20 @@ reach the computing device:
 
 Load time is the bytes copied out of the checkpoint over the storage read rate, plus the GPU share over the
 link. Disk-placed tensors are served from the checkpoint in place, so they cost nothing to load.
+
+With a calibration of this machine (``loadmaster env --calibrate``, :mod:`planner.calibration`), the figures the
+caller did not set are replaced by measured ones: without GPUs, cpu blocks read at the rate the decode kernels
+reach for the workload's dtype, warm disk blocks at the rate they reach on memory-mapped weights, and each step
+pays the measured per-step and per-layer overhead; cold disk and checkpoint reads use the measured disk rate,
+and the host link its measured rate. The cost-model line then says so.
 """
 from __future__ import annotations
 
-from planner.strategies import Loads, Problem
+from planner.calibration import Calibration, calibration_path, load_calibration
 from planner.devices import device_key
-from planner.types import DeviceId, Prediction
+from planner.hardware import DEFAULT_BANDWIDTHS
+from planner.strategies import Loads, Problem
+from planner.types import DeviceId, Hardware, Prediction, Workload
 
 COST_MODEL = (
     "decode step = sum over blocks of bytes read per token / bandwidth of where they are read from "
@@ -28,7 +36,42 @@ COST_MODEL = (
 )
 
 
-def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int) -> Prediction:
+def _is_default(value: float, kind: str) -> bool:
+    """Whether a rate is the built-in figure (so a calibration may replace it) rather than one the caller set."""
+    return value == DEFAULT_BANDWIDTHS[kind] or (kind == "link" and value == min(DEFAULT_BANDWIDTHS["cpu"],
+                                                                                   DEFAULT_BANDWIDTHS["link"]))
+
+
+def _calibrated_rates(hw: Hardware, cal: Calibration, has_gpu: bool, dtype: str | None) -> dict[str, float]:
+    """The measured rates that replace default figures: keys ``cpu``, ``disk_warm``, ``kv``, ``disk``, ``storage``,
+    ``link``."""
+    by_id = {d.id: d for d in hw.devices}
+    out: dict[str, float] = {}
+    cpu, disk = by_id.get("cpu"), by_id.get("disk")
+    if has_gpu:
+        if cal.link is not None and cpu is not None and _is_default(cpu.link_bandwidth, "link"):
+            out["cpu"] = out["disk_warm"] = min(cal.link, cal.memory_read)
+    elif cpu is not None and _is_default(cpu.bandwidth, "cpu"):
+        out["cpu"] = cal.kernel_rate(dtype)
+        out["disk_warm"] = cal.kernel_rate(dtype, mapped=True)
+        out["kv"] = cal.memory_read
+    if disk is not None and _is_default(disk.bandwidth, "disk"):
+        out["disk"] = cal.disk_cold
+    if _is_default(hw.storage_bandwidth, "disk"):
+        out["storage"] = cal.disk_cold
+    if has_gpu and cal.link is not None and _is_default(hw.link_bandwidth, "link"):
+        out["link"] = cal.link
+    return out
+
+
+def compute_dtype(workload: Workload) -> str | None:
+    """The dtype decode kernels read weights in (None when quantized: the calibrated kernel rates do not apply)."""
+    return None if workload.quantization else workload.dtype
+
+
+def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int,
+            dtype: str | None = None) -> Prediction:
+    """``dtype``: :func:`compute_dtype` of the workload (picks the calibrated kernel rate)."""
     hw = problem.hardware
     by_id = {d.id: d for d in hw.devices}
     cpu = by_id.get("cpu")
@@ -36,6 +79,8 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
     disk_bytes = sum(i.weight for i, d in zip(problem.items, assignment) if d == "disk")
     cpu_free = (cpu.capacity - loads.total("cpu")) if cpu else 0
     warm = disk_bytes <= cpu_free
+    cal = load_calibration()
+    measured = _calibrated_rates(hw, cal, has_gpu, dtype) if cal is not None else {}
 
     seconds_by_dev: dict[DeviceId, float] = {}
     rate_of: dict[DeviceId, float] = {}
@@ -43,32 +88,46 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
         if isinstance(dev_id, int):
             rate_of[dev_id] = dev.bandwidth
         elif dev_id == "cpu":
-            rate_of[dev_id] = dev.link_bandwidth if has_gpu else dev.bandwidth
+            rate_of[dev_id] = measured.get("cpu", dev.link_bandwidth if has_gpu else dev.bandwidth)
         elif warm and cpu is not None:
-            rate_of[dev_id] = cpu.link_bandwidth if has_gpu else cpu.bandwidth
+            rate_of[dev_id] = measured.get("disk_warm", cpu.link_bandwidth if has_gpu else cpu.bandwidth)
         else:
-            rate_of[dev_id] = dev.bandwidth
+            rate_of[dev_id] = measured.get("disk", dev.bandwidth)
     runs = problem.runs_on
     for item, dev in zip(problem.items, assignment):
         seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + item.read_per_token / rate_of[dev]
         if item.kv:
             runs_on = runs[dev]
-            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / by_id[runs_on].bandwidth
+            kv_rate = measured["kv"] if runs_on == "cpu" and "kv" in measured else by_id[runs_on].bandwidth
+            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / kv_rate
     seconds = {device_key(d): v for d, v in seconds_by_dev.items()}
     step = sum(seconds.values())
+    line = COST_MODEL
+    if cal is not None and not has_gpu:
+        layers = sum(1 for item in problem.items if item.is_layer)
+        overhead = cal.step_overhead + layers * cal.layer_overhead
+        seconds["overhead"] = overhead
+        step += overhead
+    if cal is not None:
+        used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
+        extra = (f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer"
+                 if "overhead" in seconds else "")
+        line = f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
     tps = batch_size / step if step > 0 else float("inf")
 
+    storage = measured.get("storage", hw.storage_bandwidth)
+    link = measured.get("link", hw.link_bandwidth)
     load = 0.0
     for item, dev in zip(problem.items, assignment):
         if dev == "disk":
             continue
-        load += item.weight / hw.storage_bandwidth
+        load += item.weight / storage
         if isinstance(dev, int):
-            load += item.weight / hw.link_bandwidth
+            load += item.weight / link
     return Prediction(
         load_seconds=round(load, 4),
         decode_tokens_per_s=round(tps, 4) if tps != float("inf") else 0.0,
         seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
-        cost_model=COST_MODEL,
+        cost_model=line,
     )
 

@@ -11,7 +11,7 @@ import difflib
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
-from planner.cost_model import predict
+from planner.cost_model import compute_dtype, predict
 from planner.device_map import resolve_custom_map
 from planner.devices import device_label, is_gpu
 from planner.errors import PlanError
@@ -159,7 +159,7 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
         if r.assignment is None:
             continue
         r.loads = r.loads or compute_loads(p, r.assignment)
-        tps = predict(p, r.assignment, r.loads, workload.batch_size).decode_tokens_per_s
+        tps = predict(p, r.assignment, r.loads, workload.batch_size, compute_dtype(workload)).decode_tokens_per_s
         candidates.append(Candidate(name, p, r, tps, _peak_gpu_use(p, r.assignment), _hops(r.assignment)))
     if not candidates:
         return Solution(problem, seq, "auto")

@@ -1,4 +1,4 @@
-"""The ``loadmaster`` command: ``serve``, ``demo``, and the lead's ``plan`` / ``estimate``.
+"""The ``loadmaster`` command: ``serve``, ``demo``, the lead's ``plan`` / ``estimate``, and ``env``.
 
 Flags map one to one onto :class:`~service.settings.ServiceSettings` fields; a flag not given leaves the field to
 its ``LOADMASTER_*`` environment variable, then to its default. Bad input exits 2 with one line, no traceback.
@@ -145,7 +145,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from service import plan_cli
+    from service import env_cli, plan_cli
 
     parser = argparse.ArgumentParser(
         prog="loadmaster", description="Plan device maps, load big models, and serve them over HTTP."
@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_flags(d, with_model=False)
     d.set_defaults(func=run_demo)
     plan_cli.register(sub)
+    env_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,117 @@
+"""Calibrated predictions against measured decode: the 100M (fp32) and 1B (bf16) Llamas, resident and half on disk.
+
+One run, side by side, because the machine is shared and its rates move with its neighbours' load:
+
+1. calibrate (``service.calibration.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file;
+2. predict each case with the planner, with the default figures and with the calibration;
+3. measure each case's decode tokens/s with ``bench/load.py``'s worker (our loader, fresh process, best of N);
+4. print predicted against measured, and whether the calibrated one is within +-25%.
+
+The prediction is made for the context actually decoded (prompt + new tokens), the same device map as measured
+(``bench/offload.py``'s half-on-disk map: the second half of the layers on disk, warm page cache).
+
+Run: ``.venv/bin/python -m bench.calibration [--models 100m,1b] [--repeats 2] [--out bench/results/calibration.json]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import best_of, llama_dir, machine, print_table, write_json
+from bench.offload import half_on_disk_map
+
+LOAD_MODULE = "bench.load"
+PROMPT_TOKENS = 16  # what bench.common.time_generation feeds
+TOLERANCE = 0.25
+
+COLUMNS = [("model", "model"), ("placement", "placement"), ("predicted_default", "predicted (defaults) tok/s"),
+           ("predicted", "predicted (calibrated) tok/s"), ("measured", "measured tok/s"),
+           ("ratio", "predicted / measured"), ("within", "within +-25%")]
+
+
+def _models(names: list[str]) -> list[tuple[str, Path, str]]:
+    out = []
+    for name in names:
+        if name == "100m":
+            out.append(("llama-100m", llama_dir("100m", "float32"), "float32"))
+        elif name == "1b":
+            out.append(("llama-1b", llama_dir("1b", "bfloat16"), "bfloat16"))
+        else:
+            raise SystemExit(f"unknown model {name!r}; use 100m and/or 1b")
+    return out
+
+
+def _predict(path: Path, dtype: str, device_map: dict, folder: Path, context: int) -> float:
+    from planner.api import plan
+
+    strategy = "sequential" if device_map == {"": "cpu"} else device_map
+    p = plan(str(path), max_memory={"cpu": "64GiB", "disk": "1TiB"}, strategy=strategy, dtype=dtype, batch_size=1,
+             context=context, offload_folder=str(folder))
+    return p.prediction.decode_tokens_per_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="100m,1b")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="fresh-process decode runs per case (best kept)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for calibration and decode alike (0: torch's default)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "calibration.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import planner.calibration as pc
+    from service.calibration import calibrate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = _models(args.models.split(","))
+    work = Path(tempfile.mkdtemp(prefix="loadmaster-bench-calibration-"))
+    cal_path = work / "calibration.json"
+    context = PROMPT_TOKENS + args.new_tokens
+
+    os.environ[pc.ENV_VAR] = "off"
+    cases = []
+    for label, path, dtype in models:
+        resident = {"": "cpu"}
+        half, _ = half_on_disk_map(path)
+        for placement, dm in (("resident", resident), ("half on disk (warm)", half)):
+            cases.append({"model": label, "placement": placement, "path": path, "dtype": dtype, "device_map": dm,
+                          "predicted_default": _predict(path, dtype, dm, work, context)})
+
+    cal = calibrate(work, say=print)
+    pc.save_calibration(cal, cal_path)
+    os.environ[pc.ENV_VAR] = str(cal_path)
+    print(cal.summary())
+    for case in cases:
+        case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
+        spec = {"contender": "loadmaster", "label": f"{case['model']} {case['placement']}", "path": str(case["path"]),
+                "dtype": case["dtype"], "device_map": case["device_map"], "new_tokens": args.new_tokens,
+                "threads": args.threads, "offload_folder": str(work / "offload")}
+        r = best_of(LOAD_MODULE, spec, args.repeats)
+        if "error" in r:
+            case["error"] = r["error"]
+            print(r["error"])
+            continue
+        case["measured"] = r["decode_tok_s"]
+        case["ratio"] = case["predicted"] / case["measured"]
+        case["within"] = "yes" if abs(case["ratio"] - 1) <= TOLERANCE else "no"
+        print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in case.items()}), flush=True)
+    print()
+    table = print_table(cases, COLUMNS)
+    write_json(Path(args.out), {"bench": "calibration", "machine": machine(), "calibration": cal.to_dict(),
+                                "context": context, "rows": [{k: (str(v) if isinstance(v, Path) else v)
+                                                              for k, v in c.items()} for c in cases],
+                                "table": table})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Rates measured on this machine by ``loadmaster env --calibrate``: the record, where it lives, reading and saving.
+
+The cost model's defaults are round figures for a generic machine; a CPU with native kernels decodes at the rate
+its kernels reach, not at a textbook DRAM figure. Calibration measures those rates once and saves them to the
+user's cache; :mod:`planner.cost_model` uses them when present (and says so in the plan's cost-model line).
+
+A saved file is only trusted for the machine that wrote it (same CPU model and core count) and only when it
+validates; anything else is ignored with a warning, never an error: a stale cache must not break planning.
+Plain JSON and the standard library: the planner core imports no torch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+#: ``LOADMASTER_CALIBRATION``: a file path, or ``off`` to plan with the default figures.
+ENV_VAR = "LOADMASTER_CALIBRATION"
+
+
+@dataclass(frozen=True)
+class KernelRate:
+    """Bytes of weights per second one decode-time linear path reaches, for one dtype.
+
+    ``resident``: weights in RAM; ``mapped``: weights read in place from a memory-mapped file whose pages are
+    cached (a warm ``disk`` block). ``path`` is ``native`` (loaders/cpu_kernels) or ``torch``.
+    """
+
+    dtype: str
+    path: str
+    resident: float
+    mapped: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``loadmaster env --calibrate`` measured. Rates are bytes/s, times seconds."""
+
+    machine: str
+    created: str
+    threads: int
+    memory_read: float
+    disk_cold: float
+    disk_warm: float
+    kernels: dict[str, KernelRate]
+    #: Seconds a decode step spends per decoder layer besides reading weights (attention, norms, dispatch).
+    layer_overhead: float
+    #: Seconds a decode step spends once, whatever the model (generation loop, sampling, embedding, dispatch).
+    step_overhead: float
+    #: Host -> GPU copy rate; None without a GPU.
+    link: float | None = None
+    version: int = FORMAT_VERSION
+    notes: list[str] = field(default_factory=list)
+
+    def kernel_rate(self, dtype: str | None, mapped: bool = False) -> float:
+        """The measured decode rate for ``dtype``'s weights (the memory read rate for dtypes not measured)."""
+        k = self.kernels.get(dtype or "")
+        if k is None:
+            return self.memory_read
+        return k.mapped if mapped else k.resident
+
+    def summary(self) -> str:
+        kernels = ", ".join(f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s"
+                            for k in self.kernels.values())
+        link = f", link {self.link / 1e9:.1f} GB/s" if self.link else ""
+        return (f"calibrated {self.created} on {self.machine}: memory {self.memory_read / 1e9:.1f} GB/s, "
+                f"disk {self.disk_cold / 1e9:.2f} GB/s cold / {self.disk_warm / 1e9:.1f} warm{link}, "
+                f"kernels (resident/mapped) {kernels}, overhead {self.layer_overhead * 1e3:.2f} ms per layer + "
+                f"{self.step_overhead * 1e3:.2f} ms per step")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
+        """Validate and build; raises ``ValueError`` saying which field is wrong."""
+        if not isinstance(d, Mapping):
+            raise ValueError("a calibration is a JSON object")
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format version {d.get('version')!r}, expected {FORMAT_VERSION}")
+
+        def rate(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e14:
+                raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
+            return float(value)
+
+        kernels_in = d.get("kernels")
+        if not isinstance(kernels_in, Mapping) or not kernels_in:
+            raise ValueError("kernels must be a non-empty object of dtype -> rates")
+        kernels = {}
+        for dtype, k in kernels_in.items():
+            if not isinstance(k, Mapping) or k.get("path") not in ("native", "torch"):
+                raise ValueError(f"kernels[{dtype!r}] must name its path ('native' or 'torch') and its rates")
+            kernels[str(dtype)] = KernelRate(dtype=str(dtype), path=k["path"],
+                                             resident=rate(f"kernels.{dtype}.resident", k.get("resident")),
+                                             mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")))
+        def seconds(name: str) -> float:
+            value = d.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be seconds in [0, 1), got {value!r}")
+            return float(value)
+
+        threads = d.get("threads")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        for key in ("machine", "created"):
+            if not isinstance(d.get(key), str):
+                raise ValueError(f"{key} must be a string")
+        link = d.get("link")
+        return cls(
+            machine=d["machine"], created=d["created"], threads=threads,
+            memory_read=rate("memory_read", d.get("memory_read")),
+            disk_cold=rate("disk_cold", d.get("disk_cold")), disk_warm=rate("disk_warm", d.get("disk_warm")),
+            kernels=kernels, layer_overhead=seconds("layer_overhead"), step_overhead=seconds("step_overhead"),
+            link=None if link is None else rate("link", link),
+            notes=[str(n) for n in d.get("notes", [])],
+        )
+
+
+def machine_id() -> str:
+    """What a calibration is valid for: the CPU model and the cores this process may use."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    return f"{model} x{cores}"
+
+
+def calibration_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``$LOADMASTER_CALIBRATION``, else ``$XDG_CACHE_HOME/loadmaster/calibration.json``; None when ``off``."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_VAR, "").strip()
+    if value.lower() in ("off", "none", "0", "false"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "loadmaster" / "calibration.json"
+
+
+_cache: dict[Path, tuple[float, Calibration | None]] = {}
+
+
+def load_calibration(path: Path | None = None, *, check_machine: bool = True) -> Calibration | None:
+    """The saved calibration, or None (no file, ``off``, invalid, or made on another machine: logged)."""
+    if path is None:
+        path = calibration_path()
+    if path is None:
+        return None
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    hit = _cache.get(path)
+    if hit is not None and hit[0] == mtime:
+        return hit[1]
+    cal: Calibration | None
+    try:
+        cal = Calibration.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring calibration %s: %s; run 'loadmaster env --calibrate' again", path, exc)
+        cal = None
+    if cal is not None and check_machine and cal.machine != machine_id():
+        log.warning("ignoring calibration %s: made on %s, this is %s; run 'loadmaster env --calibrate' here",
+                    path, cal.machine, machine_id())
+        cal = None
+    _cache[path] = (mtime, cal)
+    return cal
+
+
+def save_calibration(cal: Calibration, path: Path) -> Path:
+    """Write atomically (temporary file in the same folder, then rename): readers never see half a file."""
+    Calibration.from_dict(cal.to_dict())  # what is saved must load back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(cal.to_dict(), fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _cache.pop(path, None)
+    return path
