@@ -30,13 +30,13 @@ from loaders.placement import place
 from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
 from loaders.quantized import load_quantized
 from loaders.safetensors_index import CheckpointIndex
-from planner.inputs import make_workload
-from planner.solve import STRATEGY_NAMES
 from planner.api import plan as make_plan
 from planner.errors import PlanError
 from planner.fingerprint import check_plan_fingerprint
+from planner.inputs import make_workload
 from planner.sizing import normalize_dtype
 from planner.skeleton import CheckpointModel, describe_checkpoint
+from planner.solve import STRATEGY_NAMES
 from planner.types import DeviceId, Plan, Skeleton
 
 log = logging.getLogger(__name__)
