@@ -82,7 +82,7 @@ class GuardMiddleware:
             await resp(scope, receive, send_wrapped)
 
         try:
-            if self.settings.api_key and not is_open(scope.get("method", ""), path):
+            if self.settings.api_key and not is_open(scope.get("method", ""), path, headers.get("accept", "")):
                 try:
                     check_api_key(headers.get("authorization"), self.settings.api_key)
                 except ServiceError as exc:

@@ -14,13 +14,17 @@ from service.errors import AuthError, NotFoundError, RequestValidationError
 
 #: Routes open without a key: probes must work for orchestrators that hold no secrets.
 OPEN_PATHS = frozenset({"/health", "/health/ready"})
-#: GET paths open without a key: the web page's shell, which holds no data and must load to ask for the key.
-OPEN_PAGES = frozenset({"/", "/ui"})
 
 
-def is_open(method: str, path: str) -> bool:
-    """Whether a request needs no API key (probes, and the page itself; never ``POST /``)."""
-    return path in OPEN_PATHS or (method in ("GET", "HEAD") and path in OPEN_PAGES)
+def is_open(method: str, path: str, accept: str = "") -> bool:
+    """Whether a request needs no API key: the probes, and the web page's shell (which holds no data and must
+    load to ask for the key): ``GET /ui``, and ``GET /`` from a browser. ``POST /`` (generation) always needs one,
+    and so does ``GET /`` from other clients, as before the page existed."""
+    if path in OPEN_PATHS:
+        return True
+    if method not in ("GET", "HEAD"):
+        return False
+    return path == "/ui" or (path == "/" and "text/html" in accept)
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -171,6 +171,13 @@ def test_page_draws_the_served_plan_and_sends_the_key(session: PageSession, ui_s
     desc = page.text_content("#plan-picture svg desc") or ""
     assert "blocks" in desc and "tokens/s" in desc, "the chart has a text alternative"
 
+    # The page's shell is open; the data is not, and GET / from a non-browser client still needs the key.
+    assert httpx.get(ui_server.url + "/ui", timeout=30).status_code == 200
+    assert httpx.get(ui_server.url + "/info", timeout=30).status_code == 401
+    assert httpx.get(ui_server.url + "/", headers={"Accept": "application/json"}, timeout=30).status_code == 401
+    assert httpx.post(ui_server.url + "/", json={"inputs": "x"}, headers={"Accept": "text/html"},
+                      timeout=30).status_code == 401
+
     api_calls = [r for r in session.requests if r.url.startswith(ui_server.url) and "/ui" != r.url[len(ui_server.url):]]
     assert api_calls, "the page called the API"
     for r in api_calls:
