@@ -55,8 +55,9 @@ class QuantizationStats:
     schemes: dict[str, int] = field(default_factory=dict)
 
 
-def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str], save_dir) -> None:
-    """Refuse combinations that would be ignored or ambiguous, before anything is loaded."""
+def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str], save_dir,
+                           dtype: Optional[torch.dtype] = None) -> None:
+    """Refuse combinations that would be ignored or ambiguous, before any weight is loaded."""
     from planner.errors import PlanError
 
     if scheme is None:
@@ -70,6 +71,9 @@ def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str
         raise PlanError(f"cpu_quantization={scheme!r} and quantization={gpu_quantization!r} were both given. "
                         "quantization= is bitsandbytes for GPU layers, cpu_quantization= is for CPU and disk "
                         "layers with no GPU in the map; pass the one that matches the device map.")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise PlanError(f"cpu_quantization={scheme!r} computes with float32 or bfloat16 activations, not "
+                        f"{str(dtype).removeprefix('torch.')}: load with dtype='bfloat16' or 'float32'.")
 
 
 def _groups(k: int) -> int:

@@ -177,5 +177,8 @@ def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
     with pytest.raises(PlanError, match="quantization= is bitsandbytes for GPU layers"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int8",
                            quantization="int8")
+    with pytest.raises(PlanError, match="float32 or bfloat16 activations, not float16"):
+        loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int4",
+                           dtype="float16")
     with pytest.raises(PlanError, match="cpu_quantized_dir was given without cpu_quantization"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantized_dir=tmp_path)
