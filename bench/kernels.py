@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def _use(path: str) -> None:
         raise SystemExit(f"the {path} path did not load: {st.reason}")
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1, help="rows of activations per product (1 = a decode step)")
     ap.add_argument("--n", type=int, default=4096)
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     paths = cpu_kernels.runnable_isas() + ["torch"]
     rows = []
@@ -130,7 +131,8 @@ def main() -> None:
     if args.out:
         write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                               "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,9 +13,9 @@ prompt, timed per token (median gap). The table gives tokens/s, the ratio to bf1
 int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 
 ``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
-(``service.model_factory.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
+(``service.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
 
-Run: ``.venv/bin/python bench/quant.py [--rounds 3] [--threads 2] [--agreement] [--out bench/results/quant.json]``
+Run from the repository root: ``.venv/bin/python -m bench.quant [--rounds 3] [--threads 2] [--agreement] [--out bench/results/quant.json]``
 """
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import emit, machine, print_table, run_isolated, time_generation, write_json  # noqa: E402
+from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_generation, write_json
 
 SCHEMES = ("bf16", "int8", "int4")
 
@@ -111,8 +110,9 @@ def agreement_worker(spec: dict) -> dict:
     return {"rows": rows, "prompt": spec["prompt"]}
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -120,20 +120,21 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="bf16 checkpoint (default: the bench 1B Llama)")
     ap.add_argument("--agreement", action="store_true", help="also report greedy agreement on the demo model")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    from tests import models
-
-    path = args.model or models.llama_1b_dir("bfloat16")
+    args = ap.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        emit(agreement_worker(spec) if spec.get("agreement") else worker(spec))
+        return 0
+    path = args.model or llama_dir("1b", "bfloat16")
     schemes = args.schemes.split(",")
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
         raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES)}")
-    script = Path(__file__).resolve()
     runs: dict[str, list[dict]] = {s: [] for s in schemes}
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
         for r in range(args.rounds):
             for s in schemes:
-                res = run_isolated(script, {"scheme": s, "path": str(path), "threads": args.threads,
+                res = run_isolated("bench.quant", {"scheme": s, "path": str(path), "threads": args.threads,
                                             "new_tokens": args.new_tokens, "saved": saved})
                 if "error" in res:
                     raise SystemExit(f"{s}: {res['error']}")
@@ -158,9 +159,9 @@ def main() -> None:
                        ("ready_first_s", "ready (1st) s"), ("ready_best_s", "ready (best) s")])
     payload = {"machine": machine(), "model": str(path), "rows": rows}
     if args.agreement:
-        from service.model_factory import build_demo_model
+        from service.demo_model import build_demo_model
 
-        res = run_isolated(script, {"agreement": True, "path": str(build_demo_model()), "threads": args.threads,
+        res = run_isolated("bench.quant", {"agreement": True, "path": str(build_demo_model()), "threads": args.threads,
                                     "new_tokens": 64, "prompt": "Once upon a time"})
         if "error" in res:
             raise SystemExit(f"agreement: {res['error']}")
@@ -170,11 +171,8 @@ def main() -> None:
         payload["agreement"] = res
     if args.out:
         write_json(args.out, payload)
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        spec = json.loads(sys.argv[2])
-        emit(agreement_worker(spec) if spec.get("agreement") else worker(spec))
-    else:
-        main()
+    sys.exit(main())
