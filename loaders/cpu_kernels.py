@@ -48,9 +48,9 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("isa.c", "linear_bf16.c", "linear_f32.c", "linear_q8.c", "linear_q4.c")
+SOURCES = ("isa.c", "linear_bf16.c", "linear_f32.c", "linear_q8.c", "linear_q4.c", "quantize_weights.c")
 HEADERS = ("common.h",)
-_COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 ISA_CHOICES = ("auto", "avx512", "avx2", "torch")
 
 
@@ -104,6 +104,8 @@ _ARGTYPES = {
     "linear_f32": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "linear_q8": [_P, _L, _I, _P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
     "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],
+    "quantize_q4": [_P, _L, _I, _I, _I, _P, _L, _P, _L, _I],
 }
 
 

@@ -55,8 +55,9 @@ class QuantizationStats:
     schemes: dict[str, int] = field(default_factory=dict)
 
 
-def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str], save_dir) -> None:
-    """Refuse combinations that would be ignored or ambiguous, before anything is loaded."""
+def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str], save_dir,
+                           dtype: Optional[torch.dtype] = None) -> None:
+    """Refuse combinations that would be ignored or ambiguous, before any weight is loaded."""
     from planner.errors import PlanError
 
     if scheme is None:
@@ -70,14 +71,61 @@ def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str
         raise PlanError(f"cpu_quantization={scheme!r} and quantization={gpu_quantization!r} were both given. "
                         "quantization= is bitsandbytes for GPU layers, cpu_quantization= is for CPU and disk "
                         "layers with no GPU in the map; pass the one that matches the device map.")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise PlanError(f"cpu_quantization={scheme!r} computes with float32 or bfloat16 activations, not "
+                        f"{str(dtype).removeprefix('torch.')}: load with dtype='bfloat16' or 'float32'.")
 
 
 def _groups(k: int) -> int:
     return (k + GROUP - 1) // GROUP
 
 
+_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_quantizer(name: str, weight: torch.Tensor):
+    """The native quantizer (``kernels/quantize_weights.c``) if it takes this weight, else None (torch runs)."""
+    from loaders import cpu_kernels
+
+    if weight.dtype not in _WEIGHT_DTYPES or not weight.is_cpu or weight.dim() != 2 or weight.stride(1) != 1:
+        return None
+    return cpu_kernels.function(name) if cpu_kernels.status().available else None
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qweight int8 [N, G*64], scales float32 [N])`` of a float weight ``[N, K]``: symmetric, per channel."""
+    """``(qweight int8 [N, G*64], scales float32 [N])`` of a float weight ``[N, K]``: symmetric, per channel.
+
+    Native where the kernels are loaded (the same bytes as :func:`quantize_int8_torch`, multi-threaded)."""
+    fn = _native_quantizer("quantize_q8", weight)
+    if fn is None:
+        return quantize_int8_torch(weight)
+    n, k = weight.shape
+    q = torch.empty((n, _groups(k) * GROUP), dtype=torch.int8)
+    scales = torch.empty(n, dtype=torch.float32)
+    if fn(weight.data_ptr(), weight.stride(0), _WEIGHT_DTYPES[weight.dtype], n, k, q.data_ptr(), q.stride(0),
+          scales.data_ptr(), torch.get_num_threads()) != 0:
+        raise RuntimeError(f"lm_quantize_q8 rejected a weight of shape {tuple(weight.shape)}")
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 [N, G*32], scales float16 [N, G])`` of a float weight ``[N, K]`` (see
+    :func:`quantize_int4_torch`); native where the kernels are loaded, with the same bytes."""
+    fn = _native_quantizer("quantize_q4", weight)
+    if fn is None:
+        return quantize_int4_torch(weight)
+    n, k = weight.shape
+    g = _groups(k)
+    packed = torch.empty((n, g * GROUP // 2), dtype=torch.uint8)
+    scales = torch.empty((n, g), dtype=torch.float16)
+    if fn(weight.data_ptr(), weight.stride(0), _WEIGHT_DTYPES[weight.dtype], n, k, packed.data_ptr(),
+          packed.stride(0), scales.data_ptr(), scales.stride(0), torch.get_num_threads()) != 0:
+        raise RuntimeError(f"lm_quantize_q4 rejected a weight of shape {tuple(weight.shape)}")
+    return packed, scales
+
+
+def quantize_int8_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8` in torch operations (where the native kernels are not loaded)."""
     n, k = weight.shape
     q = torch.zeros((n, _groups(k) * GROUP), dtype=torch.int8)
     scales = torch.empty(n, dtype=torch.float32)
@@ -90,8 +138,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed uint8 [N, G*32], scales float16 [N, G])`` of a float weight ``[N, K]``.
+def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed uint8 [N, G*32], scales float16 [N, G])`` of a float weight ``[N, K]``, in torch operations.
 
     Per group of 64 inputs, the value of largest magnitude maps to code 0 (``-8 * scale``), so the whole range
     -8..7 is used; the scale is rounded to float16 before the codes are chosen, so they match the stored scale.

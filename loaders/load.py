@@ -113,7 +113,6 @@ def load_checkpoint(
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
-    check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir)
     t0 = time.perf_counter()
     reset_peak_rss()
     given = _dtype_name(dtype)
@@ -133,6 +132,7 @@ def load_checkpoint(
         described = source if isinstance(source, CheckpointModel) else describe_checkpoint(
             root, given, headers=index.headers)
         run = make_workload(described.skeleton, given).dtype  # the planner's default when none is given
+        check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir, getattr(torch, run))
         if isinstance(device_map, Plan):
             check_plan_fingerprint(device_map.fingerprint, described.skeleton.fingerprint, str(root))
         dmap, the_plan = resolve_device_map(described.skeleton, device_map, max_memory=max_memory, dtype=run,

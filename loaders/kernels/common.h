@@ -45,6 +45,59 @@ static inline void lm_store(void *y, int bf16, long i, float v) {
         ((float *)y)[i] = v;
 }
 
+/* Round 64 floats to int8 with one symmetric scale: q = round(v / d), d = max|v| / 127 (round to nearest even,
+ * the CPU's default mode). Returns d; *sum gets the sum of the int8 values. Vectorised: it runs for every group of
+ * every activation row at every call, single-threaded before the parallel part. */
+static inline float lm_quantize_group(const float *v, int8_t *q, int32_t *sum) {
+#if defined(__AVX512F__)
+    __m512 a[4], amax = _mm512_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm512_loadu_ps(v + 16 * i);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(a[i]));
+    }
+    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m512i s = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(a[i], inv));
+        r = _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        s = _mm512_add_epi32(s, r);
+        _mm_storeu_si128((__m128i *)(q + 16 * i), _mm512_cvtepi32_epi8(r));
+    }
+    *sum = _mm512_reduce_add_epi32(s);
+    return d;
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[8], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 8; i++) {
+        a[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, a[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i += 2) {
+        __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+        __m256i r1 = _mm256_cvtps_epi32(_mm256_mul_ps(a[i + 1], inv));
+        r0 = _mm256_max_epi32(_mm256_min_epi32(r0, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        r1 = _mm256_max_epi32(_mm256_min_epi32(r1, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        s = _mm256_add_epi32(s, _mm256_add_epi32(r0, r1));
+        /* packs works within 128-bit lanes: reorder so the 16 values come out in order */
+        __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
+        __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+        _mm_storeu_si128((__m128i *)(q + 8 * i), p8);
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    *sum = _mm_cvtsi128_si32(t);
+    return d;
+#endif
+}
+
 /*
  * Quantize M rows of x ([M, K], row stride ldx, float32 or bfloat16) to int8, symmetric, one scale per group of
  * LM_GROUP: xq [M, G*LM_GROUP] (zero-padded past K), dx [M, G] the scales, xsum [M, G] the sum of each group's
@@ -52,29 +105,22 @@ static inline void lm_store(void *y, int bf16, long i, float v) {
  * AVX2 sign trick (|x| times sign-adjusted w) cannot overflow its 16-bit pair sums.
  */
 static inline void lm_quantize_rows(const void *x, long ldx, int bf16, int M, int K, int G, int8_t *xq, float *dx,
-                             int32_t *xsum) {
+                                    int32_t *xsum) {
+    float v[LM_GROUP];
     for (int m = 0; m < M; m++) {
         for (int g = 0; g < G; g++) {
             const int k0 = g * LM_GROUP;
-            const int k1 = k0 + LM_GROUP < K ? k0 + LM_GROUP : K;
-            float amax = 0.0f;
-            for (int k = k0; k < k1; k++) {
-                float a = fabsf(lm_act(x, bf16, (long)m * ldx + k));
-                amax = a > amax ? a : amax;
+            const int n = K - k0 < LM_GROUP ? K - k0 : LM_GROUP;
+            const long base = (long)m * ldx + k0;
+            if (bf16) {
+                const uint16_t *h = (const uint16_t *)x + base;
+                for (int i = 0; i < n; i++) v[i] = lm_bf16_to_f32(h[i]);
+            } else {
+                memcpy(v, (const float *)x + base, sizeof(float) * (size_t)n);
             }
-            const float d = amax / 127.0f;
-            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = xq + (long)m * G * LM_GROUP + k0;
-            int32_t s = 0;
-            for (int k = k0; k < k1; k++) {
-                int v = (int)lrintf(lm_act(x, bf16, (long)m * ldx + k) * inv);
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                q[k - k0] = (int8_t)v;
-                s += v;
-            }
-            for (int k = k1; k < k0 + LM_GROUP; k++) q[k - k0] = 0;
-            dx[(long)m * G + g] = d;
-            xsum[(long)m * G + g] = s;
+            for (int i = n; i < LM_GROUP; i++) v[i] = 0.0f;
+            const long mg = (long)m * G + g;
+            dx[mg] = lm_quantize_group(v, xq + mg * LM_GROUP, &xsum[mg]);
         }
     }
 }

@@ -44,6 +44,19 @@ def test_int4_quantizer_error_is_within_one_step(k):
     assert (err <= step / 2 * (1 + 1e-3)).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_quantizers_give_the_same_bytes_as_torch(native_path, dtype):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(70, 200, generator=g) * torch.linspace(0.001, 4, 70)[:, None]).to(dtype)
+    w[3] = 0  # an all-zero row and group
+    w[5, :64] = torch.tensor([1.0, -1.0] * 32).to(dtype)  # ties in magnitude: the first one sets the scale
+    for native, reference in ((cpu_quant.quantize_int8, cpu_quant.quantize_int8_torch),
+                              (cpu_quant.quantize_int4, cpu_quant.quantize_int4_torch)):
+        q, s = native(w)
+        q_ref, s_ref = reference(w)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), native.__name__
+
+
 def _activation_bound(x: torch.Tensor, w_deq: torch.Tensor) -> torch.Tensor:
     """|kernel - x @ w_deq^T| bound from rounding x to int8 per group of 64: each x[k] moves by at most half of
     its group's step (amax / 127), so row m, output n moves by at most sum_g step_g / 2 * sum_{k in g} |w[n, k]|."""
@@ -177,5 +190,8 @@ def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
     with pytest.raises(PlanError, match="quantization= is bitsandbytes for GPU layers"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int8",
                            quantization="int8")
+    with pytest.raises(PlanError, match="float32 or bfloat16 activations, not float16"):
+        loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int4",
+                           dtype="float16")
     with pytest.raises(PlanError, match="cpu_quantized_dir was given without cpu_quantization"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantized_dir=tmp_path)

@@ -1,0 +1,178 @@
+"""Quantized CPU decode: int8 and 4-bit (``cpu_quantization=``) against our bf16, side by side, on the ~1B Llama.
+
+Every contender runs in a fresh process (``bench.common.run_isolated``), fully CPU-resident, with the native
+kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU runs):
+
+- ``bf16``: ``load_model(path, dtype="bfloat16")`` (the native bf16 kernel);
+- ``int8`` / ``int4``: the same, plus ``cpu_quantization=...`` with ``cpu_quantized_dir`` (the first round
+  quantizes and saves; later rounds map the saved file, so their ready time is what a user sees the second time).
+
+Rounds alternate the contenders (bf16, int8, int4, bf16, ...) so drift on this shared machine hits all alike;
+each figure is the best of the rounds (decode: highest tokens/s; ready: lowest). Decode is greedy from a fixed
+prompt, timed per token (median gap). The table gives tokens/s, the ratio to bf16 (targets: int8 >= 1.6x,
+int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
+
+``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
+(``service.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
+
+Run from the repository root: ``.venv/bin/python -m bench.quant [--rounds 3] [--threads 2] [--agreement] [--out bench/results/quant.json]``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_generation, write_json
+
+SCHEMES = ("bf16", "int8", "int4")
+
+
+def _weight_bytes_per_token(model) -> int:
+    """Bytes one decode step reads: linear weights and scales (quantized or not), norms; one embedding row."""
+    import torch
+
+    total, seen = 0, set()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Embedding):
+            seen.add(id(mod.weight))
+            total += mod.weight.shape[1] * mod.weight.element_size()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or t.dtype in (torch.int64,) or t.dim() == 0:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def worker(spec: dict) -> dict:
+    import torch
+
+    import loaders
+
+    torch.set_num_threads(int(spec["threads"]))
+    scheme = spec["scheme"]
+    t0 = time.perf_counter()
+    kw = {} if scheme == "bf16" else {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
+    model = loaders.load_model(spec["path"], device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
+    ready = time.perf_counter() - t0
+    gen = time_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
+    from loaders import cpu_kernels
+
+    per_token = _weight_bytes_per_token(model)
+    q = model.load_stats.cpu_quantization
+    return {"scheme": scheme, "ready_s": ready, "decode_tok_s": gen["decode_tok_s"], "bytes_per_token": per_token,
+            "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9, "isa": cpu_kernels.status().isa,
+            "from_saved_file": bool(q and q.from_file), "tokens": gen["tokens"]}
+
+
+def agreement_worker(spec: dict) -> dict:
+    """Greedy tokens of fp32 transformers, and of each scheme through our loader, on the trained demo model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import loaders
+
+    torch.set_num_threads(int(spec["threads"]))
+    path, n = spec["path"], spec["new_tokens"]
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(spec["prompt"], return_tensors="pt")["input_ids"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def greedy(model) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    want = greedy(ref)
+    with torch.inference_mode():
+        ref_logits = ref(ids).logits[0, -1]
+    rows = []
+    for scheme in ("bf16", "int8", "int4"):
+        for dtype in ("float32", "bfloat16"):
+            if scheme == "bf16" and dtype == "float32":
+                continue
+            kw = {} if scheme == "bf16" else {"cpu_quantization": scheme}
+            model = loaders.load_model(path, device_map={"": "cpu"}, dtype=dtype, show_progress=False, **kw)
+            got = greedy(model)
+            with torch.inference_mode():
+                err = (model(ids).logits[0, -1].float() - ref_logits).abs().max().item() / ref_logits.abs().max().item()
+            k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+            same = sum(a == b for a, b in zip(got, want))
+            rows.append({"scheme": scheme, "dtype": dtype, "prefix_agree": f"{k}/{len(want)}",
+                         "same_position": f"{same}/{len(want)}", "last_logit_rel_err": err})
+    return {"rows": rows, "prompt": spec["prompt"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--model", type=Path, default=None, help="bf16 checkpoint (default: the bench 1B Llama)")
+    ap.add_argument("--agreement", action="store_true", help="also report greedy agreement on the demo model")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        emit(agreement_worker(spec) if spec.get("agreement") else worker(spec))
+        return 0
+    path = args.model or llama_dir("1b", "bfloat16")
+    schemes = args.schemes.split(",")
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES)}")
+    runs: dict[str, list[dict]] = {s: [] for s in schemes}
+    with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
+        for r in range(args.rounds):
+            for s in schemes:
+                res = run_isolated("bench.quant", {"scheme": s, "path": str(path), "threads": args.threads,
+                                            "new_tokens": args.new_tokens, "saved": saved})
+                if "error" in res:
+                    raise SystemExit(f"{s}: {res['error']}")
+                runs[s].append(res)
+                print(f"round {r + 1} {s}: {res['decode_tok_s']:.2f} tok/s, ready {res['ready_s']:.2f}s "
+                      f"({'saved file' if res['from_saved_file'] else 'quantized' if s != 'bf16' else 'bf16'})",
+                      flush=True)
+    rows = []
+    for s in schemes:
+        best = max(runs[s], key=lambda x: x["decode_tok_s"])
+        rows.append({"scheme": s, "isa": best["isa"], "decode_tok_s": best["decode_tok_s"],
+                     "runs": [round(x["decode_tok_s"], 2) for x in runs[s]],
+                     "bytes_per_token": best["bytes_per_token"], "decode_gb_s": best["decode_gb_s"],
+                     "ready_first_s": runs[s][0]["ready_s"],
+                     "ready_best_s": min(x["ready_s"] for x in runs[s])})
+    base = next((r["decode_tok_s"] for r in rows if r["scheme"] == "bf16"), None)
+    for r in rows:
+        r["vs_bf16"] = r["decode_tok_s"] / base if base else None
+    print(f"\n{path.name}, {args.threads} threads, decode of {args.new_tokens} tokens, best of {args.rounds}:\n")
+    print_table(rows, [("scheme", "scheme"), ("isa", "path"), ("decode_tok_s", "tok/s"), ("vs_bf16", "x bf16"),
+                       ("runs", "runs"), ("bytes_per_token", "bytes/token"), ("decode_gb_s", "GB/s"),
+                       ("ready_first_s", "ready (1st) s"), ("ready_best_s", "ready (best) s")])
+    payload = {"machine": machine(), "model": str(path), "rows": rows}
+    if args.agreement:
+        from service.demo_model import build_demo_model
+
+        res = run_isolated("bench.quant", {"agreement": True, "path": str(build_demo_model()), "threads": args.threads,
+                                    "new_tokens": 64, "prompt": "Once upon a time"})
+        if "error" in res:
+            raise SystemExit(f"agreement: {res['error']}")
+        print("\nGreedy agreement with fp32 transformers over 64 tokens, trained demo model:\n")
+        print_table(res["rows"], [("scheme", "scheme"), ("dtype", "activations"), ("prefix_agree", "same prefix"),
+                                  ("same_position", "same position"), ("last_logit_rel_err", "logit err")])
+        payload["agreement"] = res
+    if args.out:
+        write_json(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
