@@ -85,6 +85,10 @@ def accelerate_worker(config_dir: str) -> int:
     """``accelerate estimate-memory CONFIG_DIR --library_name transformers`` with the Hub lookup answered locally."""
     from types import SimpleNamespace
 
+    # Run as a script, this folder is sys.path[0], and its kernels.py would shadow the ``kernels`` package that
+    # transformers probes for: accelerate must see the environment a user's shell gives it.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     from accelerate.commands import estimate
 
     estimate.verify_on_hub = lambda repo, token=None: SimpleNamespace(config={}, library_name="transformers")
