@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
 
@@ -34,6 +34,7 @@ from planner.api import plan as make_plan
 from planner.errors import PlanError
 from planner.fingerprint import check_plan_fingerprint
 from planner.inputs import make_workload
+from planner.model_ref import HubRef, cached_snapshot_of
 from planner.sizing import normalize_dtype
 from planner.skeleton import CheckpointModel, describe_checkpoint
 from planner.solve import STRATEGY_NAMES
@@ -123,7 +124,7 @@ def load_checkpoint(
         root = Path(source.headers.directory)
         index = CheckpointIndex.from_headers(source.headers)
     else:
-        root = Path(source)
+        root, hub = _local_checkpoint(source, device_map)
         root = root.parent if root.is_file() else root
         index = CheckpointIndex.open(root)
     reporter = ProgressReporter(index.total_bytes(), progress, show_bar=show_progress)
@@ -131,6 +132,9 @@ def load_checkpoint(
         reporter.set_phase("building")
         described = source if isinstance(source, CheckpointModel) else describe_checkpoint(
             root, given, headers=index.headers)
+        if not isinstance(source, CheckpointModel) and hub is not None:  # a plan made here names the Hub commit
+            described = replace(described, skeleton=replace(described.skeleton, name=hub.repo_id,
+                                                            revision=hub.revision))
         run = make_workload(described.skeleton, given).dtype  # the planner's default when none is given
         check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir, getattr(torch, run))
         if isinstance(device_map, Plan):
@@ -171,6 +175,19 @@ def load_checkpoint(
         raise
 
 
+def _local_checkpoint(model: Union[str, os.PathLike], device_map: DeviceMapArg) -> tuple[Path, Optional[HubRef]]:
+    """The folder to load: ``model`` itself, or a Hub id ``org/name[@rev]`` fetched into the Hub cache (with the
+    repository and commit it holds). A Plan made for a Hub commit must be loaded from that commit."""
+    from loaders.hub_download import resolve_model_path
+
+    path, commit = resolve_model_path(model)
+    planned = device_map.revision if isinstance(device_map, Plan) else None
+    if planned and commit and planned != commit:
+        raise CheckpointError(f"The plan was made for commit {planned} of {device_map.model}, but {model} is commit "
+                              f"{commit}; plan again for this revision, or load {device_map.model}@{planned}.")
+    return path, cached_snapshot_of(path) if commit else None
+
+
 def load_model(
     path: Union[str, os.PathLike],
     device_map: DeviceMapArg = "auto",
@@ -187,6 +204,8 @@ def load_model(
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
+
+    ``path`` is a checkpoint folder or a Hub id ``org/name[@revision]`` (fetched into the Hub cache first).
 
     Returns the transformers model (eval mode) with ``hf_device_map``, ``loadmaster_plan`` and ``load_stats`` set.
     Raises :class:`CheckpointError` for a checkpoint that does not match its config, before any weight is
@@ -225,6 +244,7 @@ def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMa
 
     The tokenizer is read first, so a directory without one fails before any weight is loaded.
     """
+    path, _ = _local_checkpoint(path, device_map)
     tokenizer = load_tokenizer(path)
     model = load_model(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
                        show_progress=show_progress, cpu_kernels=cpu_kernels, cpu_quantization=cpu_quantization,

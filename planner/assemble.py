@@ -107,4 +107,5 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         reasons=reasons,
         placement=placement,
         fingerprint=skeleton.fingerprint,
+        revision=skeleton.revision,
     )

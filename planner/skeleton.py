@@ -69,6 +69,8 @@ if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core mu
     import torch
     from transformers import PretrainedConfig
 
+    from planner.model_ref import HubRef
+
 log = logging.getLogger(__name__)
 
 
@@ -656,8 +658,14 @@ def describe_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, na
     name = name or d.resolve().name
     if not (d / CONFIG_NAME).is_file():
         raise ModelSourceError(f"{d} has no {CONFIG_NAME}: point at a model directory saved by save_pretrained.")
-    doc = read_config_json(d / CONFIG_NAME)
-    cfg = config_from_dict(doc, source=str(d / CONFIG_NAME))
+    return _describe(read_config_json(d / CONFIG_NAME), headers, dtype, name=name, source=str(d))
+
+
+def _describe(doc: Mapping[str, Any], headers: CheckpointHeaders, dtype: str | None, *, name: str,
+              source: str) -> CheckpointModel:
+    """:func:`describe_checkpoint` from a config document and headers, wherever they were read (a directory, the
+    Hub)."""
+    cfg = config_from_dict(doc, source=f"{source}/{CONFIG_NAME}")
     default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
     build = dtype or default
     model = build_meta_model(cfg, build if build in _BUILD_DTYPES else None)
@@ -679,40 +687,70 @@ def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_
     d = Path(path)
     headers = _checkpoint_headers(d)
     name = name or d.resolve().name
+    doc = read_config_json(d / CONFIG_NAME) if (d / CONFIG_NAME).is_file() else None
+    return skeleton_from_checkpoint(doc, headers, name=name, source=str(d), meta_walk=meta_walk)
+
+
+def skeleton_from_checkpoint(doc: Mapping[str, Any] | None, headers: CheckpointHeaders, *, name: str, source: str,
+                             meta_walk: bool = False) -> Skeleton:
+    """Skeleton from a config.json document (or none) and the checkpoint's headers, wherever both were read (a
+    local directory, or the Hub: see :mod:`planner.model_ref`); see :func:`skeleton_from_dir`."""
     fingerprint = checkpoint_fingerprint(headers)
-    if not (d / CONFIG_NAME).is_file():
+    if doc is None:
         log.warning("%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
-                    "KV geometry known)", d, CONFIG_NAME)
+                    "KV geometry known)", source, CONFIG_NAME)
         return replace(skeleton_from_headers(headers, name=name), fingerprint=fingerprint)
-    doc = read_config_json(d / CONFIG_NAME)
-    fast = None if meta_walk else config_skeleton(doc, name=name)
+    fast = None if meta_walk else config_skeleton(dict(doc), name=name)
     if fast is not None:
         skel = _with_checkpoint(fast, headers, base_model_prefix(fast.model_type) or "", name)
         default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
         return replace(skel, default_dtype=default, fingerprint=fingerprint)
     try:
-        return describe_checkpoint(d, name=name, headers=headers).skeleton
+        return _describe(doc, headers, None, name=name, source=source).skeleton
     except ModelSourceError as e:
         log.warning("%s; the skeleton is inferred from safetensors key names instead", e)
         return replace(skeleton_from_headers(headers, name=name, config=doc), fingerprint=fingerprint)
 
 
+def skeleton_from_hub(ref: "HubRef", *, name: str | None = None) -> Skeleton:
+    """Skeleton of a Hub model from its config.json and shard headers only (see :mod:`planner.model_ref`); it
+    names the commit it was read at. Offline, a cached snapshot is read like a local directory."""
+    from planner.model_ref import read_hub_checkpoint
+
+    hub = read_hub_checkpoint(ref)
+    name = name or ref.repo_id
+    if hub.snapshot is not None:
+        skel = skeleton_from_dir(hub.snapshot, name=name)
+    else:
+        assert hub.headers is not None
+        skel = skeleton_from_checkpoint(hub.config, hub.headers, name=name, source=hub.source)
+    return replace(skel, revision=hub.commit)
+
+
 def load_skeleton(model: Any, *, name: str | None = None) -> Skeleton:
     """The Skeleton of whatever the user names: a Skeleton, a config dict or object, a model directory, a
-    ``config.json`` path, or a torch module."""
+    ``config.json`` path, a Hub id ``org/name[@revision]`` (config and shard headers only), or a torch module."""
     if isinstance(model, Skeleton):
         return model
     if isinstance(model, Mapping):
         return skeleton_from_config(model, name=name)
     if isinstance(model, (str, os.PathLike)):
+        from planner.model_ref import HubRef, cached_snapshot_of, parse_model_ref
+
+        ref = parse_model_ref(model)
+        if isinstance(ref, HubRef):
+            return skeleton_from_hub(ref, name=name)
         p = Path(model).expanduser()
-        if not p.exists():
+        if ref is None:
             raise ModelSourceError(
-                f"{p}: no such file or directory; pass a model directory (config.json + safetensors) "
-                "or a config.json file"
+                f"{p}: no such file or directory; pass a model directory (config.json + safetensors), "
+                "a config.json file, or a Hub id org/name[@revision]"
             )
         if p.is_dir():
-            return skeleton_from_dir(p, name=name)
+            snapshot = cached_snapshot_of(p)  # a Hub cache folder: name the repository and its commit
+            if snapshot is None:
+                return skeleton_from_dir(p, name=name)
+            return replace(skeleton_from_dir(p, name=name or snapshot.repo_id), revision=snapshot.revision)
         if p.suffix == ".json":
             return skeleton_from_config(p, name=name)
         raise ModelSourceError(f"{p}: expected a model directory or a .json config file, got a {p.suffix or 'plain'} "

@@ -91,6 +91,8 @@ class Skeleton:
     checkpoint_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: Identity of the checkpoint this skeleton was read from (:mod:`planner.fingerprint`); None from a bare config.
     fingerprint: str | None = None
+    #: The Hub commit the skeleton was read at (``None`` for local models), so a plan can name what it was made for.
+    revision: str | None = None
 
     def tensors(self) -> list[TensorSpec]:
         return [t for b in self.blocks for t in b.tensors]
@@ -200,6 +202,8 @@ class Plan:
     #: The checkpoint this plan was made for (:mod:`planner.fingerprint`); None when planned from a bare config.
     #: The loader refuses to apply the plan to a checkpoint with another fingerprint.
     fingerprint: str | None = None
+    #: The Hub commit of the checkpoint this plan was made for (``None`` for local models); the loader checks it.
+    revision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -230,6 +234,7 @@ class Plan:
             reasons=list(d.get("reasons", [])),
             placement=dict(d.get("placement", {})),
             fingerprint=d.get("fingerprint"),
+            revision=d.get("revision"),
         )
 
     @classmethod

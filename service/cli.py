@@ -49,7 +49,7 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     from service.plan_cli import add_planner_flags
 
     if with_model:
-        parser.add_argument("model", nargs="?", default=None, help="model directory (or set LOADMASTER_MODEL)")
+        parser.add_argument("model", nargs="?", default=None, help="model directory or Hub id org/name[@revision] (or set LOADMASTER_MODEL)")
         parser.add_argument("--demo", action="store_true", default=None,
                             help="build (once, cached) and serve the embedded demo model")
     add_planner_flags(parser)
@@ -60,6 +60,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
                    help="accepted Bearer key, repeatable (or LOADMASTER_API_KEY=k1,k2); health stays open")
     g.add_argument("--model-root", action="append", default=None,
                    help="directory /plan may read models from, repeatable (or LOADMASTER_MODEL_ROOT=a,b)")
+    g.add_argument("--allow-hub-plan", action="store_true", default=None,
+                   help="let /plan take Hub ids org/name[@rev]: it then makes outbound requests to the Hub "
+                        "(or LOADMASTER_ALLOW_HUB_PLAN=1)")
     # The planner flags' own defaults would hide the environment: unset means "not given" here.
     parser.set_defaults(strategy=None, batch_size=None, complete=None)
 
@@ -98,15 +101,14 @@ def serve(settings: "ServiceSettings") -> int:
     import uvicorn
 
     from service.app import create_app
-    from service.model_loading import resolve_model_dir
+    from service.model_loading import check_model_source
 
     _configure_logging(settings.log_level)
     if settings.threads:
         import torch
 
         torch.set_num_threads(settings.threads)
-    if not settings.demo:
-        resolve_model_dir(settings)  # a missing directory is a usage error now, not a failed load later
+    check_model_source(settings)  # a missing directory or an unservable Hub id is a usage error now, not later
     settings.plan_inputs()  # so are unreadable planner flags
     app = create_app(settings)
     runtime = app.state.runtime

@@ -58,6 +58,8 @@ class LoadState:
     phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
+    #: bytes per second while downloading from the Hub (None in other phases)
+    rate: float | None = None
     error: str | None = None
     error_type: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -76,10 +78,34 @@ class LoadState:
             "bytes_total": self.bytes_total,
             "elapsed_s": round((self.ready_at or time.time()) - self.started_at, 3),
         }
+        if self.rate is not None:
+            out["rate_bytes_per_s"] = round(self.rate)
         if self.error:
             out["error"] = self.error
             out["error_type"] = self.error_type
         return out
+
+
+def check_model_source(settings: ServiceSettings) -> None:
+    """Refuse a model that cannot be served before the server starts: a missing directory, or a Hub id that is
+    gated, missing, pickled-only, unreachable without a cache, or too big for the disk (nothing downloaded yet)."""
+    hub = hub_ref(settings)
+    if hub is not None:
+        from loaders.hub_download import prepare_download
+
+        prepare_download(hub)
+    elif not settings.demo:
+        resolve_model_dir(settings)
+
+
+def hub_ref(settings: ServiceSettings) -> Any:
+    """The Hub reference ``MODEL`` spells when it is no local path (see :mod:`planner.model_ref`), else None."""
+    if settings.demo or not settings.model:
+        return None
+    from planner.model_ref import HubRef, parse_model_ref
+
+    ref = parse_model_ref(settings.model)
+    return ref if isinstance(ref, HubRef) else None
 
 
 def resolve_model_dir(settings: ServiceSettings) -> Path:
@@ -89,7 +115,8 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
 
         return Path(build_demo_model())
     if not settings.model:
-        raise ValueError("No model to serve: pass a model directory (loadmaster serve DIR) or --demo.")
+        raise ValueError("No model to serve: pass a model directory (loadmaster serve DIR), a Hub id "
+                         "(loadmaster serve org/name), or --demo.")
     path = Path(settings.model).expanduser()
     if not path.is_dir():
         raise ValueError(f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors.")
@@ -105,20 +132,32 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
 
     if settings.demo:
         progress(LoadPhase(phase="building demo model"))
-    path = resolve_model_dir(settings)
+    hub = hub_ref(settings)
+    commit: str | None = None
+    if hub is not None:  # fetch into the Hub cache (progress: phase "downloading")
+        from loaders.hub_download import download, prepare_download
+
+        snapshot = download(prepare_download(hub), progress)
+        path, commit = snapshot.path, snapshot.commit
+    else:
+        path = resolve_model_dir(settings)
     inputs = settings.plan_inputs()
     if settings.context is None:  # plan for what the server will allow, which the model's positions cap
         positions = model_position_limit(path)
         if positions and inputs.context is not None:
             inputs = replace(inputs, context=min(inputs.context, positions))
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
-    described = describe_checkpoint(path, normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None)
+    described = describe_checkpoint(path, normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None,
+                                    name=hub.repo_id if hub is not None else None)
+    if commit is not None:  # the plan names the Hub commit it was made for
+        described = replace(described, skeleton=replace(described.skeleton, revision=commit))
+    progress(LoadPhase(phase="planning"))
     the_plan = plan_inputs(described.skeleton, inputs)
     result = load_checkpoint(described, device_map=the_plan, offload_folder=settings.offload_folder,
                              progress=progress, cpu_kernels=settings.cpu_kernels,
                              cpu_quantization=settings.cpu_quantization, cpu_quantized_dir=settings.cpu_quantized_dir)
     result.model.eval()
-    name = settings.served_model_name or path.name
+    name = settings.served_model_name or (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,
         tokenizer=tokenizer,
@@ -161,6 +200,8 @@ class ModelHost:
         self.state.phase = "warming" if phase == "ready" else phase  # ready only once the engine runs
         self.state.bytes_done = int(getattr(update, "bytes_done", 0))
         self.state.bytes_total = int(getattr(update, "bytes_total", 0))
+        rate = getattr(update, "rate", None)
+        self.state.rate = float(rate) if rate is not None else None
 
     def _load(self) -> None:
         self.state.phase = "planning"

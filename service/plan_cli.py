@@ -91,7 +91,7 @@ def format_plan(plan: Plan) -> str:
     w = plan.workload
     q = f", {w.quantization}" if w.quantization else ""
     lines = [
-        f"Plan for {plan.model} ({plan.architecture}): strategy {plan.strategy}, {w.dtype}{q}, "
+        f"Plan for {plan.model}{f' at commit {plan.revision}' if plan.revision else ''} ({plan.architecture}): strategy {plan.strategy}, {w.dtype}{q}, "
         f"batch {w.batch_size} x context {w.context}",
         "",
         f"{'device':<7} {'blocks':<38} {'weights':>9} {'KV cache':>9} {'activ.':>9} {'reserve':>9} "
@@ -179,7 +179,8 @@ def register(subparsers: Any) -> None:
     """Add ``plan`` and ``estimate`` to the ``loadmaster`` command line."""
     p = subparsers.add_parser("plan", help="plan a device map without loading weights",
                               description="Plan where each layer goes, for this machine or for declared hardware.")
-    p.add_argument("model", help="a model directory (config.json + safetensors) or a config.json")
+    p.add_argument("model", help="a model directory (config.json + safetensors), a config.json, or a Hub id "
+                                 "org/name[@revision] (reads config.json and the shard headers only)")
     add_planner_flags(p)
     p.add_argument("--json", action="store_true", help="print the Plan as JSON (what /plan returns)")
     p.add_argument("--svg", default=None, metavar="FILE", help="also write the plan's picture as SVG")
@@ -188,7 +189,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_plan)
 
     e = subparsers.add_parser("estimate", help="model size per dtype/quantization and the smallest memory that serves it")
-    e.add_argument("model", help="a model directory or a config.json")
+    e.add_argument("model", help="a model directory, a config.json, or a Hub id org/name[@revision]")
     e.add_argument("--batch-size", type=int, default=1)
     e.add_argument("--context", type=int, default=None)
     e.add_argument("--gpu-reserve", default=None, metavar="SIZE")

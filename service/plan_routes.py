@@ -1,8 +1,9 @@
 """``POST /plan``: a dry run of the planner, loading no weights, plus what-if searches.
 
-The model is a directory under the configured model roots, the served model (by name, or when omitted), or an
-inline ``config``. The answer is the Plan JSON (``Plan.from_dict`` reads it back); with ``what_if`` it also
-carries the largest context or batch that fits on the same hardware.
+The model is a directory under the configured model roots, the served model (by name, or when omitted), an
+inline ``config``, or (when the server runs with ``--allow-hub-plan``) a Hub id ``org/name[@revision]``. The
+answer is the Plan JSON (``Plan.from_dict`` reads it back); with ``what_if`` it also carries the largest context
+or batch that fits on the same hardware.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="Directory under the model roots, or the served model's name.")
+    model: str | None = Field(None, description="Directory under the model roots, the served model's name, or a "
+                                                "Hub id org/name[@revision] (with --allow-hub-plan).")
     config: dict[str, Any] | None = Field(None, description="An inline config.json (instead of model).")
     max_memory: dict[str, int | str] | None = Field(None, description='e.g. {"0": "20GiB", "cpu": "64GiB"}')
     gpus: str | list[int | str] | None = Field(None, description='Declared GPUs, e.g. "4x24GiB".')
@@ -56,7 +58,39 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
             return str(runtime.settings.model)
         if body.model is None:
             raise RequestValidationError("No model named and none served yet; give model (a directory) or config.")
+    hub = _hub_source(runtime.settings, body.model)
+    if hub is not None:
+        return hub
     return str(resolve_under_roots(body.model, runtime.settings.model_root))
+
+
+class HubPlanDisabledError(RequestValidationError):
+    """A Hub id sent to a server that was not started with ``--allow-hub-plan``."""
+
+    status_code = 403
+
+
+def _hub_source(settings: Any, name: str) -> str | None:
+    """``hf://org/name[@rev]`` when ``name`` is a Hub id (and no directory of that name is under the model roots).
+
+    Planning a Hub id makes outbound requests (config.json and the shard headers), so it is off unless the server
+    was started with ``--allow-hub-plan``; the skeleton it yields then goes through the same checks as an inline
+    config's.
+    """
+    from pathlib import Path
+
+    from planner.model_ref import HUB_PREFIX, looks_like_hub_id
+
+    if not looks_like_hub_id(name):
+        return None
+    if not name.startswith(HUB_PREFIX) and any((Path(r).expanduser() / name).exists()
+                                               for r in settings.model_root):
+        return None  # local directories keep priority
+    if not settings.allow_hub_plan:
+        raise HubPlanDisabledError(
+            f"{name!r} looks like a Hub id, and this server does not plan Hub models (it would make outbound "
+            "requests); start it with --allow-hub-plan (LOADMASTER_ALLOW_HUB_PLAN=1), or send an inline config")
+    return name if name.startswith(HUB_PREFIX) else HUB_PREFIX + name
 
 
 @router.post("/plan", summary="Plan a model's device map without loading weights (dry run)")

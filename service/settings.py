@@ -22,7 +22,8 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOADMASTER_", extra="ignore", validate_default=True)
 
     # The model to serve and how it is placed.
-    model: str | None = Field(None, description="Model directory (sharded safetensors + config + tokenizer).")
+    model: str | None = Field(None, description="Model directory (sharded safetensors + config + tokenizer), or a "
+                                                "Hub id org/name[@revision] fetched into the Hub cache (HF_HOME).")
     demo: bool = Field(False, description="Build (once, cached) and serve the embedded demo model.")
     served_model_name: str | None = Field(None, description="Name reported by /info and /v1/models.")
     max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
@@ -42,6 +43,8 @@ class ServiceSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     api_key: CommaList = Field(default_factory=list, description="Bearer keys; when set, all but /health* need one.")
     model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
+    allow_hub_plan: bool = Field(False, description="Let /plan read Hub ids (config + shard headers: outbound "
+                                                    "requests to HF_ENDPOINT).")
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     log_level: str = "info"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prove the Docker image works on this machine: build a local Debian base (debootstrap + docker import, since no
 # registry can be reached), build the image on it (pip gets the host's CA bundle and wheel folder at build time
-# only), run it on the demo model, wait for its HEALTHCHECK to say healthy, send /generate, stop it.
+# only), run it on the demo model by its Hub id from a mounted Hub cache, then by path; wait for its HEALTHCHECK to
+# say healthy, send /generate, stop it.
 #
 # Exits 0 with "docker smoke: NOT RUN: <why>" when no Docker engine can be started here (scripts/install-docker
 # installs one; CI runs it first, and tests/docker/test_smoke.py fails on NOT RUN when CI is set); non-zero on a
@@ -72,19 +73,49 @@ user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
 PY=".venv/bin/python"; [ -x "$PY" ] || PY=python3
 demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.demo_model import build_demo_model; print(build_demo_model())')"
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+wait_healthy() {  # container name
+    local status=starting
+    for _ in $(seq 1 120); do
+        status="$(docker inspect -f '{{.State.Health.Status}}' "$1" 2>/dev/null || echo gone)"
+        [ "$status" = healthy ] && break
+        [ "$status" = gone ] || [ "$(docker inspect -f '{{.State.Running}}' "$1")" = false ] && break
+        sleep 2
+    done
+    if [ "$status" != healthy ]; then
+        say "FAILED: container $1 is '$status'"; docker logs "$1" 2>&1 | tail -n 30; exit 1
+    fi
+}
+
+# -- by Hub id, from a mounted Hugging Face cache (HF_HOME=/data in the image), with no Hub reachable --------------
+# The cache holds the demo model as the Hub cache lays out a download of "loadmaster/demo": snapshots/<commit>/
+# with the files, refs/main naming the commit. This is what `docker run -v $HOME/.cache/huggingface:/data ...
+# serve org/name` reads after a first start has downloaded the model there.
+hub_cache="$(mktemp -d)"
+commit="$(printf 'loadmaster docker smoke' | sha1sum | cut -c1-40)"
+repo_dir="$hub_cache/hub/models--loadmaster--demo"
+mkdir -p "$repo_dir/snapshots/$commit" "$repo_dir/refs"
+cp -r "$demo"/. "$repo_dir/snapshots/$commit/"
+printf '%s' "$commit" > "$repo_dir/refs/main"
+chmod -R a+rwX "$hub_cache"
+HUB_NAME="$NAME-by-id"
+trap 'docker rm -f "$HUB_NAME" >/dev/null 2>&1 || true; rm -rf "$hub_cache"; cleanup' EXIT
+hub_port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+docker run -d --name "$HUB_NAME" -p "127.0.0.1:$hub_port:8080" -v "$hub_cache:/data" -e HF_HUB_OFFLINE=1 \
+    -e LOADMASTER_MAX_MEMORY=cpu=2GiB -e LOADMASTER_GRACE_PERIOD=10 "$IMAGE" loadmaster/demo >/dev/null
+say "container $HUB_NAME serves loadmaster/demo from the mounted cache on port $hub_port; waiting for HEALTHCHECK"
+wait_healthy "$HUB_NAME"
+curl -sf "http://127.0.0.1:$hub_port/info" | "$PY" -c 'import sys; t = sys.stdin.read(); assert "loadmaster/demo" in t, t' \
+    || { say "FAILED: /info does not name loadmaster/demo"; docker logs "$HUB_NAME" 2>&1 | tail -n 30; exit 1; }
+curl -sf "http://127.0.0.1:$hub_port/generate" -H 'Content-Type: application/json' \
+    -d '{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 5}}' >/dev/null \
+    || { say "FAILED: /generate by id"; docker logs "$HUB_NAME" 2>&1 | tail -n 30; exit 1; }
+docker rm -f "$HUB_NAME" >/dev/null
+say "by id: loadmaster/demo served from the mounted cache (HF_HOME=/data, HF_HUB_OFFLINE=1)"
+
 docker run -d --name "$NAME" -p "127.0.0.1:$port:8080" -v "$demo:/models/demo-model:ro" \
     -e LOADMASTER_MAX_MEMORY=cpu=2GiB -e LOADMASTER_GRACE_PERIOD=10 "$IMAGE" /models/demo-model >/dev/null
 say "container $NAME on port $port; waiting for HEALTHCHECK"
-status=starting
-for _ in $(seq 1 120); do
-    status="$(docker inspect -f '{{.State.Health.Status}}' "$NAME" 2>/dev/null || echo gone)"
-    [ "$status" = healthy ] && break
-    [ "$status" = gone ] || [ "$(docker inspect -f '{{.State.Running}}' "$NAME")" = false ] && break
-    sleep 2
-done
-if [ "$status" != healthy ]; then
-    say "FAILED: container is '$status'"; docker logs "$NAME" 2>&1 | tail -n 30; exit 1
-fi
+wait_healthy "$NAME"
 reply="$(curl -sf "http://127.0.0.1:$port/generate" -H 'Content-Type: application/json' \
     -d '{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 20, "details": true}}')" \
     || { say "FAILED: /generate"; docker logs "$NAME" 2>&1 | tail -n 30; exit 1; }
@@ -101,4 +132,4 @@ fi
 docker stop -t 30 "$NAME" >/dev/null
 code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME")"
 [ "$code" = 0 ] || { say "FAILED: exit code $code after SIGTERM"; docker logs "$NAME" 2>&1 | tail -n 20; exit 1; }
-say "PASSED (built on $BASE_TAG, healthy, /generate answered, stopped cleanly)"
+say "PASSED (built on $BASE_TAG, healthy, /generate answered by path and by Hub id, stopped cleanly)"
