@@ -8,11 +8,14 @@
 # installs one; CI runs it first, and tests/docker/test_smoke.py fails on NOT RUN when CI is set); non-zero on a
 # failure.
 # Environment: LOADMASTER_SMOKE_KEEP=1 keeps the image; DEBIAN_MIRROR overrides the debootstrap mirror.
+# Runs may overlap on one engine (CI jobs, several checkouts): each has its own image tag and logs
+# (/tmp/loadmaster-smoke.*/), and only the shared base image is reused.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
 BASE_TAG="loadmaster-smoke-base:bookworm"
-IMAGE="loadmaster:smoke"
+IMAGE="loadmaster:smoke-$$"  # per run, like the logs below: two runs on one engine must not share them
+LOGS="$(mktemp -d /tmp/loadmaster-smoke.XXXXXX)"
 NAME="loadmaster-smoke-$$"
 EXTRAS="docker/build-extras"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -47,7 +50,7 @@ if ! docker image inspect "$BASE_TAG" >/dev/null 2>&1; then
     rootfs="$(mktemp -d)"
     say "debootstrap bookworm from $MIRROR (a few minutes)"
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$MIRROR" \
-        >/tmp/loadmaster-debootstrap.log 2>&1 || { tail -n 20 /tmp/loadmaster-debootstrap.log; exit 1; }
+        >"$LOGS/debootstrap.log" 2>&1 || { tail -n 20 "$LOGS/debootstrap.log"; exit 1; }
     tar -C "$rootfs" -c . | docker import - "$BASE_TAG" >/dev/null
     rm -rf "$rootfs"
 fi
@@ -64,7 +67,7 @@ for dir in ${PIP_FIND_LINKS:-/opt/wheels}; do
 done
 say "building $IMAGE on $BASE_TAG (torch from the local wheels or PyPI; CPU, since no CUDA base can be pulled)"
 docker build --network host --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL= -t "$IMAGE" . \
-    >/tmp/loadmaster-docker-build.log 2>&1 || { tail -n 30 /tmp/loadmaster-docker-build.log; exit 1; }
+    >"$LOGS/docker-build.log" 2>&1 || { tail -n 30 "$LOGS/docker-build.log"; exit 1; }
 rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"
 user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
 [ -n "$user" ] && [ "$user" != root ] || { say "FAILED: the image runs as '$user', not a non-root user"; exit 1; }
@@ -123,7 +126,7 @@ echo "$reply" | "$PY" -c 'import json, sys; r = json.load(sys.stdin); assert r["
 # The native kernels were built in the build stage (when a compiler could be installed there) and are used in
 # the image, which has no compiler, wherever the CPU has the instructions (avx512_bf16 covers both).
 kernel="$(docker exec "$NAME" python -c 'from loaders import cpu_kernels; sts = [cpu_kernels.status(d) for d in cpu_kernels.KERNELS]; print(all(s.available for s in sts), "|", "; ".join(s.reason for s in sts))')"
-if grep -q "native CPU kernels built:" /tmp/loadmaster-docker-build.log && grep -qw avx512_bf16 /proc/cpuinfo; then
+if grep -q "native CPU kernels built:" "$LOGS/docker-build.log" && grep -qw avx512_bf16 /proc/cpuinfo; then
     case "$kernel" in True*) say "native kernels: in use in the image ($kernel)" ;;
         *) say "FAILED: the kernels were built in the image but do not load: $kernel"; exit 1 ;; esac
 else
