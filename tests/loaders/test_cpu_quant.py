@@ -182,6 +182,10 @@ def test_quantized_weights_saved_then_mapped(tiny_llama, tmp_path, caplog):
     assert meta["loadmaster_cpu_quantization"] == "int4" and meta["format_version"] == cpu_quant.FORMAT_VERSION
     other = loaders.load_model(tiny_llama, **{**kw, "cpu_quantization": "int8"})
     assert not other.load_stats.cpu_quantization.from_file and len(list(save.glob("*.safetensors"))) == 2
+    # Files of both schemes side by side: each load still maps its own.
+    for scheme in ("int4", "int8"):
+        again = loaders.load_model(tiny_llama, **{**kw, "cpu_quantization": scheme})
+        assert again.load_stats.cpu_quantization.from_file, scheme
 
 
 def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
