@@ -93,12 +93,13 @@ def test_quantized_kernels_within_the_activation_rounding_bound(kernel_path, sch
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_rows_do_not_depend_on_their_batch(native_path, scheme):
+    """Also for prefill-sized products: a grouped prefill must give each sequence what it gets alone."""
     lin = nn.Linear(300, 70).to(torch.bfloat16)
     layer = QuantizedCPULinear.from_linear(lin, scheme)
-    x = torch.randn(32, 300).to(torch.bfloat16)
+    x = torch.randn(300, 300).to(torch.bfloat16)
     with torch.no_grad():
         together = layer(x)
-        for i in (0, 5, 31):
+        for i in (0, 5, 31, 299):
             assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
 
 
@@ -106,7 +107,7 @@ def test_quantized_rows_do_not_depend_on_their_batch(native_path, scheme):
 def test_long_prefills_run_torch_on_the_dequantized_weight(kernel_path, scheme):
     lin = nn.Linear(96, 24)
     layer = QuantizedCPULinear.from_linear(lin, scheme)
-    x = torch.randn(2, 40, 96)  # 80 rows: beyond the kernels' 32
+    x = torch.randn(2, 2100, 96)  # 4200 rows: beyond the kernels' 4096
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(), lin.bias))
 
