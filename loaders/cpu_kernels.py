@@ -92,10 +92,12 @@ KERNELS: dict[torch.dtype, Kernel] = {
     torch.bfloat16: Kernel("linear_bf16", max_rows=32),
     torch.float32: Kernel("linear_f32", max_rows=32),
 }
-#: The weight-only quantized kernels, by scheme (:mod:`loaders.cpu_quant`).
+#: The weight-only quantized kernels, by scheme (:mod:`loaders.cpu_quant`). They take prefills too (up to 4096
+#: rows), so a row's result never depends on how many rows came with it: a grouped prefill in the server gives the
+#: same tokens as a lone one. torch (on the dequantized weight) runs only beyond that.
 QUANT_KERNELS: dict[str, Kernel] = {
-    "int8": Kernel("linear_q8", max_rows=32),
-    "int4": Kernel("linear_q4", max_rows=32),
+    "int8": Kernel("linear_q8", max_rows=4096),
+    "int4": Kernel("linear_q4", max_rows=4096),
 }
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int

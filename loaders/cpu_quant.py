@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from loaders import kernel_ops
-from loaders.errors import CheckpointError
 from loaders.kernel_ops import GROUP
 
 log = logging.getLogger(__name__)
@@ -233,21 +232,26 @@ def _file_metadata(key: str, scheme: str) -> dict[str, str]:
 
 def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Linear, str]]) -> Optional[dict]:
     """The saved tensors as memory maps of ``path``, or None when the file is absent or not for this load."""
-    from loaders.safetensors_index import CheckpointIndex
+    from loaders.safetensors_index import ShardEntry
     from loaders.shard_reader import ShardReader
+    from planner.errors import HeaderError
+    from planner.safetensors_header import read_header
 
     if not path.is_file():
         return None
+    # This one file's header, not the folder's: files of other schemes or checkpoints may sit next to it.
     try:
-        index = CheckpointIndex.open(path)
-    except CheckpointError as exc:
+        header = read_header(path)
+    except HeaderError as exc:
         log.warning("ignoring the quantized file %s (%s); quantizing again", path, exc)
         return None
-    if index.metadata != _file_metadata(key, scheme):
+    if header.metadata != _file_metadata(key, scheme):
         log.warning("ignoring the quantized file %s: it was made for another checkpoint, scheme or format", path)
         return None
     reader = ShardReader()
-    tensors = {name: reader.mapped(entry) for name, entry in index.entries.items()}
+    tensors = {name: reader.mapped(ShardEntry(name, str(path), getattr(torch, t.dtype), t.shape, t.offset,
+                                              t.offset + t.nbytes))
+               for name, t in header.tensors.items()}
     for name, (lin, sch) in layers.items():
         q, s = tensors.get(f"{name}.qweight"), tensors.get(f"{name}.scales")
         g = _groups(lin.in_features)

@@ -93,12 +93,13 @@ def test_quantized_kernels_within_the_activation_rounding_bound(kernel_path, sch
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_rows_do_not_depend_on_their_batch(native_path, scheme):
+    """Also for prefill-sized products: a grouped prefill must give each sequence what it gets alone."""
     lin = nn.Linear(300, 70).to(torch.bfloat16)
     layer = QuantizedCPULinear.from_linear(lin, scheme)
-    x = torch.randn(32, 300).to(torch.bfloat16)
+    x = torch.randn(300, 300).to(torch.bfloat16)
     with torch.no_grad():
         together = layer(x)
-        for i in (0, 5, 31):
+        for i in (0, 5, 31, 299):
             assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
 
 
@@ -106,7 +107,7 @@ def test_quantized_rows_do_not_depend_on_their_batch(native_path, scheme):
 def test_long_prefills_run_torch_on_the_dequantized_weight(kernel_path, scheme):
     lin = nn.Linear(96, 24)
     layer = QuantizedCPULinear.from_linear(lin, scheme)
-    x = torch.randn(2, 40, 96)  # 80 rows: beyond the kernels' 32
+    x = torch.randn(2, 2100, 96)  # 4200 rows: beyond the kernels' 4096
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(), lin.bias))
 
@@ -182,6 +183,10 @@ def test_quantized_weights_saved_then_mapped(tiny_llama, tmp_path, caplog):
     assert meta["loadmaster_cpu_quantization"] == "int4" and meta["format_version"] == cpu_quant.FORMAT_VERSION
     other = loaders.load_model(tiny_llama, **{**kw, "cpu_quantization": "int8"})
     assert not other.load_stats.cpu_quantization.from_file and len(list(save.glob("*.safetensors"))) == 2
+    # Files of both schemes side by side: each load still maps its own.
+    for scheme in ("int4", "int8"):
+        again = loaders.load_model(tiny_llama, **{**kw, "cpu_quantization": scheme})
+        assert again.load_stats.cpu_quantization.from_file, scheme
 
 
 def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
