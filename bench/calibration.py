@@ -12,6 +12,7 @@ The prediction is made for the context actually decoded (prompt + new tokens), t
 
 Run: ``.venv/bin/python -m bench.calibration [--models 100m,1b] [--repeats 2] [--out bench/results/calibration.json]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,15 @@ LOAD_MODULE = "bench.load"
 PROMPT_TOKENS = 16  # what bench.common.time_generation feeds
 TOLERANCE = 0.25
 
-COLUMNS = [("model", "model"), ("placement", "placement"), ("predicted_default", "predicted (defaults) tok/s"),
-           ("predicted", "predicted (calibrated) tok/s"), ("measured", "measured tok/s"),
-           ("ratio", "predicted / measured"), ("within", "within +-25%")]
+COLUMNS = [
+    ("model", "model"),
+    ("placement", "placement"),
+    ("predicted_default", "predicted (defaults) tok/s"),
+    ("predicted", "predicted (calibrated) tok/s"),
+    ("measured", "measured tok/s"),
+    ("ratio", "predicted / measured"),
+    ("within", "within +-25%"),
+]
 
 
 def _models(names: list[str]) -> list[tuple[str, Path, str]]:
@@ -49,8 +56,15 @@ def _predict(path: Path, dtype: str, device_map: dict, folder: Path, context: in
     from planner.api import plan
 
     strategy = "sequential" if device_map == {"": "cpu"} else device_map
-    p = plan(str(path), max_memory={"cpu": "64GiB", "disk": "1TiB"}, strategy=strategy, dtype=dtype, batch_size=1,
-             context=context, offload_folder=str(folder))
+    p = plan(
+        str(path),
+        max_memory={"cpu": "64GiB", "disk": "1TiB"},
+        strategy=strategy,
+        dtype=dtype,
+        batch_size=1,
+        context=context,
+        offload_folder=str(folder),
+    )
     return p.prediction.decode_tokens_per_s
 
 
@@ -59,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="100m,1b")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process decode runs per case (best kept)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads for calibration and decode alike (0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads for calibration and decode alike (0: torch's default)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "calibration.json"))
     args = ap.parse_args(argv)
 
@@ -83,8 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         resident = {"": "cpu"}
         half, _ = half_on_disk_map(path)
         for placement, dm in (("resident", resident), ("half on disk (warm)", half)):
-            cases.append({"model": label, "placement": placement, "path": path, "dtype": dtype, "device_map": dm,
-                          "predicted_default": _predict(path, dtype, dm, work, context)})
+            cases.append(
+                {
+                    "model": label,
+                    "placement": placement,
+                    "path": path,
+                    "dtype": dtype,
+                    "device_map": dm,
+                    "predicted_default": _predict(path, dtype, dm, work, context),
+                }
+            )
 
     cal = calibrate(work, say=print)
     pc.save_calibration(cal, cal_path)
@@ -92,9 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     print(cal.summary())
     for case in cases:
         case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
-        spec = {"contender": "loadmaster", "label": f"{case['model']} {case['placement']}", "path": str(case["path"]),
-                "dtype": case["dtype"], "device_map": case["device_map"], "new_tokens": args.new_tokens,
-                "threads": args.threads, "offload_folder": str(work / "offload")}
+        spec = {
+            "contender": "loadmaster",
+            "label": f"{case['model']} {case['placement']}",
+            "path": str(case["path"]),
+            "dtype": case["dtype"],
+            "device_map": case["device_map"],
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "offload_folder": str(work / "offload"),
+        }
         r = best_of(LOAD_MODULE, spec, args.repeats)
         if "error" in r:
             case["error"] = r["error"]
@@ -106,10 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in case.items()}), flush=True)
     print()
     table = print_table(cases, COLUMNS)
-    write_json(Path(args.out), {"bench": "calibration", "machine": machine(), "calibration": cal.to_dict(),
-                                "context": context, "rows": [{k: (str(v) if isinstance(v, Path) else v)
-                                                              for k, v in c.items()} for c in cases],
-                                "table": table})
+    write_json(
+        Path(args.out),
+        {
+            "bench": "calibration",
+            "machine": machine(),
+            "calibration": cal.to_dict(),
+            "context": context,
+            "rows": [{k: (str(v) if isinstance(v, Path) else v) for k, v in c.items()} for c in cases],
+            "table": table,
+        },
+    )
     return 0
 
 

@@ -17,6 +17,7 @@ neighbour's burst on this shared machine hits both alike, and each figure is the
 
 Run: ``.venv/bin/python bench/cold_plan.py`` (prints a table; ``--out FILE`` writes JSON).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,10 +50,21 @@ def contenders(config: Path, config_dir: Path) -> dict[str, list[str]]:
     loadmaster = str(BIN / "loadmaster")
     return {
         "loadmaster plan --gpus": [loadmaster, "plan", str(config), "--gpus", GPUS],
-        "loadmaster plan --gpus --max-memory cpu": [loadmaster, "plan", str(config), "--gpus", GPUS,
-                                                    "--max-memory", "cpu=512GiB"],
-        "accelerate estimate-memory": [sys.executable, str(Path(__file__).resolve()), "--accelerate-worker",
-                                       str(config_dir)],
+        "loadmaster plan --gpus --max-memory cpu": [
+            loadmaster,
+            "plan",
+            str(config),
+            "--gpus",
+            GPUS,
+            "--max-memory",
+            "cpu=512GiB",
+        ],
+        "accelerate estimate-memory": [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--accelerate-worker",
+            str(config_dir),
+        ],
     }
 
 
@@ -72,8 +84,12 @@ def bench(names: list[str], repeats: int) -> list[dict]:
             row: dict = {"config": name}
             for label, results in runs.items():
                 best = min(results)
-                row[label] = {"best_s": round(best[0], 3), "runs_s": [round(r[0], 3) for r in results],
-                              "exit": best[1], "last_line": best[2][:160]}
+                row[label] = {
+                    "best_s": round(best[0], 3),
+                    "runs_s": [round(r[0], 3) for r in results],
+                    "exit": best[1],
+                    "last_line": best[2][:160],
+                }
             acc = row["accelerate estimate-memory"]["best_s"]
             for label in cmds:
                 row[label]["vs_accelerate"] = round(acc / row[label]["best_s"], 2)

@@ -3,6 +3,7 @@
 Each contender runs in a fresh Python process (``run_isolated``) so that its peak RSS is its own and nothing it
 imported or cached helps the next one. The child prints one JSON line; the parent collects them.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "BENCH_RESULT "
@@ -33,11 +35,17 @@ def llama_dir(size: str, dtype: str) -> Path:
 def run_isolated(module: str, spec: dict, timeout: float = 1800) -> dict:
     """Run ``python -m module --worker SPEC`` in a fresh interpreter and return the dict its worker printed."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+            return json.loads(line[len(RESULT_PREFIX) :])
     tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
     return {"error": f"worker exited with {proc.returncode}: {tail}"}
 
@@ -54,8 +62,13 @@ def best_of(module: str, spec: dict, repeats: int) -> dict:
     if not ok:
         return runs[-1]
     best = dict(min(ok, key=lambda r: r["ready_s"]))
-    for key, pick in (("ready_s", min), ("first_token_s", min), ("prefill_s", min), ("decode_tok_s", max),
-                      ("decode_tok_s_mean", max)):
+    for key, pick in (
+        ("ready_s", min),
+        ("first_token_s", min),
+        ("prefill_s", min),
+        ("decode_tok_s", max),
+        ("decode_tok_s_mean", max),
+    ):
         if all(key in r for r in ok):
             best[f"{key}_runs"] = [r[key] for r in ok]
             best[key] = pick(r[key] for r in ok)
@@ -159,16 +172,21 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
     clock = TokenClock()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             streamer=clock, pad_token_id=0)
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0
+        )
     first = clock.times[0] - t0
     gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
     # The median gap, not the mean: on a shared 2-core machine a neighbour's burst stalls a whole step (torch's
     # threads wait for the slowest), and one such stall would otherwise dominate a short run.
     median = gaps[len(gaps) // 2] if gaps else 0.0
     mean_rate = len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0
-    return {"first_token_s": first, "decode_tok_s": 1.0 / median if median else 0.0, "decode_tok_s_mean": mean_rate,
-            "tokens": out[0, prompt_len:].tolist()}
+    return {
+        "first_token_s": first,
+        "decode_tok_s": 1.0 / median if median else 0.0,
+        "decode_tok_s_mean": mean_rate,
+        "tokens": out[0, prompt_len:].tolist(),
+    }
 
 
 def token_agreement(rows: list[dict], reference: str) -> None:
@@ -230,8 +248,10 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]]) -> str
     head = [title for _, title in columns]
     body = [[fmt(r.get(key)) for key, _ in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in body]
     text = "\n".join(lines)
     print(text)
@@ -252,5 +272,10 @@ def machine() -> dict:
 
     import torch
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average": os.getloadavg()}
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": os.getloadavg(),
+    }

@@ -9,6 +9,7 @@ The headline is AVX2's bandwidth as a share of AVX-512's (target: at least 0.85)
 
 Run from the repository root: ``.venv/bin/python -m bench.kernels [--rows 1] [--rounds 5] [--threads 2] [--out bench/results/kernels.json]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,10 @@ def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
             out.append({"w": wt, "bytes": wt.numel() * wt.element_size(), "dense": wt})
         else:
             q, s = cpu_quant.QUANTIZERS[fmt](w)
-            deq = (kernel_ops.dequantize_int8 if fmt == "int8" else kernel_ops.dequantize_int4)(q, s, k,
-                                                                                               torch.bfloat16)
-            out.append({"q": q, "s": s, "bytes": q.numel() * q.element_size() + s.numel() * s.element_size(),
-                        "dense": deq})
+            deq = (kernel_ops.dequantize_int8 if fmt == "int8" else kernel_ops.dequantize_int4)(q, s, k, torch.bfloat16)
+            out.append(
+                {"q": q, "s": s, "bytes": q.numel() * q.element_size() + s.numel() * s.element_size(), "dense": deq}
+            )
     return out
 
 
@@ -123,14 +124,18 @@ def main(argv=None) -> int:
     os.environ.pop("LOADMASTER_CPU_ISA", None)
     cols = [("format", "format"), ("matrices", "matrices")] + [(f"{p}_gb_s", f"{p} GB/s") for p in paths]
     cols += [(f"{p}_call_gb_s", f"{p} best call") for p in paths]
-    cols += [("avx2_vs_avx512", "avx2 / avx512"), ("avx2_vs_avx512_call", "avx2 / avx512 (calls)"),
-             ("native_vs_torch", "native / torch")]
-    print(f"\nProducts of {args.rows} row(s), {args.threads} threads, best of {args.rounds} rounds "
-          f"(sustained over all matrices, and the best single call), load average {os.getloadavg()[0]:.1f}:\n")
+    cols += [
+        ("avx2_vs_avx512", "avx2 / avx512"),
+        ("avx2_vs_avx512_call", "avx2 / avx512 (calls)"),
+        ("native_vs_torch", "native / torch"),
+    ]
+    print(
+        f"\nProducts of {args.rows} row(s), {args.threads} threads, best of {args.rounds} rounds "
+        f"(sustained over all matrices, and the best single call), load average {os.getloadavg()[0]:.1f}:\n"
+    )
     print_table(rows, cols)
     if args.out:
-        write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-                              "rows": rows})
+        write_json(args.out, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0
 
 

@@ -13,6 +13,7 @@ the shards are read once before the contenders run. The same worker serves ``ben
 
 Run from the repository root: ``.venv/bin/python -m bench.load [--dtypes float32,bfloat16] [--out bench/results/load.json]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,16 +27,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.common import (
+    best_of,
     decode_bytes_per_token,
     drop_cache,
     emit,
+    llama_dir,
     machine,
     print_table,
     reset_rss_peak,
     rss_now,
     rss_peak,
-    best_of,
-    llama_dir,
     time_generation,
     token_agreement,
     write_json,
@@ -45,29 +46,40 @@ CONTENDERS = ("loadmaster", "accelerate", "transformers")
 
 
 # -- worker (runs in a fresh process) ----------------------------------------------------------------------------
-def _load(contender: str, path: str, dtype, device_map: dict, offload_folder: str | None,
-          cpu_kernels: str = "auto"):
-    import torch
+def _load(contender: str, path: str, dtype, device_map: dict, offload_folder: str | None, cpu_kernels: str = "auto"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if contender == "loadmaster":
         import loaders
 
-        return loaders.load_model(path, device_map=device_map, dtype=dtype, offload_folder=offload_folder,
-                                  show_progress=False, cpu_kernels=cpu_kernels)
+        return loaders.load_model(
+            path,
+            device_map=device_map,
+            dtype=dtype,
+            offload_folder=offload_folder,
+            show_progress=False,
+            cpu_kernels=cpu_kernels,
+        )
     if contender == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
         config = AutoConfig.from_pretrained(path)
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model = load_checkpoint_and_dispatch(model, path, device_map=device_map, offload_folder=offload_folder,
-                                             dtype=dtype, no_split_module_classes=model._no_split_modules)
+        model = load_checkpoint_and_dispatch(
+            model,
+            path,
+            device_map=device_map,
+            offload_folder=offload_folder,
+            dtype=dtype,
+            no_split_module_classes=model._no_split_modules,
+        )
         model.tie_weights()
         return model.eval()
     if contender == "transformers":
-        return AutoModelForCausalLM.from_pretrained(path, device_map=device_map, dtype=dtype,
-                                                    offload_folder=offload_folder).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            path, device_map=device_map, dtype=dtype, offload_folder=offload_folder
+        ).eval()
     raise ValueError(contender)
 
 
@@ -107,8 +119,7 @@ def worker(spec: dict) -> dict:
     base = rss_now()
     reset_rss_peak()
     t0 = time.perf_counter()
-    model = _load(spec["contender"], spec["path"], dtype, spec["device_map"], folder,
-                  spec.get("cpu_kernels", "auto"))
+    model = _load(spec["contender"], spec["path"], dtype, spec["device_map"], folder, spec.get("cpu_kernels", "auto"))
     ready = time.perf_counter() - t0
     peak_load = rss_peak()
     resident = _resident_bytes(model)
@@ -119,15 +130,25 @@ def worker(spec: dict) -> dict:
     disk_bytes = _disk_bytes(spec["path"], spec["device_map"], dtype)
     per_token = decode_bytes_per_token(model)
     return {
-        **{k: spec[k] for k in ("contender", "dtype")}, "label": spec.get("label", spec["contender"]),
+        **{k: spec[k] for k in ("contender", "dtype")},
+        "label": spec.get("label", spec["contender"]),
         "cold": bool(spec.get("cold")),
-        "ready_s": ready, "first_token_s": ready + gen["first_token_s"], "prefill_s": gen["first_token_s"],
-        "peak_rss_load": peak_load, "baseline_rss": base, "load_rss": peak_load - base,
-        "peak_rss_end": rss_peak(), "resident_bytes": resident,
+        "ready_s": ready,
+        "first_token_s": ready + gen["first_token_s"],
+        "prefill_s": gen["first_token_s"],
+        "peak_rss_load": peak_load,
+        "baseline_rss": base,
+        "load_rss": peak_load - base,
+        "peak_rss_end": rss_peak(),
+        "resident_bytes": resident,
         "rss_over_resident": (peak_load - base) / resident if resident else None,
-        "offload_written": written, "decode_tok_s": gen["decode_tok_s"], "decode_tok_s_mean": gen["decode_tok_s_mean"],
-        "bytes_per_token": per_token, "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9,
-        "disk_bytes": disk_bytes, "tokens": gen["tokens"],
+        "offload_written": written,
+        "decode_tok_s": gen["decode_tok_s"],
+        "decode_tok_s_mean": gen["decode_tok_s_mean"],
+        "bytes_per_token": per_token,
+        "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9,
+        "disk_bytes": disk_bytes,
+        "tokens": gen["tokens"],
         "native_linears": getattr(getattr(model, "load_stats", None), "native_linears", 0),
     }
 
@@ -148,10 +169,19 @@ def _disk_bytes(path: str, device_map: dict, dtype) -> int:
 
 
 # -- driver ------------------------------------------------------------------------------------------------------
-COLUMNS = [("dtype", "dtype"), ("label", "contender"), ("ready_s", "ready s"), ("first_token_s", "first token s"),
-           ("load_rss", "load RSS"), ("resident_bytes", "CPU-resident"), ("rss_over_resident", "RSS/resident"),
-           ("offload_written", "offload written"), ("decode_tok_s", "decode tok/s"), ("decode_gb_s", "GB/s"),
-           ("tokens_vs_transformers", "tokens = transformers")]
+COLUMNS = [
+    ("dtype", "dtype"),
+    ("label", "contender"),
+    ("ready_s", "ready s"),
+    ("first_token_s", "first token s"),
+    ("load_rss", "load RSS"),
+    ("resident_bytes", "CPU-resident"),
+    ("rss_over_resident", "RSS/resident"),
+    ("offload_written", "offload written"),
+    ("decode_tok_s", "decode tok/s"),
+    ("decode_gb_s", "GB/s"),
+    ("tokens_vs_transformers", "tokens = transformers"),
+]
 
 
 def warm(path: Path) -> None:
@@ -181,8 +211,14 @@ def main(argv=None) -> int:
         path = Path(args.model_dir) if args.model_dir else llama_dir("1b", dtype)
         warm(path)
         for contender in args.contenders.split(","):
-            spec = {"contender": contender, "path": str(path), "dtype": dtype, "device_map": {"": "cpu"},
-                    "new_tokens": args.new_tokens, "threads": args.threads}
+            spec = {
+                "contender": contender,
+                "path": str(path),
+                "dtype": dtype,
+                "device_map": {"": "cpu"},
+                "new_tokens": args.new_tokens,
+                "threads": args.threads,
+            }
             r = best_of("bench.load", spec, args.repeats)
             r.setdefault("dtype", dtype)
             r.setdefault("label", contender)
@@ -195,16 +231,25 @@ def main(argv=None) -> int:
         if "loadmaster" in by and "accelerate" in by:
             ratios[dtype] = {
                 "ready_speedup_vs_accelerate": by["accelerate"]["ready_s"] / by["loadmaster"]["ready_s"],
-                "ready_speedup_vs_transformers": (by["transformers"]["ready_s"] / by["loadmaster"]["ready_s"]
-                                                  if "transformers" in by else None),
+                "ready_speedup_vs_transformers": (
+                    by["transformers"]["ready_s"] / by["loadmaster"]["ready_s"] if "transformers" in by else None
+                ),
                 "loadmaster_rss_over_resident": by["loadmaster"]["rss_over_resident"],
             }
     print()
     table = print_table(rows, COLUMNS)
     print(json.dumps(ratios, indent=2))
-    write_json(Path(args.out), {"bench": "load", "machine": machine(), "threads": args.threads, "rows": rows,
-                                "ratios": ratios,
-                                "table": table})
+    write_json(
+        Path(args.out),
+        {
+            "bench": "load",
+            "machine": machine(),
+            "threads": args.threads,
+            "rows": rows,
+            "ratios": ratios,
+            "table": table,
+        },
+    )
     return 0
 
 

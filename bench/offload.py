@@ -18,6 +18,7 @@ ceiling.
 
 Run from the repository root: ``.venv/bin/python -m bench.offload [--dtype bfloat16] [--out bench/results/offload.json]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,19 @@ def half_on_disk_map(path: Path) -> tuple[dict, int]:
     return dm, n - n // 2
 
 
-COLUMNS = [("label", "contender"), ("ready_s", "ready s"), ("offload_written", "offload written"),
-           ("first_token_s", "first token s"), ("decode_tok_s", "decode tok/s"), ("decode_gb_s", "GB/s"),
-           ("vs_accelerate", "x accelerate"), ("vs_resident", "x resident"), ("cold_read_gb_s", "cold read GB/s"),
-           ("load_rss", "load RSS"),
-           ("tokens_vs_transformers", "tokens = transformers")]
+COLUMNS = [
+    ("label", "contender"),
+    ("ready_s", "ready s"),
+    ("offload_written", "offload written"),
+    ("first_token_s", "first token s"),
+    ("decode_tok_s", "decode tok/s"),
+    ("decode_gb_s", "GB/s"),
+    ("vs_accelerate", "x accelerate"),
+    ("vs_resident", "x resident"),
+    ("cold_read_gb_s", "cold read GB/s"),
+    ("load_rss", "load RSS"),
+    ("tokens_vs_transformers", "tokens = transformers"),
+]
 
 
 def main(argv=None) -> int:
@@ -60,8 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="fresh-process runs per contender (best kept)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
-    ap.add_argument("--no-torch-kernels", action="store_true",
-                    help="skip the loadmaster runs with torch's linear kernels instead of the native ones")
+    ap.add_argument(
+        "--no-torch-kernels",
+        action="store_true",
+        help="skip the loadmaster runs with torch's linear kernels instead of the native ones",
+    )
     ap.add_argument("--model-dir", help="use this checkpoint instead of the ~1B random-weight Llama")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "offload.json"))
     args = ap.parse_args(argv)
@@ -78,17 +90,35 @@ def main(argv=None) -> int:
     if not args.no_torch_kernels and "loadmaster" in args.contenders.split(","):
         # The same loader with torch's own linear kernels: separates what the loader buys from what the
         # native kernels buy. Its "x resident" is against the resident run with torch kernels too.
-        runs.append({"contender": "loadmaster", "label": "loadmaster (torch kernels), all resident",
-                     "device_map": {"": "cpu"}, "cpu_kernels": "torch"})
-        runs.append({"contender": "loadmaster", "label": "loadmaster (torch kernels), half on disk (warm)",
-                     "device_map": dm, "cpu_kernels": "torch"})
+        runs.append(
+            {
+                "contender": "loadmaster",
+                "label": "loadmaster (torch kernels), all resident",
+                "device_map": {"": "cpu"},
+                "cpu_kernels": "torch",
+            }
+        )
+        runs.append(
+            {
+                "contender": "loadmaster",
+                "label": "loadmaster (torch kernels), half on disk (warm)",
+                "device_map": dm,
+                "cpu_kernels": "torch",
+            }
+        )
     if not args.no_cold:
         for c in args.contenders.split(","):
             runs.append({"contender": c, "label": f"{c}, half on disk (cold)", "device_map": dm, "cold": True})
     rows = []
     for run in runs:
-        spec = {**run, "path": str(path), "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
-                "offload_folder": str(work / run["contender"])}
+        spec = {
+            **run,
+            "path": str(path),
+            "dtype": args.dtype,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "offload_folder": str(work / run["contender"]),
+        }
         r = best_of(LOAD_WORKER, spec, args.repeats)
         r.setdefault("label", run["label"])
         if r.get("cold") and r.get("prefill_s"):
@@ -97,8 +127,11 @@ def main(argv=None) -> int:
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
     token_agreement(rows, "transformers, half on disk (warm)")
-    residents = {r["label"].removesuffix(", all resident"): r for r in rows
-                 if r["label"].endswith("all resident") and "error" not in r}
+    residents = {
+        r["label"].removesuffix(", all resident"): r
+        for r in rows
+        if r["label"].endswith("all resident") and "error" not in r
+    }
     for temp in ("warm", "cold"):
         acc = next((r for r in rows if r["label"] == f"accelerate, half on disk ({temp})" and "error" not in r), None)
         for r in rows:
@@ -111,11 +144,23 @@ def main(argv=None) -> int:
                     r["vs_resident"] = r["decode_tok_s"] / resident["decode_tok_s"]
     print()
     table = print_table(rows, COLUMNS)
-    print(f"disk: {disk_layers} of {len([k for k in dm if k.startswith('model.layers.')])} layers; "
-          f"cold sequential read ceiling {ceiling / 1e9:.2f} GB/s")
-    write_json(Path(args.out), {"bench": "offload", "machine": machine(), "threads": args.threads,
-                                "dtype": args.dtype, "device_map": dm,
-                                "disk_read_bandwidth": ceiling, "rows": rows, "table": table})
+    print(
+        f"disk: {disk_layers} of {len([k for k in dm if k.startswith('model.layers.')])} layers; "
+        f"cold sequential read ceiling {ceiling / 1e9:.2f} GB/s"
+    )
+    write_json(
+        Path(args.out),
+        {
+            "bench": "offload",
+            "machine": machine(),
+            "threads": args.threads,
+            "dtype": args.dtype,
+            "device_map": dm,
+            "disk_read_bandwidth": ceiling,
+            "rows": rows,
+            "table": table,
+        },
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ synthetic MoE with over 150k tensors, it measures, in one run:
 The real architectures are the published configs in ``examples/configs``. Prints a table and writes JSON (``--out``).
 Run from the repository root: ``.venv/bin/python -m bench.plan``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
@@ -31,11 +33,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from planner.api import plan  # noqa: E402
-from planner.inputs import make_workload  # noqa: E402
-from planner.solve import make_problem  # noqa: E402
 from planner.devices import device_label  # noqa: E402
 from planner.hardware import build_hardware  # noqa: E402
+from planner.inputs import make_workload  # noqa: E402
 from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
+from planner.solve import make_problem  # noqa: E402
 from planner.strategies import compute_loads  # noqa: E402
 from planner.types import Block, DeviceId, KVGeometry, Skeleton, TensorSpec  # noqa: E402
 from planner.units import format_bytes, parse_size  # noqa: E402
@@ -63,19 +65,38 @@ def synthetic_llama(layers: int, hidden: int = 64, intermediate: int = 128, voca
     blocks = [Block("model.embed_tokens", (weight("model.embed_tokens", vocab, hidden),), is_embedding=True)]
     for i in range(layers):
         p = f"model.layers.{i}"
-        blocks.append(Block(p, (
-            weight(f"{p}.self_attn.q_proj", hidden, hidden), weight(f"{p}.self_attn.k_proj", kv_heads * head_dim, hidden),
-            weight(f"{p}.self_attn.v_proj", kv_heads * head_dim, hidden), weight(f"{p}.self_attn.o_proj", hidden, hidden),
-            weight(f"{p}.mlp.gate_proj", intermediate, hidden), weight(f"{p}.mlp.up_proj", intermediate, hidden),
-            weight(f"{p}.mlp.down_proj", hidden, intermediate), weight(f"{p}.input_layernorm", hidden),
-            weight(f"{p}.post_attention_layernorm", hidden),
-        ), no_split=True, layer_index=i))
+        blocks.append(
+            Block(
+                p,
+                (
+                    weight(f"{p}.self_attn.q_proj", hidden, hidden),
+                    weight(f"{p}.self_attn.k_proj", kv_heads * head_dim, hidden),
+                    weight(f"{p}.self_attn.v_proj", kv_heads * head_dim, hidden),
+                    weight(f"{p}.self_attn.o_proj", hidden, hidden),
+                    weight(f"{p}.mlp.gate_proj", intermediate, hidden),
+                    weight(f"{p}.mlp.up_proj", intermediate, hidden),
+                    weight(f"{p}.mlp.down_proj", hidden, intermediate),
+                    weight(f"{p}.input_layernorm", hidden),
+                    weight(f"{p}.post_attention_layernorm", hidden),
+                ),
+                no_split=True,
+                layer_index=i,
+            )
+        )
     blocks.append(Block("model.norm", (weight("model.norm", hidden),)))
     blocks.append(Block("lm_head", (weight("lm_head", vocab, hidden),), is_head=True))
     return Skeleton(
-        name="synthetic-llama", architecture="LlamaForCausalLM", model_type="llama", blocks=tuple(blocks),
-        tied_groups=(), no_split_classes=("LlamaDecoderLayer",), kv=KVGeometry(layers, kv_heads, head_dim),
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+        name="synthetic-llama",
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        blocks=tuple(blocks),
+        tied_groups=(),
+        no_split_classes=("LlamaDecoderLayer",),
+        kv=KVGeometry(layers, kv_heads, head_dim),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
         default_dtype=dtype,
     )
 
@@ -113,7 +134,9 @@ class SyntheticMoE(nn.Module):
 
     _no_split_modules = ["_MoELayer"]
 
-    def __init__(self, layers: int = 40, experts: int = 1280, hidden: int = 1024, inter: int = 256, vocab: int = 32000) -> None:
+    def __init__(
+        self, layers: int = 40, experts: int = 1280, hidden: int = 1024, inter: int = 256, vocab: int = 32000
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(_MoELayer(hidden, inter, experts) for _ in range(layers))
@@ -160,7 +183,9 @@ def accelerate_map(model: nn.Module, max_memory: dict) -> dict[str, Any]:
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    balanced = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=torch.bfloat16)
+    balanced = get_balanced_memory(
+        model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=torch.bfloat16
+    )
     return infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split, dtype=torch.bfloat16)
 
 
@@ -183,31 +208,47 @@ def needs_of_map(skel: Skeleton, device_map: dict[str, Any], max_memory: dict) -
     return {d.id: loads.total(d.id) for d in hw.devices}
 
 
-def bench_one(name: str, model: nn.Module, skel_fn: Callable[[nn.Module], Skeleton], max_memory: dict, repeats: int) -> dict[str, Any]:
+def bench_one(
+    name: str, model: nn.Module, skel_fn: Callable[[nn.Module], Skeleton], max_memory: dict, repeats: int
+) -> dict[str, Any]:
     def ours() -> Any:
         skel = skel_fn(model)
         return skel, plan(skel, max_memory=max_memory, strategy="auto", dtype="bf16", batch_size=BATCH, context=CONTEXT)
 
     t_ours, (skel, our_plan) = best_time(ours, repeats)
-    t_plan_only, _ = best_time(lambda: plan(skel, max_memory=max_memory, strategy="auto", dtype="bf16", batch_size=BATCH, context=CONTEXT), repeats)
+    t_plan_only, _ = best_time(
+        lambda: plan(skel, max_memory=max_memory, strategy="auto", dtype="bf16", batch_size=BATCH, context=CONTEXT),
+        repeats,
+    )
     t_acc, acc = best_time(lambda: accelerate_map(model, max_memory), max(1, repeats if name != "synthetic-moe" else 1))
     acc_need = needs_of_map(skel, acc, max_memory)
     caps = {k if not str(k).isdigit() else int(k): parse_size(v) for k, v in max_memory.items()}
     devices = []
     for b in our_plan.budgets:
         cap = caps[b.device]
-        devices.append({
-            "device": device_label(b.device), "capacity": cap,
-            "ours_total": b.total, "ours_over": b.total > cap,
-            "accelerate_need": acc_need.get(b.device, 0), "accelerate_over": acc_need.get(b.device, 0) > cap,
-        })
+        devices.append(
+            {
+                "device": device_label(b.device),
+                "capacity": cap,
+                "ours_total": b.total,
+                "ours_over": b.total > cap,
+                "accelerate_need": acc_need.get(b.device, 0),
+                "accelerate_over": acc_need.get(b.device, 0) > cap,
+            }
+        )
     n_tensors = sum(len(b.tensors) for b in skel.blocks)
     return {
-        "model": name, "tensors": n_tensors, "ours_seconds": t_ours, "ours_plan_only_seconds": t_plan_only,
-        "accelerate_seconds": t_acc, "speedup": t_acc / t_ours if t_ours else float("inf"),
+        "model": name,
+        "tensors": n_tensors,
+        "ours_seconds": t_ours,
+        "ours_plan_only_seconds": t_plan_only,
+        "accelerate_seconds": t_acc,
+        "speedup": t_acc / t_ours if t_ours else float("inf"),
         "plan_only_speedup": t_acc / t_plan_only if t_plan_only else float("inf"),
-        "ours_strategy": our_plan.strategy, "ours_offloaded": our_plan.offloaded_bytes,
-        "ours_decode_tokens_per_s": our_plan.prediction.decode_tokens_per_s, "devices": devices,
+        "ours_strategy": our_plan.strategy,
+        "ours_offloaded": our_plan.offloaded_bytes,
+        "ours_decode_tokens_per_s": our_plan.prediction.decode_tokens_per_s,
+        "devices": devices,
     }
 
 
@@ -219,7 +260,12 @@ def scaling(points: tuple[int, ...] = (1_000, 10_000, 100_000), repeats: int = 3
         tensors = sum(len(b.tensors) for b in skel.blocks)
         mm = {i: "64MiB" for i in range(4)}
         mm["cpu"] = "64GiB"
-        t, _ = best_time(lambda: plan(skel, max_memory=mm, strategy="auto", dtype="bf16", context=256, gpu_reserve=0), repeats)
+        t, _ = best_time(
+            lambda skel=skel, mm=mm: plan(
+                skel, max_memory=mm, strategy="auto", dtype="bf16", context=256, gpu_reserve=0
+            ),
+            repeats,
+        )
         rows.append({"tensors": tensors, "seconds": t, "us_per_tensor": t / tensors * 1e6})
     return rows
 
@@ -253,19 +299,27 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nPlanning on {GPUS}x{GPU_SIZE} + cpu {CPU_SIZE}, bf16, batch {BATCH} x context {CONTEXT}\n")
     print("ours = walk the meta model into a Skeleton + plan; plan = planning from the Skeleton alone")
-    print(f"{'model':<14} {'tensors':>8} {'accelerate':>11} {'ours':>9} {'ratio':>6} {'plan':>9} {'ratio':>6}  strategy")
+    print(
+        f"{'model':<14} {'tensors':>8} {'accelerate':>11} {'ours':>9} {'ratio':>6} {'plan':>9} {'ratio':>6}  strategy"
+    )
     for r in results:
-        print(f"{r['model']:<14} {r['tensors']:>8} {r['accelerate_seconds'] * 1e3:>9.1f}ms "
-              f"{r['ours_seconds'] * 1e3:>7.1f}ms {r['speedup']:>5.1f}x "
-              f"{r['ours_plan_only_seconds'] * 1e3:>7.1f}ms {r['plan_only_speedup']:>5.1f}x  {r['ours_strategy']}")
-    print(f"\nPer device at batch {BATCH} x context {CONTEXT}: planned total (ours) and real need of the map "
-          "(weights + KV + activations + logits); '!' = over capacity")
+        print(
+            f"{r['model']:<14} {r['tensors']:>8} {r['accelerate_seconds'] * 1e3:>9.1f}ms "
+            f"{r['ours_seconds'] * 1e3:>7.1f}ms {r['speedup']:>5.1f}x "
+            f"{r['ours_plan_only_seconds'] * 1e3:>7.1f}ms {r['plan_only_speedup']:>5.1f}x  {r['ours_strategy']}"
+        )
+    print(
+        f"\nPer device at batch {BATCH} x context {CONTEXT}: planned total (ours) and real need of the map "
+        "(weights + KV + activations + logits); '!' = over capacity"
+    )
     print(f"{'model':<14} {'device':<6} {'capacity':>9} {'ours':>10} {'accelerate':>11}")
     for r in results:
         for d in r["devices"]:
-            print(f"{r['model']:<14} {d['device']:<6} {format_bytes(d['capacity']):>9} "
-                  f"{format_bytes(d['ours_total']) + ('!' if d['ours_over'] else ' '):>10} "
-                  f"{format_bytes(d['accelerate_need']) + ('!' if d['accelerate_over'] else ' '):>11}")
+            print(
+                f"{r['model']:<14} {d['device']:<6} {format_bytes(d['capacity']):>9} "
+                f"{format_bytes(d['ours_total']) + ('!' if d['ours_over'] else ' '):>10} "
+                f"{format_bytes(d['accelerate_need']) + ('!' if d['accelerate_over'] else ' '):>11}"
+            )
     scale = scaling()
     print("\nPlanning time against model size (synthetic skeletons, auto strategy, 4 GPUs + cpu):")
     print(f"{'tensors':>8} {'seconds':>9} {'us/tensor':>10}")
@@ -273,8 +327,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['tensors']:>8} {row['seconds']:>9.4f} {row['us_per_tensor']:>10.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpus": GPUS, "gpu_size": GPU_SIZE, "cpu": CPU_SIZE, "batch": BATCH, "context": CONTEXT,
-                               "results": results, "scaling": scale}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "gpus": GPUS,
+                "gpu_size": GPU_SIZE,
+                "cpu": CPU_SIZE,
+                "batch": BATCH,
+                "context": CONTEXT,
+                "results": results,
+                "scaling": scale,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out}")
     return 0 if not any(d["ours_over"] for r in results for d in r["devices"]) else 1
 

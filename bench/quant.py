@@ -17,6 +17,7 @@ int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 
 Run from the repository root: ``.venv/bin/python -m bench.quant [--rounds 3] [--threads 2] [--agreement] [--out bench/results/quant.json]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,16 @@ def worker(spec: dict) -> dict:
 
     per_token = _weight_bytes_per_token(model)
     q = model.load_stats.cpu_quantization
-    return {"scheme": scheme, "ready_s": ready, "decode_tok_s": gen["decode_tok_s"], "bytes_per_token": per_token,
-            "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9, "isa": cpu_kernels.status().isa,
-            "from_saved_file": bool(q and q.from_file), "tokens": gen["tokens"]}
+    return {
+        "scheme": scheme,
+        "ready_s": ready,
+        "decode_tok_s": gen["decode_tok_s"],
+        "bytes_per_token": per_token,
+        "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9,
+        "isa": cpu_kernels.status().isa,
+        "from_saved_file": bool(q and q.from_file),
+        "tokens": gen["tokens"],
+    }
 
 
 def agreement_worker(spec: dict) -> dict:
@@ -88,7 +96,7 @@ def agreement_worker(spec: dict) -> dict:
     def greedy(model) -> list[int]:
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[0, ids.shape[1]:].tolist()
+        return out[0, ids.shape[1] :].tolist()
 
     want = greedy(ref)
     with torch.inference_mode():
@@ -105,8 +113,15 @@ def agreement_worker(spec: dict) -> dict:
                 err = (model(ids).logits[0, -1].float() - ref_logits).abs().max().item() / ref_logits.abs().max().item()
             k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
             same = sum(a == b for a, b in zip(got, want))
-            rows.append({"scheme": scheme, "dtype": dtype, "prefix_agree": f"{k}/{len(want)}",
-                         "same_position": f"{same}/{len(want)}", "last_logit_rel_err": err})
+            rows.append(
+                {
+                    "scheme": scheme,
+                    "dtype": dtype,
+                    "prefix_agree": f"{k}/{len(want)}",
+                    "same_position": f"{same}/{len(want)}",
+                    "last_logit_rel_err": err,
+                }
+            )
     return {"rows": rows, "prompt": spec["prompt"]}
 
 
@@ -134,40 +149,84 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
         for r in range(args.rounds):
             for s in schemes:
-                res = run_isolated("bench.quant", {"scheme": s, "path": str(path), "threads": args.threads,
-                                            "new_tokens": args.new_tokens, "saved": saved})
+                res = run_isolated(
+                    "bench.quant",
+                    {
+                        "scheme": s,
+                        "path": str(path),
+                        "threads": args.threads,
+                        "new_tokens": args.new_tokens,
+                        "saved": saved,
+                    },
+                )
                 if "error" in res:
                     raise SystemExit(f"{s}: {res['error']}")
                 runs[s].append(res)
-                print(f"round {r + 1} {s}: {res['decode_tok_s']:.2f} tok/s, ready {res['ready_s']:.2f}s "
-                      f"({'saved file' if res['from_saved_file'] else 'quantized' if s != 'bf16' else 'bf16'})",
-                      flush=True)
+                print(
+                    f"round {r + 1} {s}: {res['decode_tok_s']:.2f} tok/s, ready {res['ready_s']:.2f}s "
+                    f"({'saved file' if res['from_saved_file'] else 'quantized' if s != 'bf16' else 'bf16'})",
+                    flush=True,
+                )
     rows = []
     for s in schemes:
         best = max(runs[s], key=lambda x: x["decode_tok_s"])
-        rows.append({"scheme": s, "isa": best["isa"], "decode_tok_s": best["decode_tok_s"],
-                     "runs": [round(x["decode_tok_s"], 2) for x in runs[s]],
-                     "bytes_per_token": best["bytes_per_token"], "decode_gb_s": best["decode_gb_s"],
-                     "ready_first_s": runs[s][0]["ready_s"],
-                     "ready_best_s": min(x["ready_s"] for x in runs[s])})
+        rows.append(
+            {
+                "scheme": s,
+                "isa": best["isa"],
+                "decode_tok_s": best["decode_tok_s"],
+                "runs": [round(x["decode_tok_s"], 2) for x in runs[s]],
+                "bytes_per_token": best["bytes_per_token"],
+                "decode_gb_s": best["decode_gb_s"],
+                "ready_first_s": runs[s][0]["ready_s"],
+                "ready_best_s": min(x["ready_s"] for x in runs[s]),
+            }
+        )
     base = next((r["decode_tok_s"] for r in rows if r["scheme"] == "bf16"), None)
     for r in rows:
         r["vs_bf16"] = r["decode_tok_s"] / base if base else None
     print(f"\n{path.name}, {args.threads} threads, decode of {args.new_tokens} tokens, best of {args.rounds}:\n")
-    print_table(rows, [("scheme", "scheme"), ("isa", "path"), ("decode_tok_s", "tok/s"), ("vs_bf16", "x bf16"),
-                       ("runs", "runs"), ("bytes_per_token", "bytes/token"), ("decode_gb_s", "GB/s"),
-                       ("ready_first_s", "ready (1st) s"), ("ready_best_s", "ready (best) s")])
+    print_table(
+        rows,
+        [
+            ("scheme", "scheme"),
+            ("isa", "path"),
+            ("decode_tok_s", "tok/s"),
+            ("vs_bf16", "x bf16"),
+            ("runs", "runs"),
+            ("bytes_per_token", "bytes/token"),
+            ("decode_gb_s", "GB/s"),
+            ("ready_first_s", "ready (1st) s"),
+            ("ready_best_s", "ready (best) s"),
+        ],
+    )
     payload = {"machine": machine(), "model": str(path), "rows": rows}
     if args.agreement:
         from service.demo_model import build_demo_model
 
-        res = run_isolated("bench.quant", {"agreement": True, "path": str(build_demo_model()), "threads": args.threads,
-                                    "new_tokens": 64, "prompt": "Once upon a time"})
+        res = run_isolated(
+            "bench.quant",
+            {
+                "agreement": True,
+                "path": str(build_demo_model()),
+                "threads": args.threads,
+                "new_tokens": 64,
+                "prompt": "Once upon a time",
+            },
+        )
         if "error" in res:
             raise SystemExit(f"agreement: {res['error']}")
         print("\nGreedy agreement with fp32 transformers over 64 tokens, trained demo model:\n")
-        print_table(res["rows"], [("scheme", "scheme"), ("dtype", "activations"), ("prefix_agree", "same prefix"),
-                                  ("same_position", "same position"), ("last_logit_rel_err", "logit err")])
+        print_table(
+            res["rows"],
+            [
+                ("scheme", "scheme"),
+                ("dtype", "activations"),
+                ("prefix_agree", "same prefix"),
+                ("same_position", "same position"),
+                ("last_logit_rel_err", "logit err"),
+            ],
+        )
         payload["agreement"] = res
     if args.out:
         write_json(args.out, payload)

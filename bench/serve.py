@@ -10,6 +10,7 @@ actually returned. Latency is a whole request (HTTP round trip included for the 
 this process on the same weights and dtype, one request after another, as a user without a server would.
 Targets (issue 4): at 16 clients >= 4x the baseline's aggregate tokens/s; a lone request <= 10% slower.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-WORDS = ("river stone light garden winter market letter window harbor forest engine silver morning story "
-         "village mountain paper station lantern bridge").split()
+WORDS = (
+    "river stone light garden winter market letter window harbor forest engine silver morning story "
+    "village mountain paper station lantern bridge"
+).split()
 
 
 def prompts(n: int) -> list[str]:
@@ -58,8 +61,9 @@ def summarize(latencies: list[float], tokens: int, wall: float) -> dict[str, flo
 
 
 # -- baseline ------------------------------------------------------------------------------------------------------
-def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads: int | None,
-                 dtype: str = "float32") -> dict[str, Any]:
+def run_baseline(
+    model_dir: Path, texts: list[str], max_new_tokens: int, threads: int | None, dtype: str = "float32"
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,8 +80,9 @@ def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads
         for text in texts:
             ids = tok(text, return_tensors="pt")
             s = time.perf_counter()
-            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=eos)
+            out = model.generate(
+                **ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos
+            )
             lat.append(time.perf_counter() - s)
             total += out.shape[1] - ids["input_ids"].shape[1]
         wall = time.perf_counter() - t0
@@ -86,12 +91,29 @@ def run_baseline(model_dir: Path, texts: list[str], max_new_tokens: int, threads
 
 
 # -- server --------------------------------------------------------------------------------------------------------
-def start_server(model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None,
-                 dtype: str = "float32") -> subprocess.Popen:
+def start_server(
+    model_dir: Path, port: int, max_batch: int, log_path: Path, threads: int | None, dtype: str = "float32"
+) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port),
-           "--max-batch-size", str(max_batch), "--max-concurrent-requests", "256", "--max-total-tokens", "1024",
-           "--dtype", dtype, "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(max_batch),
+        "--max-concurrent-requests",
+        "256",
+        "--max-total-tokens",
+        "1024",
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
@@ -134,8 +156,10 @@ def run_clients(url: str, texts: list[str], clients: int, max_new_tokens: int) -
                         return
                     _, text = todo.pop(0)
                 s = time.perf_counter()
-                r = c.post("/generate", json={"inputs": text, "parameters": {"max_new_tokens": max_new_tokens,
-                                                                             "details": True}})
+                r = c.post(
+                    "/generate",
+                    json={"inputs": text, "parameters": {"max_new_tokens": max_new_tokens, "details": True}},
+                )
                 dt = time.perf_counter() - s
                 with lock:
                     if r.status_code != 200:
@@ -163,11 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (and for the baseline)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights and compute for both contenders (bfloat16: the server's native CPU kernel)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and compute for both contenders (bfloat16: the server's native CPU kernel)",
+    )
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for both contenders (1 avoids OpenMP stalls on a busy shared CPU)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for both contenders (1 avoids OpenMP stalls on a busy shared CPU)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = p.parse_args(argv)
 
@@ -180,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.clients.split(",")]
     texts = prompts(args.requests)
 
-    print(f"model: {model_dir}  requests/level: {args.requests}  max_new_tokens: {args.max_new_tokens}  "
-          f"threads: {args.threads or 'default'}", flush=True)
+    print(
+        f"model: {model_dir}  requests/level: {args.requests}  max_new_tokens: {args.max_new_tokens}  "
+        f"threads: {args.threads or 'default'}",
+        flush=True,
+    )
     print("baseline: transformers generate, one request at a time ...", flush=True)
     baseline = run_baseline(model_dir, texts, args.max_new_tokens, args.threads, args.dtype)
 
@@ -216,13 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     base_tps = baseline["tokens_per_s"]
-    print(f"{'transformers generate':<26} {1:>7} {base_tps:>9.1f} {1.0:>7.2f} {baseline['latency_p50_s']:>8.3f} "
-          f"{baseline['latency_p99_s']:>8.3f} {0:>6}")
+    print(
+        f"{'transformers generate':<26} {1:>7} {base_tps:>9.1f} {1.0:>7.2f} {baseline['latency_p50_s']:>8.3f} "
+        f"{baseline['latency_p99_s']:>8.3f} {0:>6}"
+    )
     for r in results:
         ratio = r["tokens_per_s"] / base_tps if base_tps else float("nan")
         r["speedup_vs_baseline"] = round(ratio, 3)
-        print(f"{'loadmaster serve':<26} {r['clients']:>7} {r['tokens_per_s']:>9.1f} {ratio:>7.2f} "
-              f"{r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} {len(r['errors']):>6}")
+        print(
+            f"{'loadmaster serve':<26} {r['clients']:>7} {r['tokens_per_s']:>9.1f} {ratio:>7.2f} "
+            f"{r['latency_p50_s']:>8.3f} {r['latency_p99_s']:>8.3f} {len(r['errors']):>6}"
+        )
     lone = next((r for r in results if r["clients"] == 1), None)
     top = next((r for r in results if r["clients"] == 16), None)
     verdict: dict[str, Any] = {}
@@ -247,8 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         "max_batch_size": args.max_batch_size,
         "threads": args.threads,
         "dtype": args.dtype,
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-                    "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(),
+            "platform": platform.platform(),
+        },
         "baseline": baseline,
         "server": results,
         "verdict": verdict,

@@ -13,9 +13,18 @@ a dict in transformers' hf_device_map format, or a :class:`planner.Plan` (obeyed
 another checkpoint). The model carries ``hf_device_map`` and
 ``load_stats`` (:class:`LoadStats`); ``progress`` receives :class:`LoadProgress` updates.
 """
+
 from loaders.errors import CheckpointError
 from loaders.load import LoadResult, load_checkpoint, load_model, load_model_and_tokenizer, load_tokenizer
 from loaders.progress import LoadProgress, LoadStats
 
-__all__ = ["CheckpointError", "LoadProgress", "LoadResult", "LoadStats", "load_checkpoint", "load_model",
-           "load_model_and_tokenizer", "load_tokenizer"]
+__all__ = [
+    "CheckpointError",
+    "LoadProgress",
+    "LoadResult",
+    "LoadStats",
+    "load_checkpoint",
+    "load_model",
+    "load_model_and_tokenizer",
+    "load_tokenizer",
+]

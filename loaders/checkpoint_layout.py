@@ -4,10 +4,11 @@ The mapping itself (identity, base-model prefix, fused MoE experts) is the plann
 (:mod:`planner.checkpoint_keys`); this module applies it to every tensor the model needs, checks the shapes
 against the shards, and turns what is missing, unexpected or mis-shaped into one :class:`CheckpointError`.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from loaders.errors import CheckpointError, list_keys
 from loaders.safetensors_index import CheckpointIndex

@@ -26,6 +26,7 @@ seconds with the system C compiler and needs no build step at install. The kerne
 ``-fopenmp`` binds to the OpenMP runtime torch already loaded (same soname) and every call passes
 ``torch.get_num_threads()``, so the kernels run on torch's threads, as many as torch uses.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,9 +40,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -66,9 +67,11 @@ class Isa:
 #: Best first. AVX-512 here means the Zen 4 / Sapphire Rapids set (VNNI and BF16 included); an older AVX-512 CPU
 #: takes the AVX2 path, which every kernel has.
 ISAS: dict[str, Isa] = {
-    "avx512": Isa("avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma",
-                             "-mf16c"),
-                  ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma", "f16c")),
+    "avx512": Isa(
+        "avx512",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-mf16c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma", "f16c"),
+    ),
     "avx2": Isa("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 }
 
@@ -117,8 +120,8 @@ class KernelStatus:
 
     available: bool
     reason: str
-    library: Optional[str] = None
-    isa: Optional[str] = None
+    library: str | None = None
+    isa: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,12 +182,14 @@ def requested_isa() -> str:
         return "torch"
     choice = os.environ.get("LOADMASTER_CPU_ISA", "auto").strip().lower() or "auto"
     if choice not in ISA_CHOICES:
-        raise ValueError(f"LOADMASTER_CPU_ISA={choice!r} is not one of {', '.join(ISA_CHOICES)}; "
-                         "unset it to pick from the CPU's flags.")
+        raise ValueError(
+            f"LOADMASTER_CPU_ISA={choice!r} is not one of {', '.join(ISA_CHOICES)}; "
+            "unset it to pick from the CPU's flags."
+        )
     return choice
 
 
-def select_isa() -> tuple[Optional[str], str]:
+def select_isa() -> tuple[str | None, str]:
     """The path to use and why: the best the CPU runs, or the forced one if the CPU runs it; ``None`` for torch."""
     choice = requested_isa()
     if choice == "torch":
@@ -192,13 +197,16 @@ def select_isa() -> tuple[Optional[str], str]:
     runnable = runnable_isas()
     if choice == "auto":
         if not runnable:
-            return None, (f"this CPU ({platform.machine()}) has neither the AVX-512 nor the AVX2 set the native "
-                          "kernels need")
+            return None, (
+                f"this CPU ({platform.machine()}) has neither the AVX-512 nor the AVX2 set the native kernels need"
+            )
         return runnable[0], f"picked from the CPU's flags (runnable here: {', '.join(runnable)})"
     if choice not in runnable:
         missing = [f for f in ISAS[choice].cpu_flags if f not in cpu_flags()]
-        return None, (f"LOADMASTER_CPU_ISA={choice} was asked for, but this CPU lacks "
-                      f"{', '.join(missing) or 'x86-64 Linux'}; runnable here: {', '.join(runnable) or 'none'}")
+        return None, (
+            f"LOADMASTER_CPU_ISA={choice} was asked for, but this CPU lacks "
+            f"{', '.join(missing) or 'x86-64 Linux'}; runnable here: {', '.join(runnable) or 'none'}"
+        )
     return choice, f"forced by LOADMASTER_CPU_ISA={choice}"
 
 
@@ -211,7 +219,7 @@ def cache_dir() -> Path:
     return Path(base) / "loadmaster" / "kernels"
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -255,7 +263,7 @@ def _valid(lib: Path, want: BuildManifest, any_compiler: bool) -> bool:
     return lib.is_file() and same and (any_compiler or got.compiler == want.compiler)
 
 
-def _cached(isa: str, compiler: Optional[str]) -> Optional[Path]:
+def _cached(isa: str, compiler: str | None) -> Path | None:
     """A valid library for this path: the one this compiler built, or (no compiler here) any built elsewhere."""
     if compiler is not None:
         want = _manifest(isa, _compiler_identity(compiler))
@@ -281,7 +289,7 @@ def _atomic_write(target: Path, write) -> None:
             os.unlink(tmp)
 
 
-def build(isa: str, cc: Optional[str] = None) -> Path:
+def build(isa: str, cc: str | None = None) -> Path:
     """Compile one path's library into the cache unless a valid one is there, and return its path.
 
     Needs no particular CPU (a library is only loaded where the CPU runs its path), so an image can build every
@@ -294,15 +302,21 @@ def build(isa: str, cc: Optional[str] = None) -> Path:
     if cached is not None:
         return cached
     if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH to build the native kernels, and no library "
-                           f"built for these sources in {cache_dir()}")
+        raise RuntimeError(
+            "no C compiler (cc, gcc or clang) on PATH to build the native kernels, and no library "
+            f"built for these sources in {cache_dir()}"
+        )
     manifest = _manifest(isa, _compiler_identity(cc))
     target = cache_dir() / f"{_stem(manifest)}.so"
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def compile_to(tmp: str) -> None:
-        proc = subprocess.run([cc, *manifest.cflags, "-o", tmp, *(str(KERNEL_DIR / s) for s in SOURCES)],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [cc, *manifest.cflags, "-o", tmp, *(str(KERNEL_DIR / s) for s in SOURCES)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
 
@@ -313,12 +327,12 @@ def build(isa: str, cc: Optional[str] = None) -> Path:
     return target
 
 
-def build_all(cc: Optional[str] = None) -> list[Path]:
+def build_all(cc: str | None = None) -> list[Path]:
     """Every path built into the cache (what an image's build stage runs)."""
     return [build(isa, cc) for isa in ISAS]
 
 
-def _load() -> tuple[KernelStatus, Optional[_Library]]:
+def _load() -> tuple[KernelStatus, _Library | None]:
     try:
         isa, why = select_isa()
     except ValueError as exc:
@@ -353,12 +367,13 @@ def status(dtype: object = None) -> KernelStatus:
     """Build and load the kernels on first call; afterwards answer from memory. All kernels share one library,
     so ``dtype`` (kept for callers that ask per dtype) must only name a kernel that exists."""
     if dtype is not None and dtype not in KERNELS and dtype not in QUANT_KERNELS:
-        raise ValueError(f"no native kernel for {dtype}; there are kernels for "
-                         f"{sorted(map(str, KERNELS)) + sorted(QUANT_KERNELS)}")
+        raise ValueError(
+            f"no native kernel for {dtype}; there are kernels for {sorted(map(str, KERNELS)) + sorted(QUANT_KERNELS)}"
+        )
     return _ensure()
 
 
-def current(dtype: object = None) -> Optional[KernelStatus]:
+def current(dtype: object = None) -> KernelStatus | None:
     """The status if the kernels were already looked at, without building them (for reports)."""
     return _state.get("status")  # type: ignore[return-value]
 

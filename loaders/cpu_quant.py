@@ -13,6 +13,7 @@ in place, so a saved file is served straight from its memory map, like a bf16 ch
 
 bitsandbytes (``quantization=`` in :func:`loaders.load_model`) stays the path for GPU layers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,6 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -49,30 +49,37 @@ class QuantizationStats:
     bytes_after: int = 0
     seconds: float = 0.0
     #: The safetensors file the quantized weights were read from (a memory map) or written to; None if not saved.
-    file: Optional[str] = None
+    file: str | None = None
     from_file: bool = False
     schemes: dict[str, int] = field(default_factory=dict)
 
 
-def check_cpu_quantization(scheme: Optional[str], gpu_quantization: Optional[str], save_dir,
-                           dtype: Optional[torch.dtype] = None) -> None:
+def check_cpu_quantization(
+    scheme: str | None, gpu_quantization: str | None, save_dir, dtype: torch.dtype | None = None
+) -> None:
     """Refuse combinations that would be ignored or ambiguous, before any weight is loaded."""
     from planner.errors import PlanError
 
     if scheme is None:
         if save_dir is not None:
-            raise PlanError("cpu_quantized_dir was given without cpu_quantization: name the scheme to save "
-                            f"({' or '.join(CPU_QUANTIZATION_CHOICES)}), or drop the folder.")
+            raise PlanError(
+                "cpu_quantized_dir was given without cpu_quantization: name the scheme to save "
+                f"({' or '.join(CPU_QUANTIZATION_CHOICES)}), or drop the folder."
+            )
         return
     if scheme not in CPU_QUANTIZATION_CHOICES:
         raise PlanError(f"cpu_quantization={scheme!r} is not one of {', '.join(CPU_QUANTIZATION_CHOICES)}.")
     if gpu_quantization:
-        raise PlanError(f"cpu_quantization={scheme!r} and quantization={gpu_quantization!r} were both given. "
-                        "quantization= is bitsandbytes for GPU layers, cpu_quantization= is for CPU and disk "
-                        "layers with no GPU in the map; pass the one that matches the device map.")
+        raise PlanError(
+            f"cpu_quantization={scheme!r} and quantization={gpu_quantization!r} were both given. "
+            "quantization= is bitsandbytes for GPU layers, cpu_quantization= is for CPU and disk "
+            "layers with no GPU in the map; pass the one that matches the device map."
+        )
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-        raise PlanError(f"cpu_quantization={scheme!r} computes with float32 or bfloat16 activations, not "
-                        f"{str(dtype).removeprefix('torch.')}: load with dtype='bfloat16' or 'float32'.")
+        raise PlanError(
+            f"cpu_quantization={scheme!r} computes with float32 or bfloat16 activations, not "
+            f"{str(dtype).removeprefix('torch.')}: load with dtype='bfloat16' or 'float32'."
+        )
 
 
 def _groups(k: int) -> int:
@@ -101,8 +108,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     q = torch.empty((n, _groups(k) * GROUP), dtype=torch.int8)
     scales = torch.empty(n, dtype=torch.float32)
-    if fn(weight.data_ptr(), weight.stride(0), _WEIGHT_DTYPES[weight.dtype], n, k, q.data_ptr(), q.stride(0),
-          scales.data_ptr(), torch.get_num_threads()) != 0:
+    if (
+        fn(
+            weight.data_ptr(),
+            weight.stride(0),
+            _WEIGHT_DTYPES[weight.dtype],
+            n,
+            k,
+            q.data_ptr(),
+            q.stride(0),
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise RuntimeError(f"lm_quantize_q8 rejected a weight of shape {tuple(weight.shape)}")
     return q, scales
 
@@ -117,8 +136,21 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = _groups(k)
     packed = torch.empty((n, g * GROUP // 2), dtype=torch.uint8)
     scales = torch.empty((n, g), dtype=torch.float16)
-    if fn(weight.data_ptr(), weight.stride(0), _WEIGHT_DTYPES[weight.dtype], n, k, packed.data_ptr(),
-          packed.stride(0), scales.data_ptr(), scales.stride(0), torch.get_num_threads()) != 0:
+    if (
+        fn(
+            weight.data_ptr(),
+            weight.stride(0),
+            _WEIGHT_DTYPES[weight.dtype],
+            n,
+            k,
+            packed.data_ptr(),
+            packed.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            torch.get_num_threads(),
+        )
+        != 0
+    ):
         raise RuntimeError(f"lm_quantize_q4 rejected a weight of shape {tuple(weight.shape)}")
     return packed, scales
 
@@ -129,11 +161,11 @@ def quantize_int8_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     q = torch.zeros((n, _groups(k) * GROUP), dtype=torch.int8)
     scales = torch.empty(n, dtype=torch.float32)
     for r0 in range(0, n, _ROWS_PER_CHUNK):
-        w = weight[r0:r0 + _ROWS_PER_CHUNK].to(torch.float32)
+        w = weight[r0 : r0 + _ROWS_PER_CHUNK].to(torch.float32)
         s = w.abs().amax(dim=1) / 127.0
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q[r0:r0 + _ROWS_PER_CHUNK, :k] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
-        scales[r0:r0 + _ROWS_PER_CHUNK] = s
+        q[r0 : r0 + _ROWS_PER_CHUNK, :k] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[r0 : r0 + _ROWS_PER_CHUNK] = s
     return q, scales
 
 
@@ -148,7 +180,7 @@ def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     packed = torch.empty((n, g * GROUP // 2), dtype=torch.uint8)
     scales = torch.empty((n, g), dtype=torch.float16)
     for r0 in range(0, n, _ROWS_PER_CHUNK):
-        w = weight[r0:r0 + _ROWS_PER_CHUNK].to(torch.float32)
+        w = weight[r0 : r0 + _ROWS_PER_CHUNK].to(torch.float32)
         rows = w.shape[0]
         if k % GROUP:
             w = torch.nn.functional.pad(w, (0, g * GROUP - k))
@@ -158,8 +190,8 @@ def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         df = d.to(torch.float32)
         inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
         codes = torch.round(w * inv + 8.0).clamp_(0, 15).to(torch.uint8)
-        packed[r0:r0 + rows] = (codes[:, :, :GROUP // 2] | (codes[:, :, GROUP // 2:] << 4)).reshape(rows, -1)
-        scales[r0:r0 + rows] = d.view(rows, g)
+        packed[r0 : r0 + rows] = (codes[:, :, : GROUP // 2] | (codes[:, :, GROUP // 2 :] << 4)).reshape(rows, -1)
+        scales[r0 : r0 + rows] = d.view(rows, g)
     return packed, scales
 
 
@@ -170,8 +202,15 @@ class QuantizedCPULinear(nn.Module):
     """A linear layer whose weight is held int8 or 4-bit (see the module docstring) and multiplied by the native
     quantized kernels; products with more rows than the kernels take (long prefills) dequantize and use torch."""
 
-    def __init__(self, scheme: str, in_features: int, out_features: int, qweight: torch.Tensor,
-                 scales: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(
+        self,
+        scheme: str,
+        in_features: int,
+        out_features: int,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ):
         super().__init__()
         if scheme not in QUANTIZERS:
             raise ValueError(f"unknown CPU quantization {scheme!r}; use one of {', '.join(CPU_QUANTIZATION_CHOICES)}")
@@ -184,7 +223,7 @@ class QuantizedCPULinear(nn.Module):
         self._op = kernel_ops.linear_q8 if scheme == "int8" else kernel_ops.linear_q4
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str) -> "QuantizedCPULinear":
+    def from_linear(cls, linear: nn.Linear, scheme: str) -> QuantizedCPULinear:
         q, s = QUANTIZERS[scheme](linear.weight.detach())
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(scheme, linear.in_features, linear.out_features, q, s, bias)
@@ -202,9 +241,13 @@ class QuantizedCPULinear(nn.Module):
 
 def _eligible(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """Linear layers (plain or native-kernel ones) with a float weight on the CPU or a memory map."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
-            and m.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ]
 
 
 def _scheme_for(name: str, model: nn.Module, scheme: str) -> str:
@@ -221,8 +264,15 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def cache_key(checkpoint_files: list[tuple[str, int, int]], scheme: str, names: list[str]) -> str:
     """Identifies a quantized file: the checkpoint's shards (name, size, mtime), the scheme, the layers, the format."""
-    doc = json.dumps({"files": [(Path(p).name, size, mtime) for p, size, mtime in checkpoint_files],
-                      "scheme": scheme, "layers": names, "format": FORMAT_VERSION}, sort_keys=True)
+    doc = json.dumps(
+        {
+            "files": [(Path(p).name, size, mtime) for p, size, mtime in checkpoint_files],
+            "scheme": scheme,
+            "layers": names,
+            "format": FORMAT_VERSION,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
@@ -230,7 +280,7 @@ def _file_metadata(key: str, scheme: str) -> dict[str, str]:
     return {"loadmaster_cpu_quantization": scheme, "loadmaster_key": key, "format_version": FORMAT_VERSION}
 
 
-def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Linear, str]]) -> Optional[dict]:
+def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Linear, str]]) -> dict | None:
     """The saved tensors as memory maps of ``path``, or None when the file is absent or not for this load."""
     from loaders.safetensors_index import ShardEntry
     from loaders.shard_reader import ShardReader
@@ -249,9 +299,12 @@ def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Li
         log.warning("ignoring the quantized file %s: it was made for another checkpoint, scheme or format", path)
         return None
     reader = ShardReader()
-    tensors = {name: reader.mapped(ShardEntry(name, str(path), getattr(torch, t.dtype), t.shape, t.offset,
-                                              t.offset + t.nbytes))
-               for name, t in header.tensors.items()}
+    tensors = {
+        name: reader.mapped(
+            ShardEntry(name, str(path), getattr(torch, t.dtype), t.shape, t.offset, t.offset + t.nbytes)
+        )
+        for name, t in header.tensors.items()
+    }
     for name, (lin, sch) in layers.items():
         q, s = tensors.get(f"{name}.qweight"), tensors.get(f"{name}.scales")
         g = _groups(lin.in_features)
@@ -277,8 +330,9 @@ def _write_saved(path: Path, key: str, scheme: str, tensors: dict[str, torch.Ten
             os.unlink(tmp)
 
 
-def quantize_cpu_linears(model: nn.Module, scheme: str, *, checkpoint_files: list[tuple[str, int, int]],
-                         save_dir: Optional[Path] = None) -> QuantizationStats:
+def quantize_cpu_linears(
+    model: nn.Module, scheme: str, *, checkpoint_files: list[tuple[str, int, int]], save_dir: Path | None = None
+) -> QuantizationStats:
     """Replace every CPU linear layer of ``model`` with a :class:`QuantizedCPULinear` of ``scheme``.
 
     With ``save_dir``, the quantized tensors are read from ``save_dir/<scheme>-<key>.safetensors`` as a memory
@@ -315,7 +369,14 @@ def quantize_cpu_linears(model: nn.Module, scheme: str, *, checkpoint_files: lis
     if saved_path is not None and saved is None and to_save:
         _write_saved(saved_path, key, scheme, to_save)
     stats.seconds = time.perf_counter() - t0
-    log.info("%d CPU linear layers as %s (%s): %.2f GiB -> %.2f GiB in %.1fs%s", stats.layers, scheme, stats.schemes,
-             stats.bytes_before / 2**30, stats.bytes_after / 2**30, stats.seconds,
-             f" ({'read from' if stats.from_file else 'saved to'} {saved_path})" if saved_path else "")
+    log.info(
+        "%d CPU linear layers as %s (%s): %.2f GiB -> %.2f GiB in %.1fs%s",
+        stats.layers,
+        scheme,
+        stats.schemes,
+        stats.bytes_before / 2**30,
+        stats.bytes_after / 2**30,
+        stats.seconds,
+        f" ({'read from' if stats.from_file else 'saved to'} {saved_path})" if saved_path else "",
+    )
     return stats

@@ -4,9 +4,10 @@ Validating a map against a model and placing every tensor is the planner's (:fun
 assign_devices`, the one validator), and so is reading a device's spelling (:mod:`planner.devices`); this module
 adds what involves torch: the execution device, and the modules a map's keys name, in the order they run.
 """
+
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -3,6 +3,7 @@
 A checkpoint that does not match the model it claims to hold is the user's to fix (re-save it, point at the right
 directory), so every message names the offending keys or file and says what to do.
 """
+
 from __future__ import annotations
 
 from planner.errors import LoadmasterError

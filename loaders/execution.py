@@ -8,13 +8,14 @@
   the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`). Every block computes on a GPU,
   so no CPU kernel is switched on.
 """
+
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from loaders.cpu_quant import QuantizationStats, quantize_cpu_linears
 from loaders.device_map import entry_of, ordered_entries
@@ -32,12 +33,17 @@ class Execution:
     """What execution changed: linear layers switched to the native kernels, and CPU quantization's report."""
 
     native_linears: int = 0
-    cpu_quantization: Optional[QuantizationStats] = None
+    cpu_quantization: QuantizationStats | None = None
 
 
-def apply_execution(placed: PlacedModel, cpu_kernels: str = "auto", *, cpu_quantization: Optional[str] = None,
-                    cpu_quantized_dir: Optional[Path] = None,
-                    checkpoint_files: Sequence[tuple[str, int, int]] = ()) -> Execution:
+def apply_execution(
+    placed: PlacedModel,
+    cpu_kernels: str = "auto",
+    *,
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: Path | None = None,
+    checkpoint_files: Sequence[tuple[str, int, int]] = (),
+) -> Execution:
     """Install the hooks the placement needs; on a CPU-executed model, quantize its linears first when
     ``cpu_quantization`` asks (:mod:`loaders.cpu_quant`; ``checkpoint_files`` (path, size, mtime_ns) key the saved
     copy in ``cpu_quantized_dir``), then switch them to the native kernels (``cpu_kernels``: "auto", "native" or
@@ -46,9 +52,11 @@ def apply_execution(placed: PlacedModel, cpu_kernels: str = "auto", *, cpu_quant
     model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
     if placed.execution_device.type != "cpu":
         if cpu_quantization:
-            raise PlanError(f"cpu_quantization={cpu_quantization!r} quantizes layers that compute on the CPU, "
-                            "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
-                            "(bitsandbytes) for GPU layers.")
+            raise PlanError(
+                f"cpu_quantization={cpu_quantization!r} quantizes layers that compute on the CPU, "
+                "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
+                "(bitsandbytes) for GPU layers."
+            )
         install_gpu_execution(model, device_map, placed.tensor_devices, placed.execution_device)
         return Execution()
     by_entry: dict[str, list] = OrderedDict()
@@ -61,8 +69,9 @@ def apply_execution(placed: PlacedModel, cpu_kernels: str = "auto", *, cpu_quant
         model._loadmaster_readahead = readahead
     quant_stats = None
     if cpu_quantization:
-        quant_stats = quantize_cpu_linears(model, cpu_quantization, checkpoint_files=list(checkpoint_files),
-                                           save_dir=cpu_quantized_dir)
+        quant_stats = quantize_cpu_linears(
+            model, cpu_quantization, checkpoint_files=list(checkpoint_files), save_dir=cpu_quantized_dir
+        )
     return Execution(use_native_linears(model, cpu_kernels), quant_stats)
 
 

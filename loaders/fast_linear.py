@@ -7,6 +7,7 @@ everything else (long prefills, other dtypes, GPU inputs, autograd) to ``nn.Line
 copied or moved: ``state_dict``, tied weights, memory accounting and zero-copy ``"disk"`` weights (views of the
 shard maps) are exactly as they were.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,9 @@ def use_native_linears(model: nn.Module, choice: str = "auto") -> int:
         name = str(dtype).removeprefix("torch.")
         if not st.available:
             if choice == "native":
-                raise RuntimeError(f"cpu_kernels='native' was asked for, but for {name}: {st.reason}. "
-                                   "Use 'auto' or 'torch'.")
+                raise RuntimeError(
+                    f"cpu_kernels='native' was asked for, but for {name}: {st.reason}. Use 'auto' or 'torch'."
+                )
             log.info("%s linear layers stay on torch: %s", name, st.reason)
             continue
         for m in mods:

@@ -16,6 +16,7 @@ Two steps, so that every refusal happens before a byte of weights moves:
 What is fetched: ``*.safetensors``, their index, ``config.json``, ``generation_config.json`` and the tokenizer
 files, at the top level of the repository. Never ``*.bin``/``*.pt``: loadmaster does not unpickle.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -24,9 +25,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from planner.model_ref import (
     CONFIG_NAME,
@@ -45,9 +47,21 @@ log = logging.getLogger(__name__)
 
 #: Top-level files loading needs. Everything else in a repository (pickles, ONNX, GGUF, images) stays on the Hub.
 SERVE_PATTERNS = (
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 PARTIAL_SUFFIX = ".loadmaster-partial"
 #: Seconds between progress lines on the terminal.
@@ -109,9 +123,11 @@ def check_disk(ref: HubRef, need: int) -> None:
     cache = Path(constants.HF_HUB_CACHE)
     free = shutil.disk_usage(_existing_parent(cache)).free
     if need > free:
-        raise HubError(f"not enough disk for {ref}: its weights, config and tokenizer need {format_bytes(need)} "
-                       f"more, and {cache} has {format_bytes(free)} free; free space there or set HF_HOME to a "
-                       "bigger disk")
+        raise HubError(
+            f"not enough disk for {ref}: its weights, config and tokenizer need {format_bytes(need)} "
+            f"more, and {cache} has {format_bytes(free)} free; free space there or set HF_HOME to a "
+            "bigger disk"
+        )
 
 
 def prepare_download(ref: HubRef) -> HubDownload:
@@ -121,14 +137,19 @@ def prepare_download(ref: HubRef) -> HubDownload:
         return HubDownload(rev, {f: int(s or 0) for f, s in rev.files.items() if wanted(f)}, 0)
     refuse_pickled_only(rev)
     if CONFIG_NAME not in rev.files:
-        raise HubError(f"{ref} has no config.json, so loadmaster cannot build its model; it serves transformers "
-                       "causal language models")
+        raise HubError(
+            f"{ref} has no config.json, so loadmaster cannot build its model; it serves transformers "
+            "causal language models"
+        )
     files = {f: int(s or 0) for f, s in rev.files.items() if wanted(f)}
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     # A gated repository lists its files to anyone but refuses them without a (granted) token: ask now.
-    hub_call(ref, "reading config.json", lambda: get_hf_file_metadata(
-        hf_hub_url(ref.repo_id, CONFIG_NAME, revision=rev.commit)))
+    hub_call(
+        ref,
+        "reading config.json",
+        lambda: get_hf_file_metadata(hf_hub_url(ref.repo_id, CONFIG_NAME, revision=rev.commit)),
+    )
     snapshot = _storage_folder(ref.repo_id) / "snapshots" / rev.commit
     missing = 0
     for name, size in files.items():
@@ -190,8 +211,14 @@ class _Meter:
         if force or now - self.last_log >= LOG_EVERY_S:
             self.last_log = now
             pct = f" ({self.done / self.total:.0%})" if self.total else ""
-            log.info("downloading %s: %s / %s%s at %s/s", self.ref, format_bytes(self.done),
-                     format_bytes(self.total), pct, format_bytes(int(self.rate)))
+            log.info(
+                "downloading %s: %s / %s%s at %s/s",
+                self.ref,
+                format_bytes(self.done),
+                format_bytes(self.total),
+                pct,
+                format_bytes(int(self.rate)),
+            )
 
 
 class _MeteredFile:
@@ -229,8 +256,9 @@ def _fetch(dl: HubDownload, name: str, meter: _Meter) -> None:
     if (storage / "snapshots" / commit / name).exists():
         meter.end_file(dl.files[name])
         return
-    meta = hub_call(ref, f"reading {name}", lambda: get_hf_file_metadata(
-        hf_hub_url(ref.repo_id, name, revision=commit)))
+    meta = hub_call(
+        ref, f"reading {name}", lambda: get_hf_file_metadata(hf_hub_url(ref.repo_id, name, revision=commit))
+    )
     if not meta.etag:
         raise HubError(f"{ref}: the Hub gave no ETag for {name}, so it cannot be cached; retry later")
     blob = storage / "blobs" / meta.etag
@@ -243,9 +271,18 @@ def _fetch(dl: HubDownload, name: str, meter: _Meter) -> None:
                 f.truncate(0)
                 on_disk = 0
             meter.start_file(name, on_disk)
-            hub_call(ref, f"downloading {name}", lambda: http_get(
-                meta.location, _MeteredFile(f, meter), resume_size=on_disk, headers=build_hf_headers(),
-                expected_size=meta.size, displayed_filename=name))
+            hub_call(
+                ref,
+                f"downloading {name}",
+                lambda: http_get(
+                    meta.location,
+                    _MeteredFile(f, meter),
+                    resume_size=on_disk,
+                    headers=build_hf_headers(),
+                    expected_size=meta.size,
+                    displayed_filename=name,
+                ),
+            )
         os.replace(partial, blob)
     # the blob is there: hf_hub_download only links it into snapshots/<commit>/ (the standard cache layout)
     hub_call(ref, f"caching {name}", lambda: hf_hub_download(ref.repo_id, name, revision=commit))
@@ -268,18 +305,23 @@ def download(dl: HubDownload, progress: Callable[[DownloadProgress], None] | Non
             _fetch(dl, name, meter)
     ref = rev.ref
     # record the user's revision (branch or tag) -> commit in refs/, so an offline start finds this snapshot
-    path = Path(hub_call(ref, "caching config.json", lambda: hf_hub_download(
-        ref.repo_id, CONFIG_NAME, revision=ref.revision)))
+    path = Path(
+        hub_call(ref, "caching config.json", lambda: hf_hub_download(ref.repo_id, CONFIG_NAME, revision=ref.revision))
+    )
     if path.parent.name != rev.commit:
-        raise HubError(f"{ref} moved to commit {path.parent.name} while commit {rev.commit} was downloading; run "
-                       f"again, or pin the commit with {ref.repo_id}@{rev.commit}")
-    log.info("%s: %s in the cache at %s (%s/s)", ref, format_bytes(meter.done), path.parent,
-             format_bytes(int(meter.rate)))
+        raise HubError(
+            f"{ref} moved to commit {path.parent.name} while commit {rev.commit} was downloading; run "
+            f"again, or pin the commit with {ref.repo_id}@{rev.commit}"
+        )
+    log.info(
+        "%s: %s in the cache at %s (%s/s)", ref, format_bytes(meter.done), path.parent, format_bytes(int(meter.rate))
+    )
     return HubSnapshot(path.parent, ref, rev.commit)
 
 
-def resolve_model_path(model: str | os.PathLike,
-                       progress: Callable[[DownloadProgress], None] | None = None) -> tuple[Path, str | None]:
+def resolve_model_path(
+    model: str | os.PathLike, progress: Callable[[DownloadProgress], None] | None = None
+) -> tuple[Path, str | None]:
     """A local model folder for ``model`` (a path, or a Hub id fetched into the cache) and its Hub commit if any."""
     ref = parse_model_ref(model)
     if isinstance(ref, HubRef):
@@ -290,5 +332,14 @@ def resolve_model_path(model: str | os.PathLike,
     return path, snapshot.revision if snapshot else None
 
 
-__all__ = ["DownloadProgress", "HubDownload", "HubSnapshot", "SERVE_PATTERNS", "wanted", "check_disk",
-           "prepare_download", "download", "resolve_model_path"]
+__all__ = [
+    "DownloadProgress",
+    "HubDownload",
+    "HubSnapshot",
+    "SERVE_PATTERNS",
+    "wanted",
+    "check_disk",
+    "prepare_download",
+    "download",
+    "resolve_model_path",
+]

@@ -9,9 +9,8 @@ The CPU implementations fall back to torch's own kernels where the native librar
 compiler, ``LOADMASTER_CPU_ISA=torch``) and, for the quantized operators, for products with more rows than the
 kernel takes (long prefills), where the weight is dequantized for that call and torch's GEMM runs.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
@@ -54,17 +53,16 @@ def _out_shape(x: torch.Tensor, n: int) -> list[int]:
     return [*x.shape[:-1], n]
 
 
-
-
 # -- float kernels -----------------------------------------------------------------------------------------------
-def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     dtype = weight.dtype
     kernel = KERNELS.get(dtype)
     if kernel is None:
         raise ValueError(f"loadmaster::linear takes bfloat16 or float32 weights, not {dtype}")
     if x.dtype is not dtype or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"loadmaster::linear: x {tuple(x.shape)} {x.dtype} does not fit weight "
-                         f"{tuple(weight.shape)} {dtype}")
+        raise ValueError(
+            f"loadmaster::linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {dtype}"
+        )
     n, k = weight.shape
     fn = _fn(kernel.name)
     x2 = _rows(x, k)
@@ -76,14 +74,25 @@ def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if bias is not None:
         bias = bias.to(dtype).contiguous()
         bias_ptr = bias.data_ptr()
-    rc = fn(x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0), bias_ptr, out.data_ptr(), n, m, n, k,
-            torch.get_num_threads())
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        weight.data_ptr(),
+        weight.stride(0),
+        bias_ptr,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"{kernel.symbol} rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
     return out.view(_out_shape(x, n))
 
 
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     torch._check(x.shape[-1] == weight.shape[1], lambda: "loadmaster::linear: x and weight disagree on in_features")
     torch._check(x.dtype == weight.dtype, lambda: "loadmaster::linear: x and weight dtypes differ")
     return x.new_empty(_out_shape(x, weight.shape[0]))
@@ -104,26 +113,38 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int
     return w.reshape(n, -1)[:, :in_features].to(dtype)
 
 
-def _check_quant(op: str, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, in_features: int,
-                 row_bytes: int, qdtype: torch.dtype, sdtype: torch.dtype, scale_cols: Optional[int]) -> None:
+def _check_quant(
+    op: str,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    in_features: int,
+    row_bytes: int,
+    qdtype: torch.dtype,
+    sdtype: torch.dtype,
+    scale_cols: int | None,
+) -> None:
     if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
         raise ValueError(f"loadmaster::{op} takes float32 or bfloat16 x, not {x.dtype}")
     if x.shape[-1] != in_features:
         raise ValueError(f"loadmaster::{op}: x has {x.shape[-1]} features, the layer {in_features}")
     if qweight.dtype is not qdtype or qweight.dim() != 2 or qweight.shape[1] < row_bytes or qweight.stride(1) != 1:
-        raise ValueError(f"loadmaster::{op}: weight must be {qdtype} [N, >= {row_bytes}] with contiguous rows, "
-                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+        raise ValueError(
+            f"loadmaster::{op}: weight must be {qdtype} [N, >= {row_bytes}] with contiguous rows, "
+            f"got {qweight.dtype} {tuple(qweight.shape)}"
+        )
     want_scale = (qweight.shape[0],) if scale_cols is None else (qweight.shape[0], scale_cols)
     if scale.dtype is not sdtype or tuple(scale.shape) != want_scale or not scale.is_contiguous():
-        raise ValueError(f"loadmaster::{op}: scales must be contiguous {sdtype} {want_scale}, "
-                         f"got {scale.dtype} {tuple(scale.shape)}")
+        raise ValueError(
+            f"loadmaster::{op}: scales must be contiguous {sdtype} {want_scale}, got {scale.dtype} {tuple(scale.shape)}"
+        )
 
 
 def _groups(in_features: int) -> int:
     return (in_features + GROUP - 1) // GROUP
 
 
-def _call_quant(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], n: int, k: int, args) -> Optional[torch.Tensor]:
+def _call_quant(name: str, x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, args) -> torch.Tensor | None:
     """Run a quantized kernel, or return ``None`` for the torch fallback."""
     fn = _fn(name)
     x2 = _rows(x, k)
@@ -135,19 +156,30 @@ def _call_quant(name: str, x: torch.Tensor, bias: Optional[torch.Tensor], n: int
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
         bias_ptr = bias.data_ptr()
-    rc = fn(x2.data_ptr(), x2.stride(0), int(x.dtype == torch.bfloat16), *args, bias_ptr, out.data_ptr(), n, m, n,
-            k, torch.get_num_threads())
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        int(x.dtype == torch.bfloat16),
+        *args,
+        bias_ptr,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"lm_{name} failed ({rc}) for x={tuple(x.shape)} and {n} outputs")
     return out.view(_out_shape(x, n))
 
 
 def _linear_q8_cpu(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
-    _check_quant("linear_q8", x, qweight, scale, in_features, _groups(in_features) * GROUP, torch.int8,
-                 torch.float32, None)
+    _check_quant(
+        "linear_q8", x, qweight, scale, in_features, _groups(in_features) * GROUP, torch.int8, torch.float32, None
+    )
     n = qweight.shape[0]
-    out = _call_quant("linear_q8", x, bias, n, in_features,
-                      (qweight.data_ptr(), qweight.stride(0), scale.data_ptr()))
+    out = _call_quant("linear_q8", x, bias, n, in_features, (qweight.data_ptr(), qweight.stride(0), scale.data_ptr()))
     if out is None:
         out = F.linear(x, dequantize_int8(qweight, scale, in_features, x.dtype), bias)
     return out
@@ -157,8 +189,9 @@ def _linear_q4_cpu(x, packed, scales, bias, in_features: int) -> torch.Tensor:
     g = _groups(in_features)
     _check_quant("linear_q4", x, packed, scales, in_features, g * GROUP // 2, torch.uint8, torch.float16, g)
     n = packed.shape[0]
-    out = _call_quant("linear_q4", x, bias, n, in_features,
-                      (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0)))
+    out = _call_quant(
+        "linear_q4", x, bias, n, in_features, (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0))
+    )
     if out is None:
         out = F.linear(x, dequantize_int4(packed, scales, in_features, x.dtype), bias)
     return out

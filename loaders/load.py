@@ -10,14 +10,15 @@ The steps, each in its own room:
 4. ``placement``: every tensor on its device (validated map, checkpoint key mapping, materialisation);
 5. ``execution``: hooks, streaming and native kernels, applied to the placed model.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
 
 import torch
 
@@ -42,8 +43,8 @@ from planner.types import DeviceId, Plan, Skeleton
 
 log = logging.getLogger(__name__)
 
-DeviceMapArg = Union[str, Mapping[str, object], Plan, None]
-Source = Union[str, os.PathLike, CheckpointModel]
+DeviceMapArg = str | Mapping[str, object] | Plan | None
+Source = str | os.PathLike | CheckpointModel
 
 
 @dataclass
@@ -56,12 +57,12 @@ class LoadResult:
 
     model: torch.nn.Module
     device_map: dict[str, DeviceId]
-    plan: Optional[Plan]
+    plan: Plan | None
     stats: LoadStats
     skeleton: Skeleton
 
 
-def _dtype_name(dtype) -> Optional[str]:
+def _dtype_name(dtype) -> str | None:
     """The user's dtype (a torch.dtype or any spelling the planner reads) as a dtype name; None for "default"."""
     if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
         return None
@@ -70,8 +71,9 @@ def _dtype_name(dtype) -> Optional[str]:
     return normalize_dtype(str(dtype), "float32")
 
 
-def resolve_device_map(skeleton: Skeleton, device_map: DeviceMapArg, *, max_memory, dtype: str, quantization,
-                       workload, offload_folder=None) -> tuple[dict[str, DeviceId], Optional[Plan]]:
+def resolve_device_map(
+    skeleton: Skeleton, device_map: DeviceMapArg, *, max_memory, dtype: str, quantization, workload, offload_folder=None
+) -> tuple[dict[str, DeviceId], Plan | None]:
     """The device map to obey. A Plan is taken as is; a strategy name is planned from ``skeleton``; a dict (or a
     single device) is normalised, and validated against the model at placement."""
     if isinstance(device_map, Plan):
@@ -82,10 +84,19 @@ def resolve_device_map(skeleton: Skeleton, device_map: DeviceMapArg, *, max_memo
         if device_map not in STRATEGY_NAMES:
             if device_map in ("cpu", "disk") or device_map.startswith("cuda") or device_map.isdigit():
                 return normalize_map({"": device_map}), None
-            raise PlanError(f"Unknown device_map strategy {device_map!r}: use one of {', '.join(STRATEGY_NAMES)}, "
-                            "a dict of module -> device, or a Plan.")
-        p = make_plan(skeleton, max_memory=max_memory, strategy=device_map, dtype=dtype, quantization=quantization,
-                      offload_folder=offload_folder, **workload)
+            raise PlanError(
+                f"Unknown device_map strategy {device_map!r}: use one of {', '.join(STRATEGY_NAMES)}, "
+                "a dict of module -> device, or a Plan."
+            )
+        p = make_plan(
+            skeleton,
+            max_memory=max_memory,
+            strategy=device_map,
+            dtype=dtype,
+            quantization=quantization,
+            offload_folder=offload_folder,
+            **workload,
+        )
         return normalize_map(p.device_map), p
     if isinstance(device_map, Mapping):
         return normalize_map(device_map), None
@@ -97,14 +108,14 @@ def load_checkpoint(
     device_map: DeviceMapArg = "auto",
     max_memory=None,
     dtype=None,
-    quantization: Optional[str] = None,
-    offload_folder: Union[str, os.PathLike, None] = None,
+    quantization: str | None = None,
+    offload_folder: str | os.PathLike | None = None,
     *,
-    progress: Optional[Callable[[LoadProgress], None]] = None,
+    progress: Callable[[LoadProgress], None] | None = None,
     show_progress: bool = True,
     cpu_kernels: str = "auto",
-    cpu_quantization: Optional[str] = None,
-    cpu_quantized_dir: Union[str, os.PathLike, None] = None,
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: str | os.PathLike | None = None,
     **workload,
 ) -> LoadResult:
     """Load a checkpoint onto the devices a device map (or Plan) names; see :func:`load_model` for the arguments.
@@ -130,18 +141,26 @@ def load_checkpoint(
     reporter = ProgressReporter(index.total_bytes(), progress, show_bar=show_progress)
     try:
         reporter.set_phase("building")
-        described = source if isinstance(source, CheckpointModel) else describe_checkpoint(
-            root, given, headers=index.headers)
+        described = (
+            source if isinstance(source, CheckpointModel) else describe_checkpoint(root, given, headers=index.headers)
+        )
         if not isinstance(source, CheckpointModel) and hub is not None:  # a plan made here names the Hub commit
-            described = replace(described, skeleton=replace(described.skeleton, name=hub.repo_id,
-                                                            revision=hub.revision))
+            described = replace(
+                described, skeleton=replace(described.skeleton, name=hub.repo_id, revision=hub.revision)
+            )
         run = make_workload(described.skeleton, given).dtype  # the planner's default when none is given
         check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir, getattr(torch, run))
         if isinstance(device_map, Plan):
             check_plan_fingerprint(device_map.fingerprint, described.skeleton.fingerprint, str(root))
-        dmap, the_plan = resolve_device_map(described.skeleton, device_map, max_memory=max_memory, dtype=run,
-                                            quantization=quantization, workload=workload,
-                                            offload_folder=offload_folder)
+        dmap, the_plan = resolve_device_map(
+            described.skeleton,
+            device_map,
+            max_memory=max_memory,
+            dtype=run,
+            quantization=quantization,
+            workload=workload,
+            offload_folder=offload_folder,
+        )
         if quantization:
             reporter.set_phase("loading")
             model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=None, t0=t0)
@@ -151,13 +170,23 @@ def load_checkpoint(
         if described.dtype != run:
             log.info("building %s again in %s (it was described in %s)", root, run, described.dtype)
             described = describe_checkpoint(root, run, headers=index.headers)
-        placed = place(described, index, dmap, getattr(torch, run), reporter, model_path=root,
-                       offload_folder=Path(offload_folder) if offload_folder is not None else None)
+        placed = place(
+            described,
+            index,
+            dmap,
+            getattr(torch, run),
+            reporter,
+            model_path=root,
+            offload_folder=Path(offload_folder) if offload_folder is not None else None,
+        )
         reporter.set_phase("dispatching")
         executed = apply_execution(
-            placed, cpu_kernels, cpu_quantization=cpu_quantization,
+            placed,
+            cpu_kernels,
+            cpu_quantization=cpu_quantization,
             cpu_quantized_dir=Path(cpu_quantized_dir) if cpu_quantized_dir is not None else None,
-            checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in index.files])
+            checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in index.files],
+        )
         model = placed.model
         stats = placed.stats
         stats.native_linears = executed.native_linears
@@ -175,7 +204,7 @@ def load_checkpoint(
         raise
 
 
-def _local_checkpoint(model: Union[str, os.PathLike], device_map: DeviceMapArg) -> tuple[Path, Optional[HubRef]]:
+def _local_checkpoint(model: str | os.PathLike, device_map: DeviceMapArg) -> tuple[Path, HubRef | None]:
     """The folder to load: ``model`` itself, or a Hub id ``org/name[@rev]`` fetched into the Hub cache (with the
     repository and commit it holds). A Plan made for a Hub commit must be loaded from that commit."""
     from loaders.hub_download import resolve_model_path
@@ -183,24 +212,26 @@ def _local_checkpoint(model: Union[str, os.PathLike], device_map: DeviceMapArg) 
     path, commit = resolve_model_path(model)
     planned = device_map.revision if isinstance(device_map, Plan) else None
     if planned and commit and planned != commit:
-        raise CheckpointError(f"The plan was made for commit {planned} of {device_map.model}, but {model} is commit "
-                              f"{commit}; plan again for this revision, or load {device_map.model}@{planned}.")
+        raise CheckpointError(
+            f"The plan was made for commit {planned} of {device_map.model}, but {model} is commit "
+            f"{commit}; plan again for this revision, or load {device_map.model}@{planned}."
+        )
     return path, cached_snapshot_of(path) if commit else None
 
 
 def load_model(
-    path: Union[str, os.PathLike],
+    path: str | os.PathLike,
     device_map: DeviceMapArg = "auto",
     max_memory=None,
     dtype=None,
-    quantization: Optional[str] = None,
-    offload_folder: Union[str, os.PathLike, None] = None,
+    quantization: str | None = None,
+    offload_folder: str | os.PathLike | None = None,
     *,
-    progress: Optional[Callable[[LoadProgress], None]] = None,
+    progress: Callable[[LoadProgress], None] | None = None,
     show_progress: bool = True,
     cpu_kernels: str = "auto",
-    cpu_quantization: Optional[str] = None,
-    cpu_quantized_dir: Union[str, os.PathLike, None] = None,
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: str | os.PathLike | None = None,
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
@@ -216,12 +247,23 @@ def load_model(
     streamed from disk) at load, weight-only (:mod:`loaders.cpu_quant`); with ``cpu_quantized_dir`` the quantized
     weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
     """
-    return load_checkpoint(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
-                           show_progress=show_progress, cpu_kernels=cpu_kernels, cpu_quantization=cpu_quantization,
-                           cpu_quantized_dir=cpu_quantized_dir, **workload).model
+    return load_checkpoint(
+        path,
+        device_map,
+        max_memory,
+        dtype,
+        quantization,
+        offload_folder,
+        progress=progress,
+        show_progress=show_progress,
+        cpu_kernels=cpu_kernels,
+        cpu_quantization=cpu_quantization,
+        cpu_quantized_dir=cpu_quantized_dir,
+        **workload,
+    ).model
 
 
-def load_tokenizer(path: Union[str, os.PathLike]):
+def load_tokenizer(path: str | os.PathLike):
     """The tokenizer saved next to the weights (``AutoTokenizer``, local files only), or a CheckpointError."""
     from transformers import AutoTokenizer
 
@@ -230,23 +272,44 @@ def load_tokenizer(path: Union[str, os.PathLike]):
     try:
         return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"No usable tokenizer in {root} ({exc}). Save one with tokenizer.save_pretrained "
-                              "into the model directory.") from exc
+        raise CheckpointError(
+            f"No usable tokenizer in {root} ({exc}). Save one with tokenizer.save_pretrained into the model directory."
+        ) from exc
 
 
-def load_model_and_tokenizer(path: Union[str, os.PathLike], device_map: DeviceMapArg = "auto", max_memory=None,
-                             dtype=None, quantization: Optional[str] = None,
-                             offload_folder: Union[str, os.PathLike, None] = None, *,
-                             progress: Optional[Callable[[LoadProgress], None]] = None, show_progress: bool = True,
-                             cpu_kernels: str = "auto", cpu_quantization: Optional[str] = None,
-                             cpu_quantized_dir: Union[str, os.PathLike, None] = None, **workload):
+def load_model_and_tokenizer(
+    path: str | os.PathLike,
+    device_map: DeviceMapArg = "auto",
+    max_memory=None,
+    dtype=None,
+    quantization: str | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    *,
+    progress: Callable[[LoadProgress], None] | None = None,
+    show_progress: bool = True,
+    cpu_kernels: str = "auto",
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: str | os.PathLike | None = None,
+    **workload,
+):
     """:func:`load_model` plus the tokenizer saved next to the weights (``AutoTokenizer``, local files only).
 
     The tokenizer is read first, so a directory without one fails before any weight is loaded.
     """
     path, _ = _local_checkpoint(path, device_map)
     tokenizer = load_tokenizer(path)
-    model = load_model(path, device_map, max_memory, dtype, quantization, offload_folder, progress=progress,
-                       show_progress=show_progress, cpu_kernels=cpu_kernels, cpu_quantization=cpu_quantization,
-                       cpu_quantized_dir=cpu_quantized_dir, **workload)
+    model = load_model(
+        path,
+        device_map,
+        max_memory,
+        dtype,
+        quantization,
+        offload_folder,
+        progress=progress,
+        show_progress=show_progress,
+        cpu_kernels=cpu_kernels,
+        cpu_quantization=cpu_quantization,
+        cpu_quantized_dir=cpu_quantized_dir,
+        **workload,
+    )
     return model, tokenizer

@@ -12,24 +12,25 @@
 * ``"disk"``: a zero-copy memory map of the shard when the stored dtype is the one run; otherwise (a cast, or a
   fused MoE tensor assembled from per-expert keys) converted once into the offload folder and mapped from there.
 """
+
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
 import re
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Optional
 
 import torch
 
 from loaders.checkpoint_layout import to_torch_index
-from planner.checkpoint_keys import TensorSource, piece_shape
 from loaders.offload_folder import OffloadFolder
 from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
 from loaders.shard_reader import ShardReader, populate
+from planner.checkpoint_keys import TensorSource, piece_shape
 from planner.devices import parse_device, torch_device_name
 from planner.types import DeviceId
 
@@ -41,7 +42,8 @@ STAGING_CHUNK = 64 * 1024 * 1024
 def default_offload_folder(model_path: Path) -> Path:
     """Where converted disk tensors go when the caller names no folder: a per-model cache directory."""
     base = os.environ.get("LOADMASTER_OFFLOAD_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loadmaster", "offload")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loadmaster", "offload"
+    )
     digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
     return Path(base) / f"{model_path.resolve().name}-{digest}"
 
@@ -49,9 +51,18 @@ def default_offload_folder(model_path: Path) -> Path:
 class Materializer:
     """Reads a checkpoint's tensors onto their devices and remembers what it cost (``stats``)."""
 
-    def __init__(self, index: CheckpointIndex, run_dtype: torch.dtype, keep_fp32: list[str],
-                 reporter: ProgressReporter, *, offload_folder=None, model_path: Path, has_gpu: bool,
-                 workers: Optional[int] = None):
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        run_dtype: torch.dtype,
+        keep_fp32: list[str],
+        reporter: ProgressReporter,
+        *,
+        offload_folder=None,
+        model_path: Path,
+        has_gpu: bool,
+        workers: int | None = None,
+    ):
         self.index = index
         self.run_dtype = run_dtype
         self._keep_fp32 = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in keep_fp32]
@@ -64,7 +75,7 @@ class Materializer:
         self.stats = LoadStats()
         #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
         self.disk_ranges: dict[str, tuple[str, int, int]] = {}
-        self._staging: Optional[_PinnedStaging] = None
+        self._staging: _PinnedStaging | None = None
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
@@ -78,8 +89,9 @@ class Materializer:
         self.stats.bytes_per_device[device] = self.stats.bytes_per_device.get(device, 0) + nbytes
 
     # -- entry point ---------------------------------------------------------------------------------------
-    def materialize(self, sources: Mapping[str, TensorSource], devices: Mapping[str, DeviceId]
-                    ) -> dict[str, torch.Tensor]:
+    def materialize(
+        self, sources: Mapping[str, TensorSource], devices: Mapping[str, DeviceId]
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         cpu_jobs, gpu_jobs, to_convert = [], [], []
         resident_ranges: list[tuple[str, int, int]] = []
@@ -113,7 +125,7 @@ class Materializer:
         if resident_ranges:
             merged = _merge(resident_ranges)
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
-                for (path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
+                for (_path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
                     self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
         pin = self.has_gpu
@@ -137,8 +149,7 @@ class Materializer:
         return e.file, e.start
 
     # -- CPU -----------------------------------------------------------------------------------------------
-    def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False, device: str = "cpu"
-                  ) -> torch.Tensor:
+    def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False, device: str = "cpu") -> torch.Tensor:
         dest = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
         populate(dest)
         for piece in src.pieces:
@@ -172,13 +183,19 @@ class Materializer:
 
     # -- disk, converted -----------------------------------------------------------------------------------
     def _serve_from_offload_folder(self, jobs, out: dict[str, torch.Tensor]) -> None:
-        folder = OffloadFolder(self.offload_folder or default_offload_folder(self.model_path),
-                               model_path=self.model_path, dtype=self.run_dtype, sources=self.index.files)
+        folder = OffloadFolder(
+            self.offload_folder or default_offload_folder(self.model_path),
+            model_path=self.model_path,
+            dtype=self.run_dtype,
+            sources=self.index.files,
+        )
         specs = {name: (src.shape, dtype) for name, src, dtype in jobs}
         self.reporter.set_phase("offloading")
         if not folder.is_valid_for(specs):
             by_name = {name: (src, dtype) for name, src, dtype in jobs}
-            written = folder.write(specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1], device="disk"))
+            written = folder.write(
+                specs, lambda name: self._load_cpu(by_name[name][0], by_name[name][1], device="disk")
+            )
             self.stats.offload_bytes_written += written
             self.stats.bytes_read += sum(self.index[p.key].nbytes for _, src, _ in jobs for p in src.pieces)
         else:
@@ -223,7 +240,7 @@ class _PinnedStaging:
             buf = self.bufs[i]
             piece = ShardEntry(entry.key, entry.file, torch.uint8, (n,), entry.start + done, entry.start + done + n)
             reader.read_into(piece, buf[:n])
-            dest_bytes[done:done + n].copy_(buf[:n], non_blocking=True)
+            dest_bytes[done : done + n].copy_(buf[:n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self.events[i] = ev

@@ -2,6 +2,7 @@
 ``inv_freq``...) on their real device, and re-tying tied weights. The model itself is built by the planner's
 :func:`planner.skeleton.build_meta_model`, the one place a config becomes a model class.
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,14 +13,15 @@ Writes are atomic: the old index is removed first, the data file is written unde
 renamed, and only then is the index written (temporary name + rename). A run killed at any point leaves either
 no index (the next run rewrites) or a complete folder.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 
@@ -116,12 +117,15 @@ class OffloadFolder:
         if self._index is None:
             return {}
         data = str(self.path / DATA)
-        return {name: ShardEntry(name, data, SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]), t["start"], t["end"])
-                for name, t in self._index["tensors"].items()}
+        return {
+            name: ShardEntry(name, data, SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]), t["start"], t["end"])
+            for name, t in self._index["tensors"].items()
+        }
 
     # -- writing ---------------------------------------------------------------------------------------
-    def write(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-              produce: Callable[[str], torch.Tensor]) -> int:
+    def write(
+        self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], produce: Callable[[str], torch.Tensor]
+    ) -> int:
         """Write every tensor ``produce(name)`` returns, then the index. Returns the bytes written."""
         self.path.mkdir(parents=True, exist_ok=True)
         for stale in (self.path / INDEX,):
@@ -143,14 +147,24 @@ class OffloadFolder:
                 nbytes = t.numel() * t.element_size()
                 if nbytes:
                     f.write(byte_view(t))
-                tensors[name] = {"dtype": _DTYPE_TAGS[t.dtype], "shape": list(t.shape),
-                                 "start": pos, "end": pos + nbytes}
+                tensors[name] = {
+                    "dtype": _DTYPE_TAGS[t.dtype],
+                    "shape": list(t.shape),
+                    "start": pos,
+                    "end": pos + nbytes,
+                }
                 pos += nbytes
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_data, self.path / DATA)
-        index = {"format": FORMAT, "model": self.model, "dtype": self.dtype, "sources": self.sources,
-                 "data_size": pos, "tensors": tensors}
+        index = {
+            "format": FORMAT,
+            "model": self.model,
+            "dtype": self.dtype,
+            "sources": self.sources,
+            "data_size": pos,
+            "tensors": tensors,
+        }
         tmp_index = self.path / f"{INDEX}.{os.getpid()}.tmp"
         with open(tmp_index, "w") as f:
             json.dump(index, f, indent=1)

@@ -8,12 +8,13 @@ fill it, or the checkpoint is refused before any weight is allocated; :class:`lo
 reads each tensor onto its device (zero-copy maps for ``"disk"``, the offload folder for converted disk tensors);
 then non-persistent buffers are computed on their devices and tied weights re-tied.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
 
 import torch
 
@@ -55,9 +56,16 @@ def _keep_fp32_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]
     return pats
 
 
-def place(described: CheckpointModel, index: CheckpointIndex, device_map: Mapping[str, DeviceId],
-          run_dtype: torch.dtype, reporter: ProgressReporter, *, model_path: Path,
-          offload_folder: Optional[Path] = None) -> PlacedModel:
+def place(
+    described: CheckpointModel,
+    index: CheckpointIndex,
+    device_map: Mapping[str, DeviceId],
+    run_dtype: torch.dtype,
+    reporter: ProgressReporter,
+    *,
+    model_path: Path,
+    offload_folder: Path | None = None,
+) -> PlacedModel:
     """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says."""
     model = described.model
     skeleton = described.skeleton
@@ -67,25 +75,37 @@ def place(described: CheckpointModel, index: CheckpointIndex, device_map: Mappin
     np_bufs = [t.name for t in specs if t.kind == "buffer_nonpersistent"]
     ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     ignore_unexpected += [r"rotary_emb\.inv_freq$"] + [f"^{re.escape(t)}$" for t in tied_targets]
-    sources = resolve_sources(wanted, index, base_prefix=getattr(model, "base_model_prefix", ""),
-                              ignore_unexpected=ignore_unexpected,
-                              ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    sources = resolve_sources(
+        wanted,
+        index,
+        base_prefix=getattr(model, "base_model_prefix", ""),
+        ignore_unexpected=ignore_unexpected,
+        ignore_missing=getattr(model, "_keys_to_ignore_on_load_missing", None) or (),
+    )
     all_names = list(wanted) + np_bufs + sorted(tied_targets)
     devices = assign_devices(all_names, device_map, (n for n, _ in model.named_modules()))
     check_tied_groups(skeleton.tied_groups, devices.get)
     has_gpu = any(isinstance(d, int) for d in devices.values())
     if has_gpu and not torch.cuda.is_available():
-        raise PlanError("The device map places modules on a GPU but torch sees no CUDA device here. "
-                        "Plan for this machine (device_map='auto') or use 'cpu'/'disk'.")
+        raise PlanError(
+            "The device map places modules on a GPU but torch sees no CUDA device here. "
+            "Plan for this machine (device_map='auto') or use 'cpu'/'disk'."
+        )
     exec_dev = execution_device(device_map)
 
     reporter.set_phase("loading")
-    mat = Materializer(index, run_dtype, _keep_fp32_patterns(model, run_dtype), reporter,
-                       offload_folder=offload_folder, model_path=model_path, has_gpu=has_gpu)
+    mat = Materializer(
+        index,
+        run_dtype,
+        _keep_fp32_patterns(model, run_dtype),
+        reporter,
+        offload_folder=offload_folder,
+        model_path=model_path,
+        has_gpu=has_gpu,
+    )
     for name, t in mat.materialize(sources, {n: devices[n] for n in sources}).items():
         set_tensor(model, name, t)
-    buf_devices = {n: (torch.device("cuda", devices[n]) if isinstance(devices[n], int) else exec_dev)
-                   for n in np_bufs}
+    buf_devices = {n: (torch.device("cuda", devices[n]) if isinstance(devices[n], int) else exec_dev) for n in np_bufs}
     init_non_persistent_buffers(model, buf_devices)
     tie_weights(model)
     _check_materialized(model)
@@ -95,8 +115,10 @@ def place(described: CheckpointModel, index: CheckpointIndex, device_map: Mappin
 def _check_materialized(model: torch.nn.Module) -> None:
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
-        raise CheckpointError(f"Tensors left without data after loading: {left[:10]}. This is a loader bug; "
-                              "please report it with the model's config.json.")
+        raise CheckpointError(
+            f"Tensors left without data after loading: {left[:10]}. This is a loader bug; "
+            "please report it with the model's config.json."
+        )
 
 
 __all__ = ["PlacedModel", "place"]

@@ -1,12 +1,13 @@
 """What a load reports while it runs (LoadProgress) and after it finishes (LoadStats)."""
+
 from __future__ import annotations
 
 import logging
 import resource
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from tqdm.auto import tqdm
 
@@ -47,7 +48,7 @@ class LoadStats:
     #: Linear layers switched to the native CPU kernels (:mod:`loaders.fast_linear`).
     native_linears: int = 0
     #: What ``cpu_quantization`` did (a :class:`loaders.cpu_quant.QuantizationStats`), or None.
-    cpu_quantization: Optional[object] = None
+    cpu_quantization: object | None = None
 
     def bytes_by_device_id(self) -> dict[DeviceId, int]:
         """``bytes_per_device`` keyed as device maps and plans key devices: GPU index, "cpu" or "disk"."""
@@ -65,7 +66,7 @@ class ProgressReporter:
     ``bytes_done`` go backwards.
     """
 
-    def __init__(self, total: int, callback: Optional[Callable[[LoadProgress], None]], show_bar: bool = True):
+    def __init__(self, total: int, callback: Callable[[LoadProgress], None] | None, show_bar: bool = True):
         self.total = int(total)
         self.done = 0
         self.phase = "validating"
@@ -73,8 +74,15 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.by_device: dict[str, int] = {}
-        self._bar = tqdm(total=self.total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading",
-                         disable=not show_bar, leave=False)
+        self._bar = tqdm(
+            total=self.total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="loading",
+            disable=not show_bar,
+            leave=False,
+        )
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -107,8 +115,15 @@ class ProgressReporter:
         if self._callback is not None:
             try:
                 elapsed = time.perf_counter() - self._t0
-                self._callback(LoadProgress(self.done, self.total, self.phase, dict(self.by_device),
-                                            self.done / elapsed if elapsed > 0 else 0.0))
+                self._callback(
+                    LoadProgress(
+                        self.done,
+                        self.total,
+                        self.phase,
+                        dict(self.by_device),
+                        self.done / elapsed if elapsed > 0 else 0.0,
+                    )
+                )
             except Exception:  # a broken observer must not break a load
                 log.exception("progress callback failed")
 

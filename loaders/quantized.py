@@ -5,12 +5,13 @@ machinery lives in transformers' ``from_pretrained``, so quantized loads go thro
 rather than re-implementing bitsandbytes' parameter classes. The checkpoint has already been validated by the
 caller. bitsandbytes modules cannot be served from disk, so a map that sends any module to ``"disk"`` is refused.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -32,13 +33,24 @@ def bnb_config(quantization: str, compute_dtype: torch.dtype, cpu_offload: bool 
     if q in ("int8", "8bit", "llm_int8"):
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=cpu_offload)
     if q in ("nf4", "fp4"):
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q, bnb_4bit_compute_dtype=compute_dtype,
-                                  llm_int8_enable_fp32_cpu_offload=cpu_offload)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q,
+            bnb_4bit_compute_dtype=compute_dtype,
+            llm_int8_enable_fp32_cpu_offload=cpu_offload,
+        )
     raise PlanError(f"Unknown quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}.")
 
 
-def load_quantized(path: Path, device_map: Mapping[str, DeviceId], dtype: torch.dtype, quantization: str, *,
-                   progress: Optional[Callable[[LoadProgress], None]] = None, t0: float) -> torch.nn.Module:
+def load_quantized(
+    path: Path,
+    device_map: Mapping[str, DeviceId],
+    dtype: torch.dtype,
+    quantization: str,
+    *,
+    progress: Callable[[LoadProgress], None] | None = None,
+    t0: float,
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     gpus = any(isinstance(v, int) for v in device_map.values())
@@ -46,13 +58,16 @@ def load_quantized(path: Path, device_map: Mapping[str, DeviceId], dtype: torch.
     config = bnb_config(quantization, dtype, cpu_offload)
     disk = sorted(k for k, v in device_map.items() if v == "disk")
     if disk:
-        raise PlanError(f"bitsandbytes-quantized modules cannot be offloaded to disk ({', '.join(disk[:5])}). "
-                        "Give the CPU more memory, or load without quantization to use disk offload.")
+        raise PlanError(
+            f"bitsandbytes-quantized modules cannot be offloaded to disk ({', '.join(disk[:5])}). "
+            "Give the CPU more memory, or load without quantization to use disk offload."
+        )
     hf_map = {k: (v if isinstance(v, int) else "cpu") for k, v in device_map.items()}
     if progress is not None:
         progress(LoadProgress(0, 1, "loading"))
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, dtype=dtype,
-                                                 device_map=hf_map, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), quantization_config=config, dtype=dtype, device_map=hf_map, local_files_only=True
+    )
     model.eval()
     stats = LoadStats()
     seen = set()

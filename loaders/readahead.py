@@ -3,6 +3,7 @@ at first use. As disk block i starts, a forward pre-hook asks the kernel to read
 (``madvise(WILLNEED)``), so cold-cache decoding overlaps reads with compute; a few-page ``mincore`` probe skips the
 advice when the bytes are already cached.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ bad header means a bad checkpoint. Every check runs here, before a single weight
 missing file, a header that is not JSON or whose length is wrong, a tensor whose byte range leaves the file (a shard
 truncated mid-tensor) or disagrees with its dtype and shape.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,14 @@ class ShardFile:
 class CheckpointIndex:
     """All tensors of a checkpoint, by key. Construct with :meth:`open`."""
 
-    def __init__(self, root: Path, entries: dict[str, ShardEntry], files: list[ShardFile], metadata: dict,
-                 headers: CheckpointHeaders):
+    def __init__(
+        self,
+        root: Path,
+        entries: dict[str, ShardEntry],
+        files: list[ShardFile],
+        metadata: dict,
+        headers: CheckpointHeaders,
+    ):
         self.root = root
         self.entries = entries
         self.files = files
@@ -67,7 +74,7 @@ class CheckpointIndex:
         self.headers = headers
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "CheckpointIndex":
+    def open(cls, path: str | os.PathLike) -> CheckpointIndex:
         """Read and validate every header of a checkpoint directory (or of the directory of one shard)."""
         root = Path(path)
         root = root.parent if root.is_file() else root
@@ -78,7 +85,7 @@ class CheckpointIndex:
         return cls.from_headers(headers)
 
     @classmethod
-    def from_headers(cls, headers: CheckpointHeaders) -> "CheckpointIndex":
+    def from_headers(cls, headers: CheckpointHeaders) -> CheckpointIndex:
         """The index of a checkpoint whose headers the planner has already read and validated."""
         entries: dict[str, ShardEntry] = {}
         files: list[ShardFile] = []
@@ -91,8 +98,9 @@ class CheckpointIndex:
             files.append(ShardFile(str(h.path), h.file_size, st.st_mtime_ns))
             metadata.update(h.metadata)
             for name, t in h.tensors.items():
-                entries[name] = ShardEntry(name, str(h.path), getattr(torch, t.dtype), t.shape,
-                                           t.offset, t.offset + t.nbytes)
+                entries[name] = ShardEntry(
+                    name, str(h.path), getattr(torch, t.dtype), t.shape, t.offset, t.offset + t.nbytes
+                )
         return cls(Path(headers.directory), entries, files, metadata, headers)
 
     def keys(self) -> list[str]:

@@ -6,6 +6,7 @@ without GPUs that is how both ``"cpu"`` tensors (made resident at load with :met
 uses positioned reads (``os.preadv``) into a destination's own memory, for tensors that must be copied: cast,
 fused, pinned for GPU streaming, or bound for a GPU.
 """
+
 from __future__ import annotations
 
 import ctypes

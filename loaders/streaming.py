@@ -16,12 +16,14 @@ while the GPU computes), then the side stream copies that to the device. No ``em
 All device operations go through a small backend so the schedule is testable on a machine without CUDA: the
 :class:`CpuBackend` runs the same code with plain CPU tensors and synchronous copies.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -41,7 +43,7 @@ class CpuBackend:
 
     device = torch.device("cpu")
 
-    def __init__(self, on_op: Optional[Callable[..., None]] = None):
+    def __init__(self, on_op: Callable[..., None] | None = None):
         self.on_op = on_op or (lambda *a: None)
 
     def empty(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
@@ -140,7 +142,7 @@ class StreamedBlock:
         self.nbytes = pos
         return pos
 
-    def unique(self) -> list["StreamedTensor"]:
+    def unique(self) -> list[StreamedTensor]:
         """One StreamedTensor per distinct host tensor (what must actually be copied)."""
         seen: set[int] = set()
         out = []
@@ -154,11 +156,11 @@ class StreamedBlock:
 @dataclass
 class _Slot:
     buffer: torch.Tensor
-    staging: Optional[torch.Tensor] = None
-    block: Optional[int] = None  # which block's weights the slot holds (or is receiving)
+    staging: torch.Tensor | None = None
+    block: int | None = None  # which block's weights the slot holds (or is receiving)
     ready: Any = None  # event: the copy into this slot has finished
     done: Any = None  # event: the last block computed from this slot has finished
-    pending: Optional[Future] = None  # staging read in flight (disk blocks)
+    pending: Future | None = None  # staging read in flight (disk blocks)
     staging_free: Any = None  # event: the H2D copy out of the staging buffer finished
 
 
@@ -182,14 +184,14 @@ class BlockStreamer:
         #: Observed execution order: block -> the block that ran after it last time. Module order is only the
         #: first guess (Llama runs rotary_emb right after the embeddings although it is registered last).
         self.next_of: dict[int, int] = {}
-        self._last: Optional[int] = None
+        self._last: int | None = None
         self.where: dict[int, int] = {}  # block -> slot it was last copied into
-        self._cur_slot: Optional[int] = None  # slot of the block that ran last (or runs now)
+        self._cur_slot: int | None = None  # slot of the block that ran last (or runs now)
         self._running: set[int] = set()  # slots whose block is between its pre- and post-hook
         self.loads = 0  # copies issued (for tests and stats)
         self.sync_loads = 0  # copies a block had to wait for because nothing prefetched it
 
-    def _slot_holding(self, i: int) -> Optional[int]:
+    def _slot_holding(self, i: int) -> int | None:
         s = self.where.get(i)
         return s if s is not None and self.slots[s].block == i else None
 
@@ -227,7 +229,7 @@ class BlockStreamer:
 
     @staticmethod
     def _view(buf: torch.Tensor, t: StreamedTensor) -> torch.Tensor:
-        return buf[t.offset:t.offset + t.nbytes].view(t.host.dtype).view(t.host.shape)
+        return buf[t.offset : t.offset + t.nbytes].view(t.host.dtype).view(t.host.shape)
 
     # -- hooks -----------------------------------------------------------------------------------------------
     def before(self, i: int) -> None:
@@ -262,7 +264,7 @@ class BlockStreamer:
                 if target is not None:
                     self._issue(nxt, target)
 
-    def _free_slot(self, start: int) -> Optional[int]:
+    def _free_slot(self, start: int) -> int | None:
         """The first slot from ``start`` on whose block is not running now."""
         n = len(self.slots)
         for k in range(n):
@@ -310,8 +312,9 @@ def _units(model: torch.nn.Module, key: str, keys: list[str]) -> tuple[list[tupl
     return _units_below(key, owner, nested, keys)
 
 
-def _units_below(path: str, module: torch.nn.Module, nested: list[str], keys: list[str]
-                 ) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
+def _units_below(
+    path: str, module: torch.nn.Module, nested: list[str], keys: list[str]
+) -> tuple[list[tuple[str, torch.nn.Module]], list[str]]:
     """``module`` (named ``path``, ``""`` for the root) split at the entries nested in it: children that hold no
     entry are units; ``path`` and every module on the way down to a nested entry keep their own tensors resident."""
     units: list[tuple[str, torch.nn.Module]] = []
@@ -329,8 +332,9 @@ def _units_below(path: str, module: torch.nn.Module, nested: list[str], keys: li
     return units, residual
 
 
-def build_blocks(model: torch.nn.Module, entries: list[str], placement: Mapping[str, DeviceId],
-                 device_map: Mapping[str, DeviceId]) -> tuple[list[StreamedBlock], list[tuple[torch.nn.Module, str]]]:
+def build_blocks(
+    model: torch.nn.Module, entries: list[str], placement: Mapping[str, DeviceId], device_map: Mapping[str, DeviceId]
+) -> tuple[list[StreamedBlock], list[tuple[torch.nn.Module, str]]]:
     """StreamedBlocks for every offloaded entry, in module order, never nested; plus tensors to keep resident.
 
     A tensor belongs to the block of the entry that places it (``placement``); tensors that are already off the
@@ -373,7 +377,7 @@ def build_blocks(model: torch.nn.Module, entries: list[str], placement: Mapping[
     return blocks, resident
 
 
-def _submodule_or_none(model: torch.nn.Module, name: str) -> Optional[torch.nn.Module]:
+def _submodule_or_none(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
     try:
         return model.get_submodule(name)
     except AttributeError:
@@ -394,9 +398,13 @@ def move_to(obj, device: torch.device):
     return obj
 
 
-def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, DeviceId],
-                          placement: Mapping[str, DeviceId], exec_device: torch.device,
-                          backend=None) -> Optional[BlockStreamer]:
+def install_gpu_execution(
+    model: torch.nn.Module,
+    device_map: Mapping[str, DeviceId],
+    placement: Mapping[str, DeviceId],
+    exec_device: torch.device,
+    backend=None,
+) -> BlockStreamer | None:
     """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
 
     ``backend`` defaults to CUDA on ``exec_device``; tests pass :class:`CpuBackend` with ``exec_device=cpu`` to
@@ -432,8 +440,9 @@ def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, Devic
     blocks, resident = build_blocks(model, entries, placement, device_map)
     for module, leaf in resident:  # the few tensors owned directly by a module that also contains other entries
         if leaf in module._parameters:
-            module._parameters[leaf] = torch.nn.Parameter(module._parameters[leaf].data.to(exec_device),
-                                                          requires_grad=False)
+            module._parameters[leaf] = torch.nn.Parameter(
+                module._parameters[leaf].data.to(exec_device), requires_grad=False
+            )
         else:
             module._buffers[leaf] = module._buffers[leaf].to(exec_device)
     if not blocks:
@@ -441,6 +450,5 @@ def install_gpu_execution(model: torch.nn.Module, device_map: Mapping[str, Devic
     streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device))
     streamer.install()
     model._loadmaster_streamer = streamer
-    log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes,
-             exec_device)
+    log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes, exec_device)
     return streamer

@@ -8,6 +8,7 @@ Public API::
 ``model`` is a model directory, a ``config.json`` path, a config dict (naming ``model_type`` or ``architectures``)
 or a :class:`Skeleton`. ``Plan.to_json()`` / ``Plan.from_json()`` round-trip losslessly.
 """
+
 from planner.api import plan
 from planner.errors import HardwareSpecError, HeaderError, LoadmasterError, ModelSourceError, PlanError
 from planner.types import (
@@ -24,7 +25,20 @@ from planner.types import (
 )
 
 __all__ = [
-    "Block", "Device", "DeviceBudget", "Hardware", "HardwareSpecError", "HeaderError", "KVGeometry",
-    "LoadmasterError", "ModelSourceError", "Plan", "PlanError", "Prediction", "Skeleton", "TensorSpec",
-    "Workload", "plan",
+    "Block",
+    "Device",
+    "DeviceBudget",
+    "Hardware",
+    "HardwareSpecError",
+    "HeaderError",
+    "KVGeometry",
+    "LoadmasterError",
+    "ModelSourceError",
+    "Plan",
+    "PlanError",
+    "Prediction",
+    "Skeleton",
+    "TensorSpec",
+    "Workload",
+    "plan",
 ]

@@ -3,10 +3,11 @@
 Also the what-if searches the service's ``/plan`` offers: the largest context, or batch, that fits.
 Every suggestion is checked by planning again with the change applied; nothing is guessed.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from planner.devices import device_label, gpu_range_label
 from planner.inputs import ResolvedInputs, Strategy
@@ -41,14 +42,16 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
-def largest_context(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto",
-                    limit: int = 1 << 22) -> int | None:
+def largest_context(
+    skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto", limit: int = 1 << 22
+) -> int | None:
     """The longest context that fits with this batch (None when not even one token does)."""
     return _largest(1, limit, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy))
 
 
-def largest_batch(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto",
-                  limit: int = 1 << 16) -> int | None:
+def largest_batch(
+    skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy = "auto", limit: int = 1 << 16
+) -> int | None:
     """The largest batch that fits at this context (None when not even one sequence does)."""
     return _largest(1, limit, lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy))
 
@@ -118,7 +121,9 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
     lines = [f"{skeleton.name} does not fit: {short or f'short by {missing} B'} (devices: {caps})."]
     biggest = max(problem.items, key=lambda it: it.weight, default=None)
     if biggest is not None and all(biggest.weight > d.capacity for d in hardware.devices):
-        lines.append(f"Its largest block {biggest.name} alone takes {format_bytes(biggest.weight)}, more than any device.")
+        lines.append(
+            f"Its largest block {biggest.name} alone takes {format_bytes(biggest.weight)}, more than any device."
+        )
     if not advise:
         return " ".join(lines)
     options = [f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM or an offload folder for disk"]
@@ -133,11 +138,17 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
                 options.append(f"quantize to {q} (--quantization {q})")
                 break
     if workload.context > 1:
-        c = _largest(1, workload.context - 1, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy))
+        c = _largest(
+            1, workload.context - 1, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy)
+        )
         if c:
             options.append(f"a context of at most {c} tokens (--context {c})")
     if workload.batch_size > 1:
-        b = _largest(1, workload.batch_size - 1, lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy))
+        b = _largest(
+            1,
+            workload.batch_size - 1,
+            lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy),
+        )
         if b:
             options.append(f"a batch of at most {b} (--batch-size {b})")
     lines.append("Any one of these would fit: " + "; ".join(options) + ".")

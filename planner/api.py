@@ -9,10 +9,12 @@ Planning is three stages, each its own module and each public, so what-if, estim
 When nothing fits, :mod:`planner.advice` turns the failed solution into a PlanError naming the shortfall and the
 smallest changes that would fit.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from planner.advice import explain_no_fit
 from planner.assemble import assemble
@@ -46,9 +48,17 @@ def plan(
     that would fit when nothing does.
     """
     inputs = PlanInputs(
-        max_memory=max_memory, gpus=gpus, strategy=strategy, dtype=dtype, quantization=quantization,
-        batch_size=batch_size, context=context, gpu_reserve=gpu_reserve, offload_folder=offload_folder,
-        bandwidths=bandwidths, complete=complete,
+        max_memory=max_memory,
+        gpus=gpus,
+        strategy=strategy,
+        dtype=dtype,
+        quantization=quantization,
+        batch_size=batch_size,
+        context=context,
+        gpu_reserve=gpu_reserve,
+        offload_folder=offload_folder,
+        bandwidths=bandwidths,
+        complete=complete,
     )
     return plan_inputs(model, inputs, hardware=hardware, advise=advise)
 

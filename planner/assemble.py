@@ -4,6 +4,7 @@ The device map is merged to the shortest prefixes (transformers' ``hf_device_map
 budget (weights, KV cache, activations, reserve); the cost model's predictions, one reason per run of blocks and the
 warnings a user should see are attached.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -8,15 +8,17 @@ A saved file is only trusted for the machine that wrote it (same CPU model and c
 validates; anything else is ignored with a warning, never an error: a stale cache must not break planning.
 Plain JSON and the standard library: the planner core imports no torch.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +69,22 @@ class Calibration:
         return k.mapped if mapped else k.resident
 
     def summary(self) -> str:
-        kernels = ", ".join(f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s"
-                            for k in self.kernels.values())
+        kernels = ", ".join(
+            f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s" for k in self.kernels.values()
+        )
         link = f", link {self.link / 1e9:.1f} GB/s" if self.link else ""
-        return (f"calibrated {self.created} on {self.machine}: memory {self.memory_read / 1e9:.1f} GB/s, "
-                f"disk {self.disk_cold / 1e9:.2f} GB/s cold / {self.disk_warm / 1e9:.1f} warm{link}, "
-                f"kernels (resident/mapped) {kernels}, overhead {self.layer_overhead * 1e3:.2f} ms per layer + "
-                f"{self.step_overhead * 1e3:.2f} ms per step")
+        return (
+            f"calibrated {self.created} on {self.machine}: memory {self.memory_read / 1e9:.1f} GB/s, "
+            f"disk {self.disk_cold / 1e9:.2f} GB/s cold / {self.disk_warm / 1e9:.1f} warm{link}, "
+            f"kernels (resident/mapped) {kernels}, overhead {self.layer_overhead * 1e3:.2f} ms per layer + "
+            f"{self.step_overhead * 1e3:.2f} ms per step"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
+    def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
         """Validate and build; raises ``ValueError`` saying which field is wrong."""
         if not isinstance(d, Mapping):
             raise ValueError("a calibration is a JSON object")
@@ -98,9 +103,13 @@ class Calibration:
         for dtype, k in kernels_in.items():
             if not isinstance(k, Mapping) or k.get("path") not in ("native", "torch"):
                 raise ValueError(f"kernels[{dtype!r}] must name its path ('native' or 'torch') and its rates")
-            kernels[str(dtype)] = KernelRate(dtype=str(dtype), path=k["path"],
-                                             resident=rate(f"kernels.{dtype}.resident", k.get("resident")),
-                                             mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")))
+            kernels[str(dtype)] = KernelRate(
+                dtype=str(dtype),
+                path=k["path"],
+                resident=rate(f"kernels.{dtype}.resident", k.get("resident")),
+                mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")),
+            )
+
         def seconds(name: str) -> float:
             value = d.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -115,10 +124,15 @@ class Calibration:
                 raise ValueError(f"{key} must be a string")
         link = d.get("link")
         return cls(
-            machine=d["machine"], created=d["created"], threads=threads,
+            machine=d["machine"],
+            created=d["created"],
+            threads=threads,
             memory_read=rate("memory_read", d.get("memory_read")),
-            disk_cold=rate("disk_cold", d.get("disk_cold")), disk_warm=rate("disk_warm", d.get("disk_warm")),
-            kernels=kernels, layer_overhead=seconds("layer_overhead"), step_overhead=seconds("step_overhead"),
+            disk_cold=rate("disk_cold", d.get("disk_cold")),
+            disk_warm=rate("disk_warm", d.get("disk_warm")),
+            kernels=kernels,
+            layer_overhead=seconds("layer_overhead"),
+            step_overhead=seconds("step_overhead"),
             link=None if link is None else rate("link", link),
             notes=[str(n) for n in d.get("notes", [])],
         )
@@ -177,8 +191,12 @@ def load_calibration(path: Path | None = None, *, check_machine: bool = True) ->
         log.warning("ignoring calibration %s: %s; run 'loadmaster env --calibrate' again", path, exc)
         cal = None
     if cal is not None and check_machine and cal.machine != machine_id():
-        log.warning("ignoring calibration %s: made on %s, this is %s; run 'loadmaster env --calibrate' here",
-                    path, cal.machine, machine_id())
+        log.warning(
+            "ignoring calibration %s: made on %s, this is %s; run 'loadmaster env --calibrate' here",
+            path,
+            cal.machine,
+            machine_id(),
+        )
         cal = None
     _cache[path] = (mtime, cal)
     return cal

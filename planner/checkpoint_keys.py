@@ -13,10 +13,11 @@ Each module tensor maps to a :class:`TensorSource`: pieces, each one checkpoint 
 destination. Plain data, no torch: the planner reads it to know which block a stored key belongs to, the loader
 to copy each piece straight into its slice of the destination tensor.
 """
+
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Container
 
 #: A destination index: one entry per leading dim, an int (select) or a (start, stop) pair (slice).
 Index = tuple
@@ -55,7 +56,7 @@ def piece_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     for _dim, ix in zip(shape, index):
         if isinstance(ix, tuple):
             out.append(ix[1] - ix[0])
-    return tuple(out) + tuple(shape[len(index):])
+    return tuple(out) + tuple(shape[len(index) :])
 
 
 def spellings(name: str, base_prefix: str) -> list[str]:
@@ -65,12 +66,11 @@ def spellings(name: str, base_prefix: str) -> list[str]:
         if new in name:
             cands.append(name.replace(new, old))
     if base_prefix and name.startswith(base_prefix + "."):
-        cands += [c[len(base_prefix) + 1:] for c in list(cands)]
+        cands += [c[len(base_prefix) + 1 :] for c in list(cands)]
     return cands
 
 
-def _fused_experts(name: str, shape: tuple[int, ...], stored: Container[str], base_prefix: str
-                   ) -> TensorSource | None:
+def _fused_experts(name: str, shape: tuple[int, ...], stored: Container[str], base_prefix: str) -> TensorSource | None:
     if len(shape) != 3:
         return None
     if name.endswith(".experts.gate_up_proj"):
@@ -97,8 +97,9 @@ def _fused_experts(name: str, shape: tuple[int, ...], stored: Container[str], ba
     return None
 
 
-def tensor_source(name: str, shape: tuple[int, ...], stored: Container[str], base_prefix: str = ""
-                  ) -> TensorSource | None:
+def tensor_source(
+    name: str, shape: tuple[int, ...], stored: Container[str], base_prefix: str = ""
+) -> TensorSource | None:
     """The checkpoint pieces of module tensor ``name`` (of ``shape``) among the ``stored`` keys, or None."""
     shape = tuple(shape)
     for cand in spellings(name, base_prefix):

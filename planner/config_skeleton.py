@@ -10,12 +10,14 @@ The fast path is taken only when it is sure. Any config key it does not know to 
 drop or reshape a tensor), any value transformers would reject, an unusual RoPE, or a family not listed here
 returns ``None``, and the caller walks the meta model as before: slower, never wrong.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from planner.config_values import CONFIG_NAME, dtype_name, kv_geometry, model_sizes
 from planner.types import Block, Skeleton, TensorSpec
@@ -26,21 +28,72 @@ log = logging.getLogger(__name__)
 #: attention windows and soft-caps, routing losses, bookkeeping; ``auto_map`` names remote code, which the walk does
 #: not run either). A key outside this set and outside the family's own ``understood`` keys sends the config to the
 #: meta-model walk.
-HARMLESS_KEYS = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "max_position_embeddings",
-    "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "hidden_act", "hidden_activation", "activation_function",
-    "attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "rope_theta", "pretraining_tp", "sliding_window",
-    "use_sliding_window", "max_window_layers", "query_pre_attn_scalar", "final_logit_softcapping",
-    "attn_logit_softcapping", "cache_implementation", "original_max_position_embeddings", "router_aux_loss_coef",
-    "output_router_logits", "router_jitter_noise", "norm_topk_prob", "rope_local_base_freq",
-    "use_bidirectional_attention", "n_ctx", "scale_attn_weights",
-    "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "summary_type", "summary_use_proj",
-    "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "task_specific_params",
-    "output_attentions", "output_hidden_states", "return_dict", "is_decoder", "id2label", "label2id",
-    "tokenizer_class", "max_length", "attention_chunk_size", "rope_scaling", "rope_parameters",
-    "tie_word_embeddings", "layer_types", "auto_map",
-})
+HARMLESS_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "layer_norm_epsilon",
+        "hidden_act",
+        "hidden_activation",
+        "activation_function",
+        "attention_dropout",
+        "attn_pdrop",
+        "resid_pdrop",
+        "embd_pdrop",
+        "rope_theta",
+        "pretraining_tp",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "cache_implementation",
+        "original_max_position_embeddings",
+        "router_aux_loss_coef",
+        "output_router_logits",
+        "router_jitter_noise",
+        "norm_topk_prob",
+        "rope_local_base_freq",
+        "use_bidirectional_attention",
+        "n_ctx",
+        "scale_attn_weights",
+        "scale_attn_by_inverse_layer_idx",
+        "reorder_and_upcast_attn",
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+        "summary_first_dropout",
+        "task_specific_params",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "is_decoder",
+        "id2label",
+        "label2id",
+        "tokenizer_class",
+        "max_length",
+        "attention_chunk_size",
+        "rope_scaling",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "layer_types",
+        "auto_map",
+    }
+)
 
 #: RoPE variants the fast path lays out, with the keys transformers requires of each (it refuses a config missing
 #: one; the others, e.g. yarn or longrope, have more rules than are worth copying, so they go to the walk).
@@ -60,7 +113,7 @@ class Family:
     #: Config fields that shape tensors, with the defaults of the transformers config class.
     defaults: Mapping[str, Any]
     #: The tensors of decoder layer ``i`` as (name below the layer, shape, quantizable).
-    layer: Callable[["_Config", int], list[tuple[str, tuple[int, ...], bool]]]
+    layer: Callable[[_Config, int], list[tuple[str, tuple[int, ...], bool]]]
     #: Model keys this family reads beyond ``defaults`` (each handled in its layer or rope function).
     understood: frozenset[str] = frozenset()
     embed_scale: bool = False  # Gemma: a scalar non-persistent buffer in the embedding
@@ -99,16 +152,23 @@ def _norm(name: str, size: int) -> tuple[str, tuple[int, ...], bool]:
 def _attention(c: _Config, q_bias: bool, o_bias: bool, qk_norm: bool) -> list[tuple[str, tuple[int, ...], bool]]:
     h, hd = c["hidden_size"], c.head_dim
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    out = (_lin("self_attn.q_proj", q, h, q_bias) + _lin("self_attn.k_proj", kv, h, q_bias)
-           + _lin("self_attn.v_proj", kv, h, q_bias) + _lin("self_attn.o_proj", h, q, o_bias))
+    out = (
+        _lin("self_attn.q_proj", q, h, q_bias)
+        + _lin("self_attn.k_proj", kv, h, q_bias)
+        + _lin("self_attn.v_proj", kv, h, q_bias)
+        + _lin("self_attn.o_proj", h, q, o_bias)
+    )
     if qk_norm:
         out += [_norm("self_attn.q_norm", hd), _norm("self_attn.k_norm", hd)]
     return out
 
 
 def _mlp(prefix: str, hidden: int, inter: int, bias: bool = False) -> list[tuple[str, tuple[int, ...], bool]]:
-    return (_lin(f"{prefix}.gate_proj", inter, hidden, bias) + _lin(f"{prefix}.up_proj", inter, hidden, bias)
-            + _lin(f"{prefix}.down_proj", hidden, inter, bias))
+    return (
+        _lin(f"{prefix}.gate_proj", inter, hidden, bias)
+        + _lin(f"{prefix}.up_proj", inter, hidden, bias)
+        + _lin(f"{prefix}.down_proj", hidden, inter, bias)
+    )
 
 
 def _experts(c: _Config, n: int, inter: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -128,8 +188,9 @@ def _flag(c: _Config, flag: bool | str) -> bool:
     return bool(c[flag]) if isinstance(flag, str) else flag
 
 
-def _dense(q_bias: bool | str, o_bias: bool | str, qk_norm: bool, norms: tuple[str, ...], mlp_bias: bool | str = False
-           ) -> Callable[[_Config, int], list[tuple[str, tuple[int, ...], bool]]]:
+def _dense(
+    q_bias: bool | str, o_bias: bool | str, qk_norm: bool, norms: tuple[str, ...], mlp_bias: bool | str = False
+) -> Callable[[_Config, int], list[tuple[str, tuple[int, ...], bool]]]:
     """The layer of a dense decoder: attention, gated MLP, then its norms (in the order transformers registers them)."""
 
     def layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -141,8 +202,12 @@ def _dense(q_bias: bool | str, o_bias: bool | str, qk_norm: bool, norms: tuple[s
 
 def _mixtral_layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
     n = c["num_local_experts"]
-    return (_attention(c, False, False, False) + [("mlp.gate.weight", (n, c["hidden_size"]), False)]
-            + _experts(c, n, c["intermediate_size"]) + _norms(c, *_PAIR_NORMS))
+    return (
+        _attention(c, False, False, False)
+        + [("mlp.gate.weight", (n, c["hidden_size"]), False)]
+        + _experts(c, n, c["intermediate_size"])
+        + _norms(c, *_PAIR_NORMS)
+    )
 
 
 def _is_sparse(c: _Config, i: int) -> bool:
@@ -178,9 +243,13 @@ def _qwen3_moe_layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], boo
 def _phi3_layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
     h, hd, inter = c["hidden_size"], c.head_dim, c["intermediate_size"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return (_lin("self_attn.o_proj", h, q, False) + _lin("self_attn.qkv_proj", q + 2 * kv, h, False)
-            + _lin("mlp.gate_up_proj", 2 * inter, h, False) + _lin("mlp.down_proj", h, inter, False)
-            + _norms(c, *_PAIR_NORMS))
+    return (
+        _lin("self_attn.o_proj", h, q, False)
+        + _lin("self_attn.qkv_proj", q + 2 * kv, h, False)
+        + _lin("mlp.gate_up_proj", 2 * inter, h, False)
+        + _lin("mlp.down_proj", h, inter, False)
+        + _norms(c, *_PAIR_NORMS)
+    )
 
 
 def _gpt2_layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -193,103 +262,216 @@ def _gpt2_layer(c: _Config, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
     def layer_norm(name: str) -> list[tuple[str, tuple[int, ...], bool]]:
         return [(f"{name}.weight", (h,), False), (f"{name}.bias", (h,), False)]
 
-    return (layer_norm("ln_1") + conv1d("attn.c_attn", h, 3 * h) + conv1d("attn.c_proj", h, h) + layer_norm("ln_2")
-            + conv1d("mlp.c_fc", h, inner) + conv1d("mlp.c_proj", inner, h))
+    return (
+        layer_norm("ln_1")
+        + conv1d("attn.c_attn", h, 3 * h)
+        + conv1d("attn.c_proj", h, h)
+        + layer_norm("ln_2")
+        + conv1d("mlp.c_fc", h, inner)
+        + conv1d("mlp.c_proj", inner, h)
+    )
 
 
-_DECODER = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                num_attention_heads=32, tie_word_embeddings=False)
+_DECODER = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    tie_word_embeddings=False,
+)
 _QWEN_MOE = dict(decoder_sparse_step=1, mlp_only_layers=None, norm_topk_prob=False)
 
 _BIASED = "attention_bias"  # the config key that puts biases on all four attention projections
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family(
-        "llama", "LlamaForCausalLM", "LlamaDecoderLayer",
-        dict(_DECODER, num_key_value_heads=None, attention_bias=False, mlp_bias=False),
-        _dense(_BIASED, _BIASED, False, _PAIR_NORMS, "mlp_bias"),
-        understood=frozenset({"head_dim"}), head_dim_null_derives=True,
-    ),
-    Family(
-        "mistral", "MistralForCausalLM", "MistralDecoderLayer",
-        dict(_DECODER, intermediate_size=14336, num_key_value_heads=8),
-        _dense(False, False, False, _PAIR_NORMS),
-        understood=frozenset({"head_dim"}), head_dim_null_derives=True,
-    ),
-    Family(
-        "mixtral", "MixtralForCausalLM", "MixtralDecoderLayer",
-        dict(_DECODER, intermediate_size=14336, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
-        _mixtral_layer,
-        understood=frozenset({"head_dim", "num_experts"}), head_dim_null_derives=True,
-    ),
-    Family(
-        "qwen2", "Qwen2ForCausalLM", "Qwen2DecoderLayer",
-        dict(_DECODER, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32),
-        _dense(True, False, False, _PAIR_NORMS),
-        understood=frozenset({"head_dim"}),
-    ),
-    Family(
-        "qwen3", "Qwen3ForCausalLM", "Qwen3DecoderLayer",
-        dict(_DECODER, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, attention_bias=False),
-        _dense(_BIASED, _BIASED, True, _PAIR_NORMS),
-        understood=frozenset({"head_dim"}), head_dim_default=128,
-    ),
-    Family(
-        "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeDecoderLayer",
-        dict(_DECODER, **_QWEN_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=5632,
-             num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, moe_intermediate_size=1408,
-             shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60, qkv_bias=True),
-        _qwen2_moe_layer,
-        understood=frozenset({"head_dim"}),
-    ),
-    Family(
-        "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer",
-        dict(_DECODER, **_QWEN_MOE, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-             num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, moe_intermediate_size=768,
-             num_experts_per_tok=8, num_experts=128, attention_bias=False),
-        _qwen3_moe_layer,
-        understood=frozenset({"head_dim"}),
-    ),
-    Family(
-        "gemma", "GemmaForCausalLM", "GemmaDecoderLayer",
-        dict(_DECODER, vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=True, attention_bias=False,
-             pad_token_id=0),
-        _dense(_BIASED, _BIASED, False, _PAIR_NORMS),
-        understood=frozenset({"head_dim"}), embed_scale=True, head_dim_default=256,
-    ),
-    Family(
-        "gemma2", "Gemma2ForCausalLM", "Gemma2DecoderLayer",
-        dict(_DECODER, vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-             num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=False,
-             pad_token_id=0),
-        _dense(_BIASED, _BIASED, False, _GEMMA2_NORMS),
-        understood=frozenset({"head_dim"}), embed_scale=True, head_dim_default=256,
-    ),
-    Family(
-        "gemma3_text", "Gemma3ForCausalLM", "Gemma3DecoderLayer",
-        dict(_DECODER, vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-             num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True, attention_bias=False,
-             pad_token_id=0),
-        _dense(_BIASED, _BIASED, True, _GEMMA2_NORMS),
-        understood=frozenset({"head_dim", "sliding_window_pattern"}), embed_scale=True, head_dim_default=256,
-        rope_per_layer_type=True,
-    ),
-    Family(
-        "phi3", "Phi3ForCausalLM", "Phi3DecoderLayer",
-        dict(_DECODER, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_key_value_heads=None,
-             pad_token_id=32000),
-        _phi3_layer,
-        understood=frozenset({"head_dim"}),
-    ),
-    Family(
-        "gpt2", "GPT2LMHeadModel", "GPT2Block",
-        dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-             tie_word_embeddings=True, add_cross_attention=False),
-        _gpt2_layer,
-        base_prefix="transformer",
-    ),
-)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            "LlamaDecoderLayer",
+            dict(_DECODER, num_key_value_heads=None, attention_bias=False, mlp_bias=False),
+            _dense(_BIASED, _BIASED, False, _PAIR_NORMS, "mlp_bias"),
+            understood=frozenset({"head_dim"}),
+            head_dim_null_derives=True,
+        ),
+        Family(
+            "mistral",
+            "MistralForCausalLM",
+            "MistralDecoderLayer",
+            dict(_DECODER, intermediate_size=14336, num_key_value_heads=8),
+            _dense(False, False, False, _PAIR_NORMS),
+            understood=frozenset({"head_dim"}),
+            head_dim_null_derives=True,
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "MixtralDecoderLayer",
+            dict(_DECODER, intermediate_size=14336, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2),
+            _mixtral_layer,
+            understood=frozenset({"head_dim", "num_experts"}),
+            head_dim_null_derives=True,
+        ),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "Qwen2DecoderLayer",
+            dict(_DECODER, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32),
+            _dense(True, False, False, _PAIR_NORMS),
+            understood=frozenset({"head_dim"}),
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "Qwen3DecoderLayer",
+            dict(_DECODER, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, attention_bias=False),
+            _dense(_BIASED, _BIASED, True, _PAIR_NORMS),
+            understood=frozenset({"head_dim"}),
+            head_dim_default=128,
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeDecoderLayer",
+            dict(
+                _DECODER,
+                **_QWEN_MOE,
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=5632,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                moe_intermediate_size=1408,
+                shared_expert_intermediate_size=5632,
+                num_experts_per_tok=4,
+                num_experts=60,
+                qkv_bias=True,
+            ),
+            _qwen2_moe_layer,
+            understood=frozenset({"head_dim"}),
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeDecoderLayer",
+            dict(
+                _DECODER,
+                **_QWEN_MOE,
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=24,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                moe_intermediate_size=768,
+                num_experts_per_tok=8,
+                num_experts=128,
+                attention_bias=False,
+            ),
+            _qwen3_moe_layer,
+            understood=frozenset({"head_dim"}),
+        ),
+        Family(
+            "gemma",
+            "GemmaForCausalLM",
+            "GemmaDecoderLayer",
+            dict(
+                _DECODER,
+                vocab_size=256000,
+                hidden_size=3072,
+                intermediate_size=24576,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                tie_word_embeddings=True,
+                attention_bias=False,
+                pad_token_id=0,
+            ),
+            _dense(_BIASED, _BIASED, False, _PAIR_NORMS),
+            understood=frozenset({"head_dim"}),
+            embed_scale=True,
+            head_dim_default=256,
+        ),
+        Family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            "Gemma2DecoderLayer",
+            dict(
+                _DECODER,
+                vocab_size=256000,
+                hidden_size=2304,
+                intermediate_size=9216,
+                num_hidden_layers=26,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                tie_word_embeddings=True,
+                attention_bias=False,
+                pad_token_id=0,
+            ),
+            _dense(_BIASED, _BIASED, False, _GEMMA2_NORMS),
+            understood=frozenset({"head_dim"}),
+            embed_scale=True,
+            head_dim_default=256,
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            "Gemma3DecoderLayer",
+            dict(
+                _DECODER,
+                vocab_size=262208,
+                hidden_size=2304,
+                intermediate_size=9216,
+                num_hidden_layers=26,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                tie_word_embeddings=True,
+                attention_bias=False,
+                pad_token_id=0,
+            ),
+            _dense(_BIASED, _BIASED, True, _GEMMA2_NORMS),
+            understood=frozenset({"head_dim", "sliding_window_pattern"}),
+            embed_scale=True,
+            head_dim_default=256,
+            rope_per_layer_type=True,
+        ),
+        Family(
+            "phi3",
+            "Phi3ForCausalLM",
+            "Phi3DecoderLayer",
+            dict(
+                _DECODER,
+                vocab_size=32064,
+                hidden_size=3072,
+                intermediate_size=8192,
+                num_key_value_heads=None,
+                pad_token_id=32000,
+            ),
+            _phi3_layer,
+            understood=frozenset({"head_dim"}),
+        ),
+        Family(
+            "gpt2",
+            "GPT2LMHeadModel",
+            "GPT2Block",
+            dict(
+                vocab_size=50257,
+                n_positions=1024,
+                n_embd=768,
+                n_layer=12,
+                n_head=12,
+                n_inner=None,
+                tie_word_embeddings=True,
+                add_cross_attention=False,
+            ),
+            _gpt2_layer,
+            base_prefix="transformer",
+        ),
+    )
+}
 
 
 def family_of(config: Mapping[str, Any]) -> Family | None:
@@ -364,8 +546,9 @@ def _resolve(family: Family, raw: Mapping[str, Any]) -> _Config | None:
     values = dict(family.defaults)
     values.update({k: v for k, v in raw.items() if k in family.defaults or k in family.understood})
     gpt2 = family.model_type == "gpt2"
-    hidden_key, heads_key, layers_key = ("n_embd", "n_head", "n_layer") if gpt2 else (
-        "hidden_size", "num_attention_heads", "num_hidden_layers")
+    hidden_key, heads_key, layers_key = (
+        ("n_embd", "n_head", "n_layer") if gpt2 else ("hidden_size", "num_attention_heads", "num_hidden_layers")
+    )
     if not all(_positive_int(values[k]) for k in ("vocab_size", hidden_key, heads_key, layers_key)):
         return None
     hidden, heads = values[hidden_key], values[heads_key]
@@ -391,8 +574,14 @@ def _resolve(family: Family, raw: Mapping[str, Any]) -> _Config | None:
     pad = raw.get("pad_token_id", values.get("pad_token_id"))
     if pad is not None and (not isinstance(pad, int) or not -values["vocab_size"] <= pad < values["vocab_size"]):
         return None  # nn.Embedding would refuse the padding index
-    for key in ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "decoder_sparse_step"):
+    for key in (
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "decoder_sparse_step",
+    ):
         if key in values and not _positive_int(values[key]):
             return None
     only = values.get("mlp_only_layers")
@@ -444,21 +633,32 @@ def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Sk
         embed.append(TensorSpec(f"{embed_name}.embed_scale", (), dtype, "buffer_nonpersistent", False))
     blocks = [Block(embed_name, tuple(embed), is_embedding=True)]
     if gpt2:
-        blocks.append(Block(f"{base}.wpe", params(f"{base}.wpe", [("weight", (c["n_positions"], hidden), False)]),
-                            is_embedding=True))
+        blocks.append(
+            Block(
+                f"{base}.wpe", params(f"{base}.wpe", [("weight", (c["n_positions"], hidden), False)]), is_embedding=True
+            )
+        )
     layer_root = f"{base}.h" if gpt2 else f"{base}.layers"
     n_layers = c["n_layer"] if gpt2 else c["num_hidden_layers"]
     for i in range(n_layers):
-        blocks.append(Block(f"{layer_root}.{i}", params(f"{layer_root}.{i}", family.layer(c, i)), no_split=True,
-                            layer_index=i))
+        blocks.append(
+            Block(f"{layer_root}.{i}", params(f"{layer_root}.{i}", family.layer(c, i)), no_split=True, layer_index=i)
+        )
     if gpt2:
-        blocks.append(Block(f"{base}.ln_f", params(f"{base}.ln_f", [("weight", (hidden,), False),
-                                                                    ("bias", (hidden,), False)])))
+        blocks.append(
+            Block(f"{base}.ln_f", params(f"{base}.ln_f", [("weight", (hidden,), False), ("bias", (hidden,), False)]))
+        )
     else:
         blocks.append(Block(f"{base}.norm", params(f"{base}.norm", [("weight", (hidden,), False)])))
-        blocks.append(Block(f"{base}.rotary_emb", tuple(
-            TensorSpec(f"{base}.rotary_emb.{n}", (length,), "float32", "buffer_nonpersistent", False)
-            for n, length in rope or ())))
+        blocks.append(
+            Block(
+                f"{base}.rotary_emb",
+                tuple(
+                    TensorSpec(f"{base}.rotary_emb.{n}", (length,), "float32", "buffer_nonpersistent", False)
+                    for n, length in rope or ()
+                ),
+            )
+        )
     head = () if tied else (TensorSpec("lm_head.weight", (vocab, hidden), dtype, "parameter", False),)
     blocks.append(Block("lm_head", head, is_head=True))
     geometry = dict(c.values)
@@ -480,4 +680,3 @@ def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Sk
 def config_file_name(path: Path) -> str:
     """A skeleton's default name for a config file: its directory's name for ``config.json``, else its stem."""
     return path.parent.name if path.name == CONFIG_NAME else path.stem
-

@@ -4,11 +4,13 @@ Both skeleton builders use these: the meta-model walk (``skeleton.py``) reads th
 config-only builder (``config_skeleton.py``) off a plain dict with the family's defaults filled in. One reading of
 each value, so the two builders cannot disagree about the KV cache or the model's sizes.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from planner.errors import ModelSourceError
 from planner.types import DTYPE_BYTES, KVGeometry
@@ -117,4 +119,3 @@ def model_sizes(cfg: Any) -> dict[str, int]:
         "intermediate_size": int(inter or 0),
         "num_attention_heads": int(config_value(cfg, "num_attention_heads", "n_head", "num_heads") or 0),
     }
-

@@ -20,6 +20,7 @@ reach for the workload's dtype, warm disk blocks at the rate they reach on memor
 pays the measured per-step and per-layer overhead; cold disk and checkpoint reads use the measured disk rate,
 and the host link its measured rate. The cost-model line then says so.
 """
+
 from __future__ import annotations
 
 from planner.calibration import Calibration, calibration_path, load_calibration
@@ -38,8 +39,9 @@ COST_MODEL = (
 
 def _is_default(value: float, kind: str) -> bool:
     """Whether a rate is the built-in figure (so a calibration may replace it) rather than one the caller set."""
-    return value == DEFAULT_BANDWIDTHS[kind] or (kind == "link" and value == min(DEFAULT_BANDWIDTHS["cpu"],
-                                                                                   DEFAULT_BANDWIDTHS["link"]))
+    return value == DEFAULT_BANDWIDTHS[kind] or (
+        kind == "link" and value == min(DEFAULT_BANDWIDTHS["cpu"], DEFAULT_BANDWIDTHS["link"])
+    )
 
 
 def _calibrated_rates(hw: Hardware, cal: Calibration, has_gpu: bool, dtype: str | None) -> dict[str, float]:
@@ -69,8 +71,9 @@ def compute_dtype(workload: Workload) -> str | None:
     return None if workload.quantization else workload.dtype
 
 
-def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int,
-            dtype: str | None = None) -> Prediction:
+def predict(
+    problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int, dtype: str | None = None
+) -> Prediction:
     """``dtype``: :func:`compute_dtype` of the workload (picks the calibrated kernel rate)."""
     hw = problem.hardware
     by_id = {d.id: d for d in hw.devices}
@@ -110,8 +113,11 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
         step += overhead
     if cal is not None:
         used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
-        extra = (f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer"
-                 if "overhead" in seconds else "")
+        extra = (
+            f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer"
+            if "overhead" in seconds
+            else ""
+        )
         line = f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
     tps = batch_size / step if step > 0 else float("inf")
 
@@ -130,4 +136,3 @@ def predict(problem: Problem, assignment: list[DeviceId], loads: Loads, batch_si
         seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
         cost_model=line,
     )
-

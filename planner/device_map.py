@@ -4,10 +4,12 @@ covering prefixes, and reading a user's custom map back into per-block placement
 A key is ``""`` (the whole model), a module path (``model.layers.3``, covering every tensor below it) or a
 single tensor name. The most specific key wins, as in transformers.
 """
+
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from planner.devices import parse_device
 from planner.errors import PlanError
@@ -85,8 +87,10 @@ def check_device_map(device_map: Mapping[str, Any], known: Collection[str]) -> d
         if key != "" and key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise PlanError(f"device map names {key!r}, which is not a module or tensor of this model{hint} "
-                            "(names are those of model.named_modules() and model.named_parameters())")
+            raise PlanError(
+                f"device map names {key!r}, which is not a module or tensor of this model{hint} "
+                "(names are those of model.named_modules() and model.named_parameters())"
+            )
         try:
             keys[key] = parse_device(value)
         except PlanError as e:
@@ -94,8 +98,9 @@ def check_device_map(device_map: Mapping[str, Any], known: Collection[str]) -> d
     return keys
 
 
-def assign_devices(names: Iterable[str], device_map: Mapping[str, Any], module_names: Iterable[str] = ()
-                   ) -> dict[str, DeviceId]:
+def assign_devices(
+    names: Iterable[str], device_map: Mapping[str, Any], module_names: Iterable[str] = ()
+) -> dict[str, DeviceId]:
     """The device of every tensor name, by the longest covering key: the one validator of a map, tensor by tensor.
 
     ``module_names`` adds module paths that own no tensors (a map may name them). Unknown keys and tensors that no
@@ -121,8 +126,10 @@ def assign_devices(names: Iterable[str], device_map: Mapping[str, Any], module_n
             uncovered.append(n)
     if uncovered:
         shown = ", ".join(uncovered[:10]) + (f", ... ({len(uncovered) - 10} more)" if len(uncovered) > 10 else "")
-        raise PlanError(f"device map leaves {len(uncovered)} tensor(s) without a device: {shown}; "
-                        "add entries for them (or a '' entry for everything not named)")
+        raise PlanError(
+            f"device map leaves {len(uncovered)} tensor(s) without a device: {shown}; "
+            "add entries for them (or a '' entry for everything not named)"
+        )
     return out
 
 
@@ -182,7 +189,5 @@ def resolve_custom_map(
             "map them, add a catch-all such as {'': 'cpu'}, or ask the planner to complete the map (complete=True)"
         )
     owner = skeleton.block_of_tensor()
-    check_tied_groups(skeleton.tied_groups,
-                      lambda n: placement.get(owner[n]) if n in owner else device_of(n))
+    check_tied_groups(skeleton.tied_groups, lambda n: placement.get(owner[n]) if n in owner else device_of(n))
     return placement
-

@@ -7,6 +7,7 @@ outputs need three renderings of it: a label for people (``GPU 0``), a string ke
 
 No torch import: a ``torch.device`` is read through its ``type`` and ``index`` attributes.
 """
+
 from __future__ import annotations
 
 import difflib

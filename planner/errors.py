@@ -2,6 +2,7 @@
 
 ``error_type`` is the stable tag the service puts in its JSON error envelope.
 """
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 The minimum is exact for the planner's own accounting: it is the load of a plan that puts everything on one
 device, so a device of that size (or ``max_memory`` set to it) plans without offload.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,7 +24,9 @@ FORMATS: tuple[tuple[str, str, str | None], ...] = (
 _HUGE = 1 << 62
 
 
-def estimate(model: Any, batch_size: int = 1, context: int | None = None, gpu_reserve: int | str | None = None) -> list[dict[str, Any]]:
+def estimate(
+    model: Any, batch_size: int = 1, context: int | None = None, gpu_reserve: int | str | None = None
+) -> list[dict[str, Any]]:
     skeleton = resolve_skeleton(model)
     reserve = DEFAULT_GPU_RESERVE if gpu_reserve is None else parse_size(gpu_reserve)
     one_gpu = Hardware(devices=(Device(0, _HUGE, 1e12, 1e12),), gpu_reserve=reserve)
@@ -32,8 +35,12 @@ def estimate(model: Any, batch_size: int = 1, context: int | None = None, gpu_re
     for label, dtype, quant in FORMATS:
         workload = make_workload(skeleton, dtype, quant, batch_size, context)
         row: dict[str, Any] = {
-            "model": skeleton.name, "format": label, "dtype": dtype, "quantization": quant,
-            "batch_size": workload.batch_size, "context": workload.context,
+            "model": skeleton.name,
+            "format": label,
+            "dtype": dtype,
+            "quantization": quant,
+            "batch_size": workload.batch_size,
+            "context": workload.context,
         }
         for key, hw in (("min_single_gpu", one_gpu), ("min_cpu", cpu_only)):
             problem = make_problem(skeleton, hw, workload)

@@ -5,6 +5,7 @@ name and size, and each tensor's name, dtype and shape, all read from the safete
 The directory's path is not part of it, so a copied or moved checkpoint keeps its plans. Values are
 ``"sha256:<hex>"`` strings: plain data that round-trips through a Plan's JSON.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -4,12 +4,14 @@ Order matters and is fixed: GPUs by id, then ``cpu``, then ``disk``. Overflow al
 Detection is the only place here that touches torch, and it imports it lazily: planning for declared
 hardware never needs a GPU, or even torch.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from planner.devices import device_order, parse_device
 from planner.errors import HardwareSpecError
@@ -19,10 +21,10 @@ from planner.units import parse_size
 #: Bytes/s each kind of device reads its own memory at, and the rate its contents reach the execution device.
 #: Deliberately round, middle-of-the-road figures; override them with ``bandwidths=``.
 DEFAULT_BANDWIDTHS: dict[str, float] = {
-    "gpu": 1.0e12,   # HBM/GDDR of a current data-centre or high-end consumer GPU
-    "cpu": 2.0e10,   # host DRAM, a few channels
+    "gpu": 1.0e12,  # HBM/GDDR of a current data-centre or high-end consumer GPU
+    "cpu": 2.0e10,  # host DRAM, a few channels
     "link": 2.5e10,  # host -> GPU over PCIe 4.0 x16 from pinned memory
-    "disk": 2.0e9,   # NVMe sequential read
+    "disk": 2.0e9,  # NVMe sequential read
 }
 DEFAULT_GPU_RESERVE = 512 * 2**20  # CUDA context + allocator slack per GPU
 
@@ -52,8 +54,11 @@ def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]
 def _gpu_driver_present() -> bool:
     """Whether this machine shows a GPU driver (NVIDIA's, or ROCm's ``/dev/kfd``) at all. Without one torch would
     find no GPU either, and asking it costs seconds of import; with one, torch is asked."""
-    return os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd") or any(
-        name.startswith("nvidia") and name[6:].isdigit() for name in _listdir("/dev"))
+    return (
+        os.path.exists("/proc/driver/nvidia")
+        or os.path.exists("/dev/kfd")
+        or any(name.startswith("nvidia") and name[6:].isdigit() for name in _listdir("/dev"))
+    )
 
 
 def _listdir(path: str) -> list[str]:
@@ -170,5 +175,9 @@ def build_hardware(
             own, link = bw["disk"], bw["disk"]
         devices.append(Device(id=dev, capacity=capacities[dev], bandwidth=own, link_bandwidth=link))
     return Hardware(
-        devices=tuple(devices), gpu_reserve=reserve, source=source, storage_bandwidth=bw["disk"], link_bandwidth=bw["link"]
+        devices=tuple(devices),
+        gpu_reserve=reserve,
+        source=source,
+        storage_bandwidth=bw["disk"],
+        link_bandwidth=bw["link"],
     )

@@ -8,13 +8,15 @@ constructor. Either way the same checks run and the same messages come out.
 :func:`resolve_inputs` then turns model + inputs into :class:`ResolvedInputs` (Skeleton, Hardware, Workload and a
 checked strategy), which :mod:`planner.solve` consumes.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from planner.devices import parse_device
 from planner.errors import PlanError
@@ -122,7 +124,7 @@ class PlanInputs:
         offload_folder: str | None = None,
         bandwidth: list[str] | None = None,
         complete: bool = False,
-    ) -> "PlanInputs":
+    ) -> PlanInputs:
         """From flags or ``LOADMASTER_*`` settings: ``DEV=SIZE`` and ``KIND=RATE`` entries, a strategy name, JSON
         or ``@file.json``."""
         return cls(
@@ -186,7 +188,9 @@ def make_workload(
     _check_count("batch_size", batch_size)
     _check_count("context", context)
     quant = normalize_quantization(quantization)
-    default_dtype = skeleton.default_dtype if skeleton.default_dtype in ("float16", "bfloat16", "float32") else "float32"
+    default_dtype = (
+        skeleton.default_dtype if skeleton.default_dtype in ("float16", "bfloat16", "float32") else "float32"
+    )
     if quant and dtype is None:
         default_dtype = "float16" if default_dtype == "float32" else default_dtype
     return Workload(

@@ -13,15 +13,17 @@ loader can check it is loading what was planned.
 huggingface_hub is imported lazily (it reads ``HF_ENDPOINT``, ``HF_HOME``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` when
 imported, and the planner core must stay cheap to import); it is the only client of the Hub here.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from planner.errors import ModelSourceError
 from planner.safetensors_header import (
@@ -93,7 +95,7 @@ def parse_model_ref(text: str | os.PathLike) -> Path | HubRef | None:
     """
     raw = os.fspath(text)
     if raw.startswith(HUB_PREFIX):
-        m = _HUB_ID_RE.match(raw[len(HUB_PREFIX):])
+        m = _HUB_ID_RE.match(raw[len(HUB_PREFIX) :])
         if not m:
             raise ModelSourceError(f"{raw!r} is not a Hub reference: write hf://org/name or hf://org/name@revision")
         return HubRef(m["repo"], m["rev"])
@@ -101,8 +103,13 @@ def parse_model_ref(text: str | os.PathLike) -> Path | HubRef | None:
     m = _HUB_ID_RE.match(raw)
     if path.exists():
         if m and _in_hub_cache(m["repo"]):
-            log.warning("%r is ambiguous: it is a local path and a Hub repository in the cache; using the local "
-                        "path %s (write hf://%s for the Hub one)", raw, path.resolve(), raw)
+            log.warning(
+                "%r is ambiguous: it is a local path and a Hub repository in the cache; using the local "
+                "path %s (write hf://%s for the Hub one)",
+                raw,
+                path.resolve(),
+                raw,
+            )
         return path
     if m:
         return HubRef(m["repo"], m["rev"])
@@ -142,36 +149,51 @@ def hub_call(ref: HubRef, what: str, fn: Callable[[], T]) -> T:
         from huggingface_hub import get_token
 
         if status == 401 or not get_token():
-            raise HubError(f"{ref.repo_id} is gated: {what} needs a token; accept its terms on the Hub, then set "
-                           "HF_TOKEN (or run `hf auth login`)") from None
-        raise HubError(f"{ref.repo_id} is gated and the token in use has no access to it (403); accept its terms "
-                       "on the Hub with that account, or use a token that has access") from None
+            raise HubError(
+                f"{ref.repo_id} is gated: {what} needs a token; accept its terms on the Hub, then set "
+                "HF_TOKEN (or run `hf auth login`)"
+            ) from None
+        raise HubError(
+            f"{ref.repo_id} is gated and the token in use has no access to it (403); accept its terms "
+            "on the Hub with that account, or use a token that has access"
+        ) from None
     except hf.RevisionNotFoundError:
-        raise HubError(f"{ref.repo_id} has no revision {ref.revision or 'main'!r} (404); check the branch, tag or "
-                       "commit after '@'") from None
+        raise HubError(
+            f"{ref.repo_id} has no revision {ref.revision or 'main'!r} (404); check the branch, tag or commit after '@'"
+        ) from None
     except hf.RepositoryNotFoundError:
-        raise HubError(f"{ref.repo_id}: no such local path, and no such repository on {constants.ENDPOINT} (404) "
-                       "or it is private and no valid HF_TOKEN is set; check the name, or set HF_TOKEN") from None
+        raise HubError(
+            f"{ref.repo_id}: no such local path, and no such repository on {constants.ENDPOINT} (404) "
+            "or it is private and no valid HF_TOKEN is set; check the name, or set HF_TOKEN"
+        ) from None
     except hf.RemoteEntryNotFoundError as e:
-        raise HubError(f"{ref}: {what}: file not found in the repository ({e.response.url if e.response else ''})"
-                       ) from None
+        raise HubError(
+            f"{ref}: {what}: file not found in the repository ({e.response.url if e.response else ''})"
+        ) from None
     except hf.HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else "?"
         if status == 403:
-            raise HubError(f"{ref.repo_id}: access refused (403) while {what}; use a token with read access "
-                           "(HF_TOKEN)") from None
+            raise HubError(
+                f"{ref.repo_id}: access refused (403) while {what}; use a token with read access (HF_TOKEN)"
+            ) from None
         raise HubError(f"{ref}: the Hub answered {status} while {what}; retry later") from None
     except hf.OfflineModeIsEnabled:
-        raise HubError(f"{ref}: HF_HUB_OFFLINE is set and {what} needs the Hub: download the model once with "
-                       "network, or unset HF_HUB_OFFLINE") from None
+        raise HubError(
+            f"{ref}: HF_HUB_OFFLINE is set and {what} needs the Hub: download the model once with "
+            "network, or unset HF_HUB_OFFLINE"
+        ) from None
     except hf.LocalEntryNotFoundError:  # the Hub went away between two calls, and the file is not cached
-        raise HubError(f"{ref}: the Hub at {constants.ENDPOINT} cannot be reached while {what}, and the file is not "
-                       "in the Hub cache; check the network (or HF_ENDPOINT) and run again") from None
+        raise HubError(
+            f"{ref}: the Hub at {constants.ENDPOINT} cannot be reached while {what}, and the file is not "
+            "in the Hub cache; check the network (or HF_ENDPOINT) and run again"
+        ) from None
     except Exception as e:  # noqa: BLE001 - httpx's network errors; anything else is re-raised as it is
         if not _is_network_error(e):
             raise
-        raise HubError(f"{ref}: the Hub at {constants.ENDPOINT} cannot be reached while {what} "
-                       f"({type(e).__name__}); check the network (or HF_ENDPOINT) and run again") from None
+        raise HubError(
+            f"{ref}: the Hub at {constants.ENDPOINT} cannot be reached while {what} "
+            f"({type(e).__name__}); check the network (or HF_ENDPOINT) and run again"
+        ) from None
 
 
 def _is_network_error(exc: BaseException) -> bool:
@@ -205,9 +227,11 @@ def cached_revision(ref: HubRef, why: str) -> HubRevision:
     try:
         folder = Path(snapshot_download(ref.repo_id, revision=ref.revision, local_files_only=True))
     except LocalEntryNotFoundError:
-        raise HubError(f"{ref}: no such local path; {why}, and it is not in the Hub cache "
-                       f"({constants.HF_HUB_CACHE}); connect to the "
-                       "network (or set HF_ENDPOINT) and run again, or set HF_HOME to a cache that holds it") from None
+        raise HubError(
+            f"{ref}: no such local path; {why}, and it is not in the Hub cache "
+            f"({constants.HF_HUB_CACHE}); connect to the "
+            "network (or set HF_ENDPOINT) and run again, or set HF_HOME to a cache that holds it"
+        ) from None
     files = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
     return HubRevision(ref, folder.name, files, cached_snapshot=folder)
 
@@ -222,7 +246,7 @@ def resolve_revision(ref: HubRef, *, what: str = "resolving the revision") -> Hu
         info = HfApi().model_info(ref.repo_id, revision=ref.revision, files_metadata=True)
     except Exception as e:  # noqa: BLE001 - network errors come from httpx, whose classes we test below
         if not _is_network_error(e):
-            return hub_call(ref, what, lambda: _reraise(e))
+            return hub_call(ref, what, lambda exc=e: _reraise(exc))
         log.warning("the Hub at %s cannot be reached (%s); looking in the cache", constants.ENDPOINT, e)
         return cached_revision(ref, f"the Hub at {constants.ENDPOINT} cannot be reached ({type(e).__name__})")
     if not info.sha:
@@ -239,9 +263,12 @@ def refuse_pickled_only(rev: HubRevision) -> None:
         raise HubError(
             f"{rev.ref} has only pickled weights ({', '.join(rev.pickled[:5])}), which loadmaster never loads "
             "because unpickling can run arbitrary code; use a revision with safetensors (the Hub's conversion bot "
-            f"opens them as pull requests: {rev.ref.repo_id}@refs/pr/N), or convert them and upload the result")
-    raise HubError(f"{rev.ref} has no safetensors weights ({INDEX_NAME} or *.safetensors); it cannot be planned "
-                   "or served from its weights. Plan its config.json alone by passing a local copy of it")
+            f"opens them as pull requests: {rev.ref.repo_id}@refs/pr/N), or convert them and upload the result"
+        )
+    raise HubError(
+        f"{rev.ref} has no safetensors weights ({INDEX_NAME} or *.safetensors); it cannot be planned "
+        "or served from its weights. Plan its config.json alone by passing a local copy of it"
+    )
 
 
 def _remote_headers(rev: HubRevision) -> CheckpointHeaders:
@@ -251,8 +278,11 @@ def _remote_headers(rev: HubRevision) -> CheckpointHeaders:
 
     ref = rev.ref
     with disable_progress_bars():  # a per-shard bar on stderr says nothing the plan's log line does not
-        meta = hub_call(ref, "reading the safetensors headers",
-                        lambda: HfApi().get_safetensors_metadata(ref.repo_id, revision=rev.commit))
+        meta = hub_call(
+            ref,
+            "reading the safetensors headers",
+            lambda: HfApi().get_safetensors_metadata(ref.repo_id, revision=rev.commit),
+        )
     base = f"{HUB_PREFIX}{ref.repo_id}@{rev.commit}"
     files: list[SafetensorsHeader] = []
     tensors: dict[str, HeaderTensor] = {}
@@ -267,13 +297,22 @@ def _remote_headers(rev: HubRevision) -> CheckpointHeaders:
         for name, info in fmeta.tensors.items():
             dtype = SAFETENSORS_DTYPES.get(info.dtype)
             if dtype is None:
-                raise HubError(f"{base}/{fname}: tensor {name!r} has dtype {info.dtype}, which loadmaster does not "
-                               "know")
+                raise HubError(
+                    f"{base}/{fname}: tensor {name!r} has dtype {info.dtype}, which loadmaster does not know"
+                )
             begin, end = (int(x) for x in info.data_offsets)
-            entries[name] = HeaderTensor(name, dtype, tuple(int(d) for d in info.shape), data_start + begin,
-                                         end - begin, fname)
-        files.append(SafetensorsHeader(Path(fname), entries, dict(fmeta.metadata or {}), data_start,
-                                       int(size) if size is not None else data_start + max(ends)))
+            entries[name] = HeaderTensor(
+                name, dtype, tuple(int(d) for d in info.shape), data_start + begin, end - begin, fname
+            )
+        files.append(
+            SafetensorsHeader(
+                Path(fname),
+                entries,
+                dict(fmeta.metadata or {}),
+                data_start,
+                int(size) if size is not None else data_start + max(ends),
+            )
+        )
         metadata.update(fmeta.metadata or {})
         tensors.update(entries)
     weight_map = {str(k): str(v) for k, v in meta.weight_map.items()}
@@ -286,8 +325,9 @@ def _remote_config(rev: HubRevision) -> dict[str, Any] | None:
     if CONFIG_NAME not in rev.files:
         return None
     ref = rev.ref
-    path = hub_call(ref, "downloading config.json",
-                    lambda: hf_hub_download(ref.repo_id, CONFIG_NAME, revision=rev.commit))
+    path = hub_call(
+        ref, "downloading config.json", lambda: hf_hub_download(ref.repo_id, CONFIG_NAME, revision=rev.commit)
+    )
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -318,13 +358,27 @@ def read_hub_checkpoint(ref: HubRef) -> HubCheckpoint:
         return HubCheckpoint(ref, rev.commit, source, snapshot=rev.cached_snapshot)
     refuse_pickled_only(rev)
     if not (INDEX_NAME in rev.files or SINGLE_NAME in rev.files):
-        raise HubError(f"{ref} has safetensors files but neither {SINGLE_NAME} nor {INDEX_NAME}; loadmaster needs "
-                       "one of them to know the shards")
+        raise HubError(
+            f"{ref} has safetensors files but neither {SINGLE_NAME} nor {INDEX_NAME}; loadmaster needs "
+            "one of them to know the shards"
+        )
     doc = _remote_config(rev)
     headers = _remote_headers(rev)
     log.info("read %s: config.json and %d shard header(s) at commit %s", ref, len(headers.files), rev.commit)
     return HubCheckpoint(ref, rev.commit, source, config=doc, headers=headers)
 
 
-__all__ = ["HubRef", "HubRevision", "HubError", "parse_model_ref", "cached_snapshot_of", "looks_like_hub_id", "resolve_revision",
-           "cached_revision", "refuse_pickled_only", "HubCheckpoint", "read_hub_checkpoint", "hub_call"]
+__all__ = [
+    "HubRef",
+    "HubRevision",
+    "HubError",
+    "parse_model_ref",
+    "cached_snapshot_of",
+    "looks_like_hub_id",
+    "resolve_revision",
+    "cached_revision",
+    "refuse_pickled_only",
+    "HubCheckpoint",
+    "read_hub_checkpoint",
+    "hub_call",
+]

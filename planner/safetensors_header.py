@@ -9,6 +9,7 @@ names, dtypes, shapes and where each tensor lies. Reading it costs one small rea
 Everything here is pure Python (no torch, no ``safetensors`` import) so the planner core can use it freely, and every
 validation failure raises :class:`HeaderError` with the file named, so a user knows which shard to re-download.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,18 @@ log = logging.getLogger(__name__)
 
 #: Safetensors dtype codes -> the dtype names of :data:`planner.types.DTYPE_BYTES`.
 SAFETENSORS_DTYPES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
 
 #: Largest header we accept. The reference implementation refuses headers above 100 MB; a real 150k-tensor header
@@ -153,19 +163,24 @@ def _parse_entries(path: Path, doc: dict, data_start: int, file_size: int) -> Sa
             raise _fail(
                 path, f"tensor {name!r} has unknown dtype {code!r} (known: {', '.join(sorted(SAFETENSORS_DTYPES))})"
             )
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise _fail(path, f"tensor {name!r} has shape {shape!r}, expected a list of non-negative integers")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
             raise _fail(path, f"tensor {name!r} has data_offsets {offs!r}, expected [begin, end]")
         begin, end = offs
         if begin < 0 or end < begin:
             raise _fail(path, f"tensor {name!r} has data_offsets [{begin}, {end}], which is not a valid span")
         if end > data_len:
             raise _fail(
-                path, f"tensor {name!r} ends at data byte {end} but the data region has only {data_len} bytes "
-                "(the file is truncated or the offsets are wrong)"
+                path,
+                f"tensor {name!r} ends at data byte {end} but the data region has only {data_len} bytes "
+                "(the file is truncated or the offsets are wrong)",
             )
         numel = 1
         for d in shape:
@@ -219,11 +234,15 @@ def find_weight_files(directory: str | os.PathLike) -> tuple[list[Path], dict[st
     if files:
         return files, {}
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    msg = (f"{directory}: no safetensors weights found (expected {INDEX_NAME} with its shards, "
-           f"{SINGLE_NAME}, or *.safetensors files)")
+    msg = (
+        f"{directory}: no safetensors weights found (expected {INDEX_NAME} with its shards, "
+        f"{SINGLE_NAME}, or *.safetensors files)"
+    )
     if pickles:
-        msg += (f". Found pickle weight files ({', '.join(pickles[:3])}), which loadmaster refuses to read because "
-                "unpickling can run arbitrary code; convert them to safetensors first")
+        msg += (
+            f". Found pickle weight files ({', '.join(pickles[:3])}), which loadmaster refuses to read because "
+            "unpickling can run arbitrary code; convert them to safetensors first"
+        )
     raise ModelSourceError(msg)
 
 
@@ -250,8 +269,7 @@ def read_checkpoint_headers(directory: str | os.PathLike) -> CheckpointHeaders:
             other = tensors.get(name)
             if other is not None:
                 raise ModelSourceError(
-                    f"{directory}: tensor {name!r} is stored in both {other.file} and {t.file}; "
-                    "remove the stale shard"
+                    f"{directory}: tensor {name!r} is stored in both {other.file} and {t.file}; remove the stale shard"
                 )
             tensors[name] = t
     for key, fname in weight_map.items():

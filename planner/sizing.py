@@ -8,6 +8,7 @@ The byte counts are those bitsandbytes and transformers really allocate (checked
 - everything that is not the weight of a linear layer (embeddings, norms, biases, the output head) stays in the
   compute dtype, as transformers' integration does.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,14 +20,28 @@ from planner.types import DTYPE_BYTES, FLOAT_DTYPES, Block, Skeleton, TensorSpec
 QUANTIZATIONS = ("int8", "nf4", "fp4")
 RUN_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "float32": "float32", "torch.float32": "float32",
-    "fp16": "float16", "half": "float16", "float16": "float16", "torch.float16": "float16",
-    "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "torch.float32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "torch.float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
 }
 _QUANT_ALIASES = {
-    "int8": "int8", "8bit": "int8", "llm.int8": "int8", "bnb-int8": "int8",
-    "nf4": "nf4", "4bit": "nf4", "bnb-nf4": "nf4",
-    "fp4": "fp4", "bnb-fp4": "fp4",
+    "int8": "int8",
+    "8bit": "int8",
+    "llm.int8": "int8",
+    "bnb-int8": "int8",
+    "nf4": "nf4",
+    "4bit": "nf4",
+    "bnb-nf4": "nf4",
+    "fp4": "fp4",
+    "bnb-fp4": "fp4",
 }
 BNB_4BIT_BLOCKSIZE = 64
 BNB_4BIT_STATE_BYTES = 64  # per-tensor quant state besides absmax (the 16-entry code table, shape, dtype)

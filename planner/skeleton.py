@@ -44,6 +44,7 @@ name: a key belongs to the block of the module tensor that :mod:`planner.checkpo
 reads too) says it holds or helps assemble (fused MoE experts, a ``base_model_prefix`` left out); a stored tied alias
 belongs to its source's block; any other key to the block whose name is its longest dotted prefix.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,9 +54,10 @@ import logging
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from planner.checkpoint_keys import tensor_source
 from planner.config_skeleton import base_model_prefix, config_file_name, config_skeleton
@@ -72,7 +74,6 @@ if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core mu
     from planner.model_ref import HubRef
 
 log = logging.getLogger(__name__)
-
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def _model_type_of_architecture(arch: str) -> str | None:
     return None
 
 
-def config_from_dict(d: Mapping[str, Any], source: str = "config") -> "PretrainedConfig":
+def config_from_dict(d: Mapping[str, Any], source: str = "config") -> PretrainedConfig:
     """A transformers config from a plain dict naming ``model_type`` and/or ``architectures``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -144,7 +145,7 @@ def config_from_dict(d: Mapping[str, Any], source: str = "config") -> "Pretraine
         raise ModelSourceError(f"{source}: not a valid {model_type} config: {detail}") from None
 
 
-def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
+def _as_config(config: Any) -> tuple[PretrainedConfig, str]:
     """(config object, default skeleton name) from a dict, a path or a config object."""
     from transformers import PretrainedConfig
 
@@ -166,7 +167,7 @@ def _as_config(config: Any) -> tuple["PretrainedConfig", str]:
     )
 
 
-def model_class(cfg: "PretrainedConfig") -> type:
+def model_class(cfg: PretrainedConfig) -> type:
     """The transformers class a config describes: the one rule, for the planner and the loader alike.
 
     The causal-LM class of the config's ``model_type`` (what ``AutoModelForCausalLM`` builds, so a checkpoint whose
@@ -196,7 +197,7 @@ def model_class(cfg: "PretrainedConfig") -> type:
     )
 
 
-def build_meta_model(cfg: "PretrainedConfig", dtype: str | None = None) -> "torch.nn.Module":
+def build_meta_model(cfg: PretrainedConfig, dtype: str | None = None) -> torch.nn.Module:
     """The model of ``cfg`` on the meta device (no storage, no weight initialisation), in eval mode.
 
     Built in ``dtype`` (a dtype name; None keeps the config's) exactly as ``from_pretrained`` builds it, so the
@@ -239,8 +240,14 @@ def default_dtype(config_dtype: Any, stored_dtypes: Any = ()) -> str:
 class _BlockBuilder:
     __slots__ = ("name", "tensors", "no_split", "layer_index", "is_head", "is_embedding")
 
-    def __init__(self, name: str, no_split: bool = False, layer_index: int | None = None,
-                 is_head: bool = False, is_embedding: bool = False):
+    def __init__(
+        self,
+        name: str,
+        no_split: bool = False,
+        layer_index: int | None = None,
+        is_head: bool = False,
+        is_embedding: bool = False,
+    ):
         self.name = name
         self.tensors: list[TensorSpec] = []
         self.no_split = no_split
@@ -249,11 +256,10 @@ class _BlockBuilder:
         self.is_embedding = is_embedding
 
     def build(self) -> Block:
-        return Block(self.name, tuple(self.tensors), self.no_split, self.layer_index, self.is_head,
-                     self.is_embedding)
+        return Block(self.name, tuple(self.tensors), self.no_split, self.layer_index, self.is_head, self.is_embedding)
 
 
-def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tuple[tuple[str, ...], ...]]:
+def _walk(model: torch.nn.Module, no_split: set[str]) -> tuple[list[Block], tuple[tuple[str, ...], ...]]:
     """One pre-order pass over the module tree: blocks (rules 1-6 of the module docstring) and tied groups.
 
     The traversal is iterative and visits a module once per name it is registered under (like
@@ -265,6 +271,7 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
 
     try:
         from transformers.pytorch_utils import Conv1D
+
         linear_types: tuple[type, ...] = (nn.Linear, Conv1D)
     except ImportError:  # pragma: no cover - transformers always ships Conv1D
         linear_types = (nn.Linear,)
@@ -276,8 +283,7 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
         out_emb = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         out_emb = None
-    declared = {str(t): str(s) for t, s in dict(getattr(model, "all_tied_weights_keys", None) or {}).items()
-                if t != s}
+    declared = {str(t): str(s) for t, s in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if t != s}
 
     dtype_names: dict[Any, str] = {}
     first_name: dict[int, str] = {}  # id(tensor) -> the name that owns it
@@ -306,9 +312,11 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
                 owner = current = _BlockBuilder(mname, no_split=True, layer_index=idx)
                 current_prefix = mname + "."
             else:
-                owner = _BlockBuilder(mname, is_head=out_emb is not None and mod is out_emb,
-                                      is_embedding=(in_emb is not None and mod is in_emb)
-                                      or isinstance(mod, nn.Embedding))
+                owner = _BlockBuilder(
+                    mname,
+                    is_head=out_emb is not None and mod is out_emb,
+                    is_embedding=(in_emb is not None and mod is in_emb) or isinstance(mod, nn.Embedding),
+                )
             builders.append(owner)
         params, buffers = mod._parameters, mod._buffers
         if not params and not buffers:
@@ -331,11 +339,13 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
                 if dtype is None:
                     dtype = dtype_names[t.dtype] = str(t.dtype).replace("torch.", "")
                 if is_param:
-                    spec = TensorSpec(full, tuple(t.shape), dtype, "parameter",
-                                      quantizable_weight and tname == "weight")
+                    spec = TensorSpec(
+                        full, tuple(t.shape), dtype, "parameter", quantizable_weight and tname == "weight"
+                    )
                 else:
-                    spec = TensorSpec(full, tuple(t.shape), dtype,
-                                      "buffer_nonpersistent" if tname in nonpersistent else "buffer")
+                    spec = TensorSpec(
+                        full, tuple(t.shape), dtype, "buffer_nonpersistent" if tname in nonpersistent else "buffer"
+                    )
                 if full in declared:
                     alias[full] = declared[full]
                     held_back.append((owner, spec))
@@ -366,7 +376,7 @@ def _walk(model: "torch.nn.Module", no_split: set[str]) -> tuple[list[Block], tu
     return blocks, tuple(tuple(g) for g in groups.values())
 
 
-def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) -> Skeleton:
+def skeleton_from_model(model: torch.nn.Module, *, name: str | None = None) -> Skeleton:
     """Walk a (meta or real) model into a Skeleton; see the module docstring for the rules."""
     cfg = getattr(model, "config", None)
     no_split = set(getattr(model, "_no_split_modules", None) or ())
@@ -400,8 +410,9 @@ def skeleton_from_model(model: "torch.nn.Module", *, name: str | None = None) ->
     )
 
 
-def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name: str | None = None,
-                         meta_walk: bool = False) -> Skeleton:
+def skeleton_from_config(
+    config: dict | PretrainedConfig | str | Path, *, name: str | None = None, meta_walk: bool = False
+) -> Skeleton:
     """Skeleton of the causal LM a config describes.
 
     A dict or config file of a family :mod:`planner.config_skeleton` knows is laid out from the config alone (no
@@ -426,8 +437,9 @@ def skeleton_from_config(config: "dict | PretrainedConfig | str | Path", *, name
 # checkpoint directories
 
 
-def _block_of_key(key: str, tensor_block: Mapping[str, str], block_names: set[str],
-                  base_prefix: str) -> tuple[str | None, str | None]:
+def _block_of_key(
+    key: str, tensor_block: Mapping[str, str], block_names: set[str], base_prefix: str
+) -> tuple[str | None, str | None]:
     """(block, tensor name) a checkpoint key belongs to. The tensor name is set when the key IS a tensor of the
     module tree (directly, or with the model's ``base_model_prefix`` prepended: old GPT-2 checkpoints store
     ``h.0...``). Otherwise the block is the longest block name that is a dotted prefix of the key (a stored
@@ -486,8 +498,13 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
         keys_of.setdefault(b, []).append(key)
     renamed = any(k not in tensor_block for ks in keys_of.values() for k in ks)
     if unmatched:
-        log.warning("%s: %d checkpoint tensor(s) match no module of the %s model and will not be placed: %s",
-                    name, len(unmatched), skel.architecture, ", ".join(unmatched[:5]))
+        log.warning(
+            "%s: %d checkpoint tensor(s) match no module of the %s model and will not be placed: %s",
+            name,
+            len(unmatched),
+            skel.architecture,
+            ", ".join(unmatched[:5]),
+        )
 
     blocks = []
     shape_mismatch = []
@@ -504,11 +521,15 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
             elif t.name in fused_dtype and fused_dtype[t.name] != t.dtype:
                 t = TensorSpec(t.name, t.shape, fused_dtype[t.name], t.kind, t.quantizable)
             new_tensors.append(t)
-        blocks.append(Block(blk.name, tuple(new_tensors), blk.no_split, blk.layer_index, blk.is_head,
-                            blk.is_embedding))
+        blocks.append(Block(blk.name, tuple(new_tensors), blk.no_split, blk.layer_index, blk.is_head, blk.is_embedding))
     if shape_mismatch:
-        log.warning("%s: %d tensor(s) differ in shape between config.json and the checkpoint (first: %s); "
-                    "the skeleton follows the config", name, len(shape_mismatch), shape_mismatch[0])
+        log.warning(
+            "%s: %d tensor(s) differ in shape between config.json and the checkpoint (first: %s); "
+            "the skeleton follows the config",
+            name,
+            len(shape_mismatch),
+            shape_mismatch[0],
+        )
 
     # cross-check: bytes stored vs bytes the model needs for what the checkpoint holds (tied tensors once)
     stored_bytes = sum(stored[k].nbytes for ks in keys_of.values() for k in ks if k not in alias_source)
@@ -519,9 +540,14 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
             if t.kind == "parameter" or (t.kind == "buffer" and t.name in in_ckpt):
                 need += int(t.numel * DTYPE_BYTES[t.dtype])
     if stored_bytes < need:
-        log.warning("%s: the checkpoint stores %d bytes of the model's tensors but the %s built from config.json "
-                    "needs %d; config and weights may not belong together", name, stored_bytes,
-                    skel.architecture, need)
+        log.warning(
+            "%s: the checkpoint stores %d bytes of the model's tensors but the %s built from config.json "
+            "needs %d; config and weights may not belong together",
+            name,
+            stored_bytes,
+            skel.architecture,
+            need,
+        )
     elif stored_bytes > need:  # e.g. legacy buffers (old GPT-2 attn.bias masks) that transformers now ignores
         log.info("%s: the checkpoint stores %d bytes more than the model uses", name, stored_bytes - need)
 
@@ -529,10 +555,19 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
     # base-model prefix), every block that stores something lists all its keys, so a loader needs no other source.
     ckpt_keys = {b: tuple(ks) for b, ks in keys_of.items()} if renamed else {}
     return Skeleton(
-        name=name, architecture=skel.architecture, model_type=skel.model_type, blocks=tuple(blocks),
-        tied_groups=skel.tied_groups, no_split_classes=skel.no_split_classes, kv=skel.kv,
-        vocab_size=skel.vocab_size, hidden_size=skel.hidden_size, intermediate_size=skel.intermediate_size,
-        num_attention_heads=skel.num_attention_heads, default_dtype=skel.default_dtype, checkpoint_keys=ckpt_keys,
+        name=name,
+        architecture=skel.architecture,
+        model_type=skel.model_type,
+        blocks=tuple(blocks),
+        tied_groups=skel.tied_groups,
+        no_split_classes=skel.no_split_classes,
+        kv=skel.kv,
+        vocab_size=skel.vocab_size,
+        hidden_size=skel.hidden_size,
+        intermediate_size=skel.intermediate_size,
+        num_attention_heads=skel.num_attention_heads,
+        default_dtype=skel.default_dtype,
+        checkpoint_keys=ckpt_keys,
     )
 
 
@@ -541,8 +576,9 @@ _EMBED_HINTS = ("embed", "wte", "wpe", "tok_embeddings", "word_embeddings", "pos
 _HEAD_HINTS = ("lm_head", "embed_out", "output", "head")
 
 
-def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapping[str, Any] | None = None
-                          ) -> Skeleton:
+def skeleton_from_headers(
+    headers: CheckpointHeaders, *, name: str, config: Mapping[str, Any] | None = None
+) -> Skeleton:
     """A skeleton inferred from checkpoint key names alone (no transformers class needed).
 
     Keys under ``<prefix>.layers.N.`` (also ``h.N``, ``blocks.N``, ``layer.N``) form no-split blocks with
@@ -558,7 +594,8 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
             bname = key[: m.end()]
             idx = int(m.group(1))
             layer_blocks.setdefault(bname, (idx, []))[1].append(
-                TensorSpec(key, h.shape, h.dtype, "parameter", is_weight))
+                TensorSpec(key, h.shape, h.dtype, "parameter", is_weight)
+            )
         else:
             parent = key.rpartition(".")[0]
             other.setdefault(parent, []).append(TensorSpec(key, h.shape, h.dtype, "parameter", False))
@@ -575,13 +612,13 @@ def skeleton_from_headers(headers: CheckpointHeaders, *, name: str, config: Mapp
         return 2
 
     blocks: list[Block] = []
-    for bname in sorted((n for n in other if category(n) == 0)):
+    for bname in sorted(n for n in other if category(n) == 0):
         blocks.append(Block(bname, tuple(other[bname]), is_embedding=True))
     for bname, (idx, ts) in sorted(layer_blocks.items(), key=lambda kv: (kv[1][0], kv[0])):
         blocks.append(Block(bname, tuple(ts), no_split=True, layer_index=idx))
-    for bname in sorted((n for n in other if category(n) == 2)):
+    for bname in sorted(n for n in other if category(n) == 2):
         blocks.append(Block(bname, tuple(other[bname])))
-    for bname in sorted((n for n in other if category(n) == 3)):
+    for bname in sorted(n for n in other if category(n) == 3):
         blocks.append(Block(bname, tuple(other[bname]), is_head=True))
     default = default_dtype(_config_dtype(config or {}), (t.dtype for t in headers.tensors.values()))
     n_layers = len({idx for idx, _ in layer_blocks.values()})
@@ -609,8 +646,14 @@ def _checkpoint_headers(d: Path) -> CheckpointHeaders:
     has_config = (d / CONFIG_NAME).is_file()
     if not has_config and not has_weight_files(d):
         pickles = sorted(p.name for p in d.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
-        extra = (f" Found pickle weight files ({', '.join(pickles[:3])}), which loadmaster refuses to read; "
-                 "convert them to safetensors.") if pickles else ""
+        extra = (
+            (
+                f" Found pickle weight files ({', '.join(pickles[:3])}), which loadmaster refuses to read; "
+                "convert them to safetensors."
+            )
+            if pickles
+            else ""
+        )
         raise ModelSourceError(
             f"{d}: not a model directory: expected {CONFIG_NAME} and safetensors weights "
             f"(model.safetensors, or model.safetensors.index.json with its shards), found neither.{extra}"
@@ -645,8 +688,13 @@ class CheckpointModel:
     dtype: str
 
 
-def describe_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, name: str | None = None,
-                        headers: CheckpointHeaders | None = None) -> CheckpointModel:
+def describe_checkpoint(
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    *,
+    name: str | None = None,
+    headers: CheckpointHeaders | None = None,
+) -> CheckpointModel:
     """Read a model directory (``config.json`` + safetensors headers; no weight is read) into its Skeleton and its
     meta model, built in ``dtype`` (a dtype name; None: the model's :func:`default_dtype`). ``headers``: the
     directory's headers when the caller has already read them.
@@ -661,16 +709,18 @@ def describe_checkpoint(path: str | os.PathLike, dtype: str | None = None, *, na
     return _describe(read_config_json(d / CONFIG_NAME), headers, dtype, name=name, source=str(d))
 
 
-def _describe(doc: Mapping[str, Any], headers: CheckpointHeaders, dtype: str | None, *, name: str,
-              source: str) -> CheckpointModel:
+def _describe(
+    doc: Mapping[str, Any], headers: CheckpointHeaders, dtype: str | None, *, name: str, source: str
+) -> CheckpointModel:
     """:func:`describe_checkpoint` from a config document and headers, wherever they were read (a directory, the
     Hub)."""
     cfg = config_from_dict(doc, source=f"{source}/{CONFIG_NAME}")
     default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
     build = dtype or default
     model = build_meta_model(cfg, build if build in _BUILD_DTYPES else None)
-    skel = _with_checkpoint(skeleton_from_model(model, name=name), headers,
-                            str(getattr(model, "base_model_prefix", "") or ""), name)
+    skel = _with_checkpoint(
+        skeleton_from_model(model, name=name), headers, str(getattr(model, "base_model_prefix", "") or ""), name
+    )
     skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers))
     return CheckpointModel(skel, model, headers, dtype_name(getattr(model.config, "dtype", None)) or build)
 
@@ -691,14 +741,19 @@ def skeleton_from_dir(path: str | os.PathLike, *, name: str | None = None, meta_
     return skeleton_from_checkpoint(doc, headers, name=name, source=str(d), meta_walk=meta_walk)
 
 
-def skeleton_from_checkpoint(doc: Mapping[str, Any] | None, headers: CheckpointHeaders, *, name: str, source: str,
-                             meta_walk: bool = False) -> Skeleton:
+def skeleton_from_checkpoint(
+    doc: Mapping[str, Any] | None, headers: CheckpointHeaders, *, name: str, source: str, meta_walk: bool = False
+) -> Skeleton:
     """Skeleton from a config.json document (or none) and the checkpoint's headers, wherever both were read (a
     local directory, or the Hub: see :mod:`planner.model_ref`); see :func:`skeleton_from_dir`."""
     fingerprint = checkpoint_fingerprint(headers)
     if doc is None:
-        log.warning("%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
-                    "KV geometry known)", source, CONFIG_NAME)
+        log.warning(
+            "%s: no %s; the skeleton is inferred from safetensors key names (no tied groups, buffers or "
+            "KV geometry known)",
+            source,
+            CONFIG_NAME,
+        )
         return replace(skeleton_from_headers(headers, name=name), fingerprint=fingerprint)
     fast = None if meta_walk else config_skeleton(dict(doc), name=name)
     if fast is not None:
@@ -712,7 +767,7 @@ def skeleton_from_checkpoint(doc: Mapping[str, Any] | None, headers: CheckpointH
         return replace(skeleton_from_headers(headers, name=name, config=doc), fingerprint=fingerprint)
 
 
-def skeleton_from_hub(ref: "HubRef", *, name: str | None = None) -> Skeleton:
+def skeleton_from_hub(ref: HubRef, *, name: str | None = None) -> Skeleton:
     """Skeleton of a Hub model from its config.json and shard headers only (see :mod:`planner.model_ref`); it
     names the commit it was read at. Offline, a cached snapshot is read like a local directory."""
     from planner.model_ref import read_hub_checkpoint
@@ -753,8 +808,9 @@ def load_skeleton(model: Any, *, name: str | None = None) -> Skeleton:
             return replace(skeleton_from_dir(p, name=name or snapshot.repo_id), revision=snapshot.revision)
         if p.suffix == ".json":
             return skeleton_from_config(p, name=name)
-        raise ModelSourceError(f"{p}: expected a model directory or a .json config file, got a {p.suffix or 'plain'} "
-                               "file")
+        raise ModelSourceError(
+            f"{p}: expected a model directory or a .json config file, got a {p.suffix or 'plain'} file"
+        )
     try:
         import torch.nn as nn
 

@@ -5,11 +5,12 @@
 :class:`Solution` whether or not everything fit; :func:`planner.assemble.assemble` turns a fitting one into a Plan
 and :mod:`planner.advice` explains one that does not. :func:`fits` is the yes/no the advice's searches ask.
 """
+
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping
 
 from planner.cost_model import compute_dtype, predict
 from planner.device_map import resolve_custom_map
@@ -74,8 +75,9 @@ def tied_follows(skeleton: Skeleton) -> dict[int, int]:
     return follows
 
 
-def make_problem(skeleton: Skeleton, hardware: Hardware, workload: Workload,
-                 pinned: Mapping[int, DeviceId] | None = None) -> Problem:
+def make_problem(
+    skeleton: Skeleton, hardware: Hardware, workload: Workload, pinned: Mapping[int, DeviceId] | None = None
+) -> Problem:
     """Every block sized for the workload, on this hardware: what the strategies fill."""
     return Problem(
         items=tuple(size_blocks(skeleton, workload)),
@@ -164,8 +166,9 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
     if not candidates:
         return Solution(problem, seq, "auto")
     best_tps = max(c.tokens_per_s for c in candidates)
-    near = sorted((c for c in candidates if c.tokens_per_s >= best_tps * _NEAR_BEST),
-                  key=lambda c: (c.peak_gpu_use, c.hops))
+    near = sorted(
+        (c for c in candidates if c.tokens_per_s >= best_tps * _NEAR_BEST), key=lambda c: (c.peak_gpu_use, c.hops)
+    )
     chosen = near[0]
     why = f"auto chose {chosen.name}: predicted {chosen.summary()}"
     others = "; ".join(f"{c.name}: {c.summary()}" for c in candidates if c.name != chosen.name)

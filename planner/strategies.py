@@ -24,6 +24,7 @@ Strategies then choose the limits:
 - ``balanced_low_0``: the first GPU is limited to half of its balanced share (but always takes the first
   block), the others are balanced over the rest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class Problem:
         return tuple(i for i, it in enumerate(self.items) if it.is_head)
 
     @cached_property
-    def memo(self) -> dict[tuple, "FillResult"]:
+    def memo(self) -> dict[tuple, FillResult]:
         """fill_consistent results by limits: strategies that fall back to one another share the work."""
         return {}
 

@@ -3,20 +3,30 @@
 Nothing here imports torch: these types are built by the skeleton builders (which do), consumed by the
 pure planning core, and serialised to JSON for the service and the loader. Sizes are always bytes (int).
 """
+
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
-DeviceId = Union[int, str]  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
+DeviceId = int | str  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
 
 #: Bytes per element of every dtype a checkpoint or a workload may name.
 DTYPE_BYTES: dict[str, float] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
@@ -216,7 +226,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         budgets = []
         for b in d["budgets"]:
             b = {k: v for k, v in b.items() if k not in ("total", "free")}
@@ -238,7 +248,7 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
     def budget(self, device: DeviceId) -> DeviceBudget | None:

@@ -3,6 +3,7 @@
 GiB/MiB/KiB/TiB are powers of 2; GB/MB/KB/TB are powers of 10. Every output labels its unit the same way
 (``format_bytes`` prints binary units, ``GiB`` etc.), so a number printed by loadmaster can be pasted back in.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,14 @@ from planner.errors import HardwareSpecError
 
 _UNITS: dict[str, int] = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 

@@ -4,13 +4,15 @@ The app starts answering at once; the model loads on a background thread (``/hea
 Every error leaves as ``{"error", "error_type"}`` (OpenAI's ``{"error": {...}}`` with 400 under ``/v1``), with a
 request id in the ``X-Request-Id`` header and in the log line; tracebacks stay in the log.
 """
+
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
@@ -29,7 +31,7 @@ from service.errors import (
 )
 from service.memory import memory_gauges, memory_report, weight_bytes_by_device
 from service.metrics import Metrics
-from service.model_loading import Loader, LoadedModel, ModelHost, load_model
+from service.model_loading import LoadedModel, Loader, ModelHost, load_model
 from service.runtime import Runtime
 from service.security import check_api_key, is_open
 from service.settings import ServiceSettings
@@ -41,7 +43,9 @@ def _is_openai(path: str) -> bool:
     return path.startswith("/v1/")
 
 
-def error_response(path: str, status: int, message: str, error_type: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    path: str, status: int, message: str, error_type: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
     if _is_openai(path):
         status = openai_status(status, error_type)
@@ -87,8 +91,9 @@ class GuardMiddleware:
                     check_api_key(headers.get("authorization"), self.settings.api_key)
                 except ServiceError as exc:
                     log.info("request %s refused: %s", rid, exc)
-                    await reply(error_response(path, exc.status_code, str(exc), exc.error_type,
-                                               {"WWW-Authenticate": "Bearer"}))
+                    await reply(
+                        error_response(path, exc.status_code, str(exc), exc.error_type, {"WWW-Authenticate": "Bearer"})
+                    )
                     return
             limit = self.settings.max_body_bytes
             length = headers.get("content-length")

@@ -9,9 +9,11 @@ Leading columns that every row pads are trimmed away, so a long-gone sequence le
 Only plain full-attention caches (``DynamicLayer``) can be stacked like this; for any other cache (sliding window,
 linear attention, quantized) each sequence keeps a batch of its own (see :func:`stackable`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -118,8 +120,9 @@ PREFILL_TOKENS = 256
 PREFILL_PADDING = 0.25
 
 
-def prefill_groups(lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS,
-                   max_padding: float = PREFILL_PADDING) -> list[list[int]]:
+def prefill_groups(
+    lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS, max_padding: float = PREFILL_PADDING
+) -> list[list[int]]:
     """Split prompts (given by their lengths) into batches to prefill together; returns indices into ``lengths``.
 
     One forward over several prompts pays a forward's fixed cost once (reading every weight, the per-layer Python;
@@ -143,8 +146,9 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int = PREFILL_TOKENS,
 
 
 @torch.inference_mode()
-def prefill(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]]
-            ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+def prefill(
+    model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
     """Run prompts in one forward, left-padded to the longest.
 
     Returns each prompt's last-position logits ``[k, vocab]``, the cache (one row per prompt) and the attention
@@ -160,8 +164,14 @@ def prefill(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequ
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                cache=DynamicCache(config=model.config), use_cache=True, **extra)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=DynamicCache(config=model.config),
+        use_cache=True,
+        **extra,
+    )
     return out.logits[:, -1, :], out.cache, mask
 
 

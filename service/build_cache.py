@@ -110,4 +110,3 @@ def check_target(out_dir: Path) -> None:
 def write_marker(directory: Path, recipe: dict[str, Any], **extra: Any) -> None:
     payload = {"format": BUILD_FORMAT, "recipe": recipe, **extra}
     (directory / MARKER_NAME).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-

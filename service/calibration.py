@@ -11,6 +11,7 @@
 
 The record (:class:`planner.calibration.Calibration`) is validated and saved atomically to the user's cache.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,9 +19,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -82,8 +83,10 @@ def disk_read(folder: Path, nbytes: int) -> tuple[float, float, list[str]]:
         cold = size / (time.perf_counter() - t0)
         warm = size / min(_timed(lambda: _read_all(path)) for _ in range(3))
         if cold > 0.7 * warm:
-            notes.append("the cold read ran near the warm rate: this filesystem may not drop cached pages "
-                         "(overlay/tmpfs), so the cold figure is an upper bound")
+            notes.append(
+                "the cold read ran near the warm rate: this filesystem may not drop cached pages "
+                "(overlay/tmpfs), so the cold figure is an upper bound"
+            )
         return cold, warm, notes
     finally:
         path.unlink(missing_ok=True)
@@ -127,14 +130,14 @@ def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 7)
     with torch.inference_mode():
         x = torch.randn(1, k).to(dtype)
         w = torch.randn(n, k).to(dtype)
-        resident = n * k * elt / _typical_seconds(lambda: fn(x, w), repeats)
+        resident = n * k * elt / _typical_seconds(lambda w=w: fn(x, w), repeats)
         fd, name = tempfile.mkstemp(prefix=".loadmaster-calibrate-", dir=folder)
         os.close(fd)
         try:
             w.view(torch.uint8).numpy().tofile(name)
             del w
             mapped_w = torch.from_file(name, shared=True, size=n * k, dtype=dtype).view(n, k)  # reads in place
-            mapped = n * k * elt / _typical_seconds(lambda: fn(x, mapped_w), repeats)
+            mapped = n * k * elt / _typical_seconds(lambda mapped_w=mapped_w: fn(x, mapped_w), repeats)
             del mapped_w
         finally:
             Path(name).unlink(missing_ok=True)
@@ -144,8 +147,15 @@ def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 7)
 def _small_llama(folder: Path, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     out = folder / f"llama-{layers}"
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
@@ -174,8 +184,14 @@ def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> 
     with torch.inference_mode():
         for _ in range(repeats):
             clock = Clock()
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           stopping_criteria=[clock], pad_token_id=0)
+            model.generate(
+                ids,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                stopping_criteria=[clock],
+                pad_token_id=0,
+            )
             gaps += [b - a for a, b in zip(clock.times, clock.times[1:])]
     return statistics.median(gaps)
 
@@ -190,8 +206,12 @@ def step_overheads(folder: Path) -> tuple[float, float]:
     return per_layer, max(t_few - few * per_layer, 0.0)
 
 
-def calibrate(folder: Path, size: int = 256 << 20, say: Say = log.info,
-              dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> Calibration:
+def calibrate(
+    folder: Path,
+    size: int = 256 << 20,
+    say: Say = log.info,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+) -> Calibration:
     """Measure everything; ``size`` bytes per buffer (big enough to leave the CPU caches, small enough to be quick)."""
     started = time.perf_counter()
     notes: list[str] = []

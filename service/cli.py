@@ -7,6 +7,7 @@ its ``LOADMASTER_*`` environment variable, then to its default. Bad input exits 
 this module imports nothing heavy at the top: pydantic-settings alone costs more than a second to import here, and
 torch, transformers, FastAPI and uvicorn more still. ``serve`` imports what it needs when it runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,24 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
     ("--log-level", str, "debug, info, warning or error (default info)"),
     ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
-    ("--cpu-kernels", str, "auto, native or torch: bf16/fp32 linear layers on the CPU through the native kernels "
-                           "(default auto: where they build)"),
-    ("--cpu-quantization", str, "int8 or int4: weight-only quantization, at load, of the linear layers that compute "
-                                "on the CPU or stream from disk (GPU layers: --quantization)"),
-    ("--cpu-quantized-dir", str, "folder to save --cpu-quantization's weights in as safetensors, so the next load "
-                                 "maps them instead of quantizing again"),
+    (
+        "--cpu-kernels",
+        str,
+        "auto, native or torch: bf16/fp32 linear layers on the CPU through the native kernels "
+        "(default auto: where they build)",
+    ),
+    (
+        "--cpu-quantization",
+        str,
+        "int8 or int4: weight-only quantization, at load, of the linear layers that compute "
+        "on the CPU or stream from disk (GPU layers: --quantization)",
+    ),
+    (
+        "--cpu-quantized-dir",
+        str,
+        "folder to save --cpu-quantization's weights in as safetensors, so the next load "
+        "maps them instead of quantizing again",
+    ),
 )
 
 
@@ -49,32 +62,48 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     from service.plan_cli import add_planner_flags
 
     if with_model:
-        parser.add_argument("model", nargs="?", default=None, help="model directory or Hub id org/name[@revision] (or set LOADMASTER_MODEL)")
-        parser.add_argument("--demo", action="store_true", default=None,
-                            help="build (once, cached) and serve the embedded demo model")
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="model directory or Hub id org/name[@revision] (or set LOADMASTER_MODEL)",
+        )
+        parser.add_argument(
+            "--demo", action="store_true", default=None, help="build (once, cached) and serve the embedded demo model"
+        )
     add_planner_flags(parser)
     g = parser.add_argument_group("server")
     for flag, typ, help_text in SERVE_FLAGS:
         g.add_argument(flag, type=typ, default=None, help=help_text)
-    g.add_argument("--api-key", action="append", default=None,
-                   help="accepted Bearer key, repeatable (or LOADMASTER_API_KEY=k1,k2); health stays open")
-    g.add_argument("--model-root", action="append", default=None,
-                   help="directory /plan may read models from, repeatable (or LOADMASTER_MODEL_ROOT=a,b)")
-    g.add_argument("--allow-hub-plan", action="store_true", default=None,
-                   help="let /plan take Hub ids org/name[@rev]: it then makes outbound requests to the Hub "
-                        "(or LOADMASTER_ALLOW_HUB_PLAN=1)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accepted Bearer key, repeatable (or LOADMASTER_API_KEY=k1,k2); health stays open",
+    )
+    g.add_argument(
+        "--model-root",
+        action="append",
+        default=None,
+        help="directory /plan may read models from, repeatable (or LOADMASTER_MODEL_ROOT=a,b)",
+    )
+    g.add_argument(
+        "--allow-hub-plan",
+        action="store_true",
+        default=None,
+        help="let /plan take Hub ids org/name[@rev]: it then makes outbound requests to the Hub "
+        "(or LOADMASTER_ALLOW_HUB_PLAN=1)",
+    )
     # The planner flags' own defaults would hide the environment: unset means "not given" here.
     parser.set_defaults(strategy=None, batch_size=None, complete=None)
 
 
-def settings_from_args(args: argparse.Namespace, **overrides: Any) -> "ServiceSettings":
+def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSettings:
     """Settings from the flags that were given; the rest come from ``LOADMASTER_*`` or the defaults."""
     from service.settings import ServiceSettings
 
     values = {
-        name: getattr(args, name)
-        for name in ServiceSettings.model_fields
-        if getattr(args, name, None) is not None
+        name: getattr(args, name) for name in ServiceSettings.model_fields if getattr(args, name, None) is not None
     }
     values.update(overrides)
     return ServiceSettings(**values)
@@ -87,16 +116,16 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def curl_example(settings: "ServiceSettings") -> str:
+def curl_example(settings: ServiceSettings) -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     auth = f" -H 'Authorization: Bearer {settings.api_key[0]}'" if settings.api_key else ""
     return (
         f"curl -s http://{host}:{settings.port}/generate{auth} -H 'Content-Type: application/json' "
-        "-d '{\"inputs\": \"Once upon a time\", \"parameters\": {\"max_new_tokens\": 30}}'"
+        '-d \'{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 30}}\''
     )
 
 
-def serve(settings: "ServiceSettings") -> int:
+def serve(settings: ServiceSettings) -> int:
     """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish."""
     import uvicorn
 
@@ -132,7 +161,9 @@ def serve(settings: "ServiceSettings") -> int:
         timeout_graceful_shutdown=settings.grace_period,
         access_log=False,
     )
-    log.info("listening on http://%s:%d (model loads in the background; GET /health/ready)", settings.host, settings.port)
+    log.info(
+        "listening on http://%s:%d (model loads in the background; GET /health/ready)", settings.host, settings.port
+    )
     log.info("try: %s", curl_example(settings))
     DrainingServer(config).run()
     return 0
@@ -154,12 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    s = sub.add_parser("serve", help="serve a model over HTTP (TGI and OpenAI routes, /plan, /metrics)",
-                       description="Serve a model. Every flag is also an environment variable LOADMASTER_<FLAG>.")
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (TGI and OpenAI routes, /plan, /metrics)",
+        description="Serve a model. Every flag is also an environment variable LOADMASTER_<FLAG>.",
+    )
     _add_serve_flags(s, with_model=True)
     s.set_defaults(func=run_serve)
-    d = sub.add_parser("demo", help="build (once) and serve the embedded demo model",
-                       description="Same as 'serve --demo'.")
+    d = sub.add_parser(
+        "demo", help="build (once) and serve the embedded demo model", description="Same as 'serve --demo'."
+    )
     _add_serve_flags(d, with_model=False)
     d.set_defaults(func=run_demo)
     plan_cli.register(sub)

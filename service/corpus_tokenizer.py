@@ -99,4 +99,3 @@ def make_tokenizer():
 def padded_vocab_size(tokenizer_len: int, multiple: int = 8) -> int:
     """Embedding rows for a tokenizer of this length, rounded up so matrix shapes stay friendly."""
     return int(math.ceil(tokenizer_len / multiple) * multiple)
-

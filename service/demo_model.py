@@ -31,8 +31,12 @@ logger = logging.getLogger(__name__)
 
 # The demo model: ~2M parameters, trained for 200 steps (30-80 s on two CPU cores, capped at 90 s).
 DEMO_SPEC = dict(
-    hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=1024,
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
 )
 DEMO_STEPS = 200
 DEMO_SEQ_LEN = 96
@@ -136,8 +140,16 @@ def build_demo_model(
     """
     out_dir = Path(out_dir).expanduser().resolve() if out_dir is not None else default_demo_dir()
     recipe = dict(
-        format=BUILD_FORMAT, kind="demo", spec=DEMO_SPEC, steps=steps, seed=seed, seq_len=DEMO_SEQ_LEN, batch=DEMO_BATCH,
-        lr=DEMO_LR, tokenizer=tokenizer_fingerprint(), transformers=transformers_version(),
+        format=BUILD_FORMAT,
+        kind="demo",
+        spec=DEMO_SPEC,
+        steps=steps,
+        seed=seed,
+        seq_len=DEMO_SEQ_LEN,
+        batch=DEMO_BATCH,
+        lr=DEMO_LR,
+        tokenizer=tokenizer_fingerprint(),
+        transformers=transformers_version(),
     )
     if is_complete(out_dir, recipe):
         return out_dir
@@ -156,7 +168,8 @@ def build_demo_model(
         losses = _train_demo(model, tokenizer, steps, seed, max_seconds)
         save_checkpoint(model, tokenizer, tmp, default_shard_size(model, 3))
         write_marker(
-            tmp, recipe,
+            tmp,
+            recipe,
             parameters=sum(p.numel() for p in model.parameters()),
             steps_done=len(losses),
             first_loss=losses[0] if losses else None,
@@ -165,7 +178,9 @@ def build_demo_model(
         )
     logger.info(
         "demo model ready in %.1f s (loss %.2f -> %.2f)",
-        time.perf_counter() - started, losses[0] if losses else float("nan"), losses[-1] if losses else float("nan"),
+        time.perf_counter() - started,
+        losses[0] if losses else float("nan"),
+        losses[-1] if losses else float("nan"),
     )
     return out_dir
 
@@ -187,7 +202,9 @@ def greedy_sample(model_dir: str | Path, prompt: str, max_new_tokens: int = 40) 
 def main(argv: list[str] | None = None) -> int:
     """Build the demo model (if needed) and print a few greedy continuations from plain transformers."""
     parser = argparse.ArgumentParser(description="Build loadmaster's demo model and show what it writes.")
-    parser.add_argument("--out", type=Path, default=None, help="model folder (default: %(default)s -> $LOADMASTER_HOME/demo-model)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="model folder (default: %(default)s -> $LOADMASTER_HOME/demo-model)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("prompts", nargs="*", default=["The fox", "We hold these truths", "Once a lion"])
     args = parser.parse_args(argv)

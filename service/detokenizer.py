@@ -11,6 +11,7 @@ in Rust, one call per token). Otherwise (a Python tokenizer, a tokenizer that cl
 last token of a sequence flushes whatever is held back, so a sequence that ends mid-character still reports its bytes
 (as U+FFFD), exactly as decoding the whole sequence would.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -10,22 +10,24 @@ Requests arrive through :meth:`Engine.submit` into a bounded queue. The engine t
 Events (:class:`TokenEvent`, then :class:`FinishEvent` or :class:`ErrorEvent`) go to each request's ``sink``,
 which the HTTP side turns into responses. An out-of-memory error in a step fails that step's sequences only.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from planner.devices import torch_device_name
 from service.batch import DecodeBatch, prefill, prefill_groups, stackable
-from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
 from service.detokenizer import make_detokenizer
+from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
 from service.sampling import SamplingParams, TokenChooser
 from service.stop_matcher import StopMatcher
 
@@ -51,7 +53,7 @@ class TokenEvent:
     text: str
     logprob: float
     special: bool
-    final: "FinishEvent | None" = None
+    final: FinishEvent | None = None
 
 
 @dataclass
@@ -79,7 +81,7 @@ class ErrorEvent:
     status_code: int = GenerationError.status_code
 
     @classmethod
-    def of(cls, error: ServiceError) -> "ErrorEvent":
+    def of(cls, error: ServiceError) -> ErrorEvent:
         return cls(message=str(error), error_type=error.error_type, status_code=error.status_code)
 
 
@@ -112,7 +114,7 @@ class _NoMetrics:
 class Ticket:
     """The caller's handle on a submitted request: cancel it when the client goes away."""
 
-    def __init__(self, engine: "Engine", seq: "_Sequence"):
+    def __init__(self, engine: Engine, seq: _Sequence):
         self._engine = engine
         self._seq = seq
 
@@ -125,8 +127,14 @@ class Ticket:
 class _Sequence:
     """Engine-side state of one request: its token chooser, detokenizer and stop matcher, and what it has made."""
 
-    def __init__(self, request: GenerationRequest, sink: Callable[[Event], None], tokenizer: Any, eos: set[int],
-                 special: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        sink: Callable[[Event], None],
+        tokenizer: Any,
+        eos: set[int],
+        special: frozenset[int] = frozenset(),
+    ):
         self.request = request
         self.sink = sink
         self.cancelled = threading.Event()
@@ -194,7 +202,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory"))
+        s in text for s in ("out of memory", "can't allocate memory", "cannot allocate memory")
+    )
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
@@ -422,11 +431,16 @@ class Engine:
         try:
             return seq.accept(token, logprob)
         except Exception:  # noqa: BLE001
-            log.exception("request %s: handling a generated token failed; dropping the sequence", seq.request.request_id)
+            log.exception(
+                "request %s: handling a generated token failed; dropping the sequence", seq.request.request_id
+            )
             seq.done = True
             try:
-                seq.sink(ErrorEvent.of(GenerationError(
-                    "Generation failed while decoding a token; the server logged the details.")))
+                seq.sink(
+                    ErrorEvent.of(
+                        GenerationError("Generation failed while decoding a token; the server logged the details.")
+                    )
+                )
             except Exception:  # noqa: BLE001 - the sink itself is what failed
                 pass
             return None

@@ -1,4 +1,5 @@
 """The ``loadmaster env`` subcommand: the machine report for bug reports, and ``--calibrate``."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,22 @@ def run_env(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``env`` to the ``loadmaster`` command line."""
     p = subparsers.add_parser(
-        "env", help="print what a bug report needs: GPUs, CPU and kernels, memory, versions, settings",
+        "env",
+        help="print what a bug report needs: GPUs, CPU and kernels, memory, versions, settings",
         description="Describe this machine and installation (secrets masked). --calibrate measures the rates the "
-                    "planner's cost model uses and saves them to the user's cache (LOADMASTER_CALIBRATION: a "
-                    "file, or off).")
+        "planner's cost model uses and saves them to the user's cache (LOADMASTER_CALIBRATION: a "
+        "file, or off).",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--offload-folder", default=None,
-                   help="folder whose free disk to report and where --calibrate reads its scratch file "
-                        "(default LOADMASTER_OFFLOAD_FOLDER, else the current folder; for --calibrate, the cache)")
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure memory, disk, link and kernel rates (under a minute) and save them for the planner")
+    p.add_argument(
+        "--offload-folder",
+        default=None,
+        help="folder whose free disk to report and where --calibrate reads its scratch file "
+        "(default LOADMASTER_OFFLOAD_FOLDER, else the current folder; for --calibrate, the cache)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure memory, disk, link and kernel rates (under a minute) and save them for the planner",
+    )
     p.set_defaults(func=run_env)

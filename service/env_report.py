@@ -5,6 +5,7 @@ load), RAM and free disk at the offload folder, the versions of everything that 
 works here, and the ``LOADMASTER_*`` settings in force with secrets masked. Each probe that fails says why in
 its field instead of failing the report: the report is most needed on machines where something is broken.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,36 @@ from planner.units import format_bytes
 log = logging.getLogger(__name__)
 
 #: Instruction-set flags worth reporting: those the native kernels need, and their neighbours.
-REPORTED_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                      "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+REPORTED_CPU_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+)
 #: Setting names whose values are secrets.
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
-PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "accelerate", "bitsandbytes", "fastapi",
-            "uvicorn", "pydantic", "loadmaster")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "accelerate",
+    "bitsandbytes",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "loadmaster",
+)
 
 
 @dataclass
@@ -164,22 +189,40 @@ def _gpus(torch: Any) -> tuple[list[GpuInfo], str]:
         except RuntimeError:
             free = None
         peers = [j for j in range(count) if j != i and torch.cuda.can_device_access_peer(i, j)]
-        gpus.append(GpuInfo(index=i, name=props.name, total_bytes=int(props.total_memory), free_bytes=free,
-                            compute_capability=f"{props.major}.{props.minor}", peers=peers))
+        gpus.append(
+            GpuInfo(
+                index=i,
+                name=props.name,
+                total_bytes=int(props.total_memory),
+                free_bytes=free,
+                compute_capability=f"{props.major}.{props.minor}",
+                peers=peers,
+            )
+        )
     return gpus, f"{count} CUDA GPU(s)"
 
 
 def _kernels(flags: set[str]) -> tuple[list[IsaInfo], str | None, str, list[KernelInfo]]:
     from loaders import cpu_kernels
 
-    isas = [IsaInfo(name=name, cpu_flags_needed=list(isa.cpu_flags),
-                    cpu_flags_missing=[f for f in isa.cpu_flags if f not in flags],
-                    runnable=name in cpu_kernels.runnable_isas()) for name, isa in cpu_kernels.ISAS.items()]
+    isas = [
+        IsaInfo(
+            name=name,
+            cpu_flags_needed=list(isa.cpu_flags),
+            cpu_flags_missing=[f for f in isa.cpu_flags if f not in flags],
+            runnable=name in cpu_kernels.runnable_isas(),
+        )
+        for name, isa in cpu_kernels.ISAS.items()
+    ]
     st = cpu_kernels.status()
-    kernels = [KernelInfo(name=k.name, weights=str(d).removeprefix("torch."), available=st.available)
-               for d, k in cpu_kernels.KERNELS.items()]
-    kernels += [KernelInfo(name=k.name, weights=scheme, available=st.available)
-                for scheme, k in cpu_kernels.QUANT_KERNELS.items()]
+    kernels = [
+        KernelInfo(name=k.name, weights=str(d).removeprefix("torch."), available=st.available)
+        for d, k in cpu_kernels.KERNELS.items()
+    ]
+    kernels += [
+        KernelInfo(name=k.name, weights=scheme, available=st.available)
+        for scheme, k in cpu_kernels.QUANT_KERNELS.items()
+    ]
     return isas, st.isa if st.available else None, st.reason, kernels
 
 
@@ -199,7 +242,10 @@ def bitsandbytes_check(torch: Any) -> tuple[bool, str]:
         if err > 0.2:
             return False, f"nf4 round trip on {device} is off by {err:.3f}"
     except Exception as exc:
-        return False, f"bitsandbytes {bitsandbytes.__version__} imports, but nf4 on {device} fails: {type(exc).__name__}: {exc}"
+        return (
+            False,
+            f"bitsandbytes {bitsandbytes.__version__} imports, but nf4 on {device} fails: {type(exc).__name__}: {exc}",
+        )
     return True, f"bitsandbytes {bitsandbytes.__version__}: nf4 quantize/dequantize on {device} works"
 
 
@@ -245,8 +291,11 @@ def collect(offload_folder: str | os.PathLike | None = None, environ: dict[str, 
         bitsandbytes_works=works,
         bitsandbytes_detail=detail,
         settings=mask_settings(env),
-        calibration={"path": str(path) if path else None, "present": cal is not None,
-                     "summary": cal.summary() if cal else None},
+        calibration={
+            "path": str(path) if path else None,
+            "present": cal is not None,
+            "summary": cal.summary() if cal else None,
+        },
     )
 
 
@@ -267,14 +316,21 @@ def format_report(r: EnvReport) -> str:
     for g in r.gpus:
         free = f", {_size(g.free_bytes)} free" if g.free_bytes is not None else ""
         peers = ", peer access to " + ",".join(map(str, g.peers)) if g.peers else ", no peer access"
-        rows.append((f"  GPU {g.index}", f"{g.name}, {_size(g.total_bytes)}{free}, compute {g.compute_capability}{peers}"))
+        rows.append(
+            (f"  GPU {g.index}", f"{g.name}, {_size(g.total_bytes)}{free}, compute {g.compute_capability}{peers}")
+        )
     rows.append(("CPU", r.cpu_model))
     rows.append(("cores", f"{r.cpu_cores} ({r.cpu_cores_usable} usable here, torch uses {r.torch_threads} threads)"))
     rows.append(("instruction sets", " ".join(r.cpu_flags) or "none of the reported ones"))
     for isa in r.kernel_isas:
         missing = f"; missing {' '.join(isa.cpu_flags_missing)}" if isa.cpu_flags_missing else ""
-        rows.append((f"kernel path {isa.name}", f"{'runs here' if isa.runnable else 'cannot run here'} "
-                                                f"(needs {' '.join(isa.cpu_flags_needed)}{missing})"))
+        rows.append(
+            (
+                f"kernel path {isa.name}",
+                f"{'runs here' if isa.runnable else 'cannot run here'} "
+                f"(needs {' '.join(isa.cpu_flags_needed)}{missing})",
+            )
+        )
     in_use = f"path {r.kernel_path}" if r.kernel_path else "not in use (torch's kernels run)"
     rows.append(("native kernels", f"{in_use}: {r.kernel_reason}"))
     for k in r.kernels:
@@ -283,8 +339,14 @@ def format_report(r: EnvReport) -> str:
     rows.append(("disk free", f"{_size(r.disk_free_bytes)} at {r.offload_folder}"))
     rows.append(("bitsandbytes works", f"{'yes' if r.bitsandbytes_works else 'no'}: {r.bitsandbytes_detail}"))
     cal = r.calibration
-    rows.append(("calibration", f"{cal['summary']} ({cal['path']})" if cal["present"]
-                 else f"none (run 'loadmaster env --calibrate'; would be saved to {cal['path']})"))
+    rows.append(
+        (
+            "calibration",
+            f"{cal['summary']} ({cal['path']})"
+            if cal["present"]
+            else f"none (run 'loadmaster env --calibrate'; would be saved to {cal['path']})",
+        )
+    )
     if r.settings:
         for name, value in r.settings.items():
             rows.append((name, value))

@@ -6,6 +6,7 @@ error itself (:func:`http_status`), never from a table of their own. Errors of t
 that cannot work, a broken checkpoint) are the request's inputs at fault and answer 422. Anything else is a 500
 without its traceback.
 """
+
 from __future__ import annotations
 
 from planner.errors import LoadmasterError
@@ -80,4 +81,8 @@ def http_status(exc: BaseException) -> int:
 
 def openai_status(status: int, error_type: str) -> int:
     """OpenAI's clients expect 400 where loadmaster's own routes answer 422 for a request that fails validation."""
-    return 400 if error_type == RequestValidationError.error_type and status == RequestValidationError.status_code else status
+    return (
+        400
+        if error_type == RequestValidationError.error_type and status == RequestValidationError.status_code
+        else status
+    )

@@ -5,6 +5,7 @@ Measured weights are what the loader placed on each device (:class:`loaders.Load
 tensor lives: disk-offloaded weights are memory maps of the checkpoint, which torch reports as CPU tensors. For
 GPUs, the allocator's live figure is reported too, since it also holds the KV cache and activations.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

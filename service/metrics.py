@@ -3,12 +3,13 @@
 Counters and histograms are updated from the event loop and the engine thread, so each update takes a lock.
 Memory gauges are read when scraped, from a callable the app supplies.
 """
+
 from __future__ import annotations
 
 import bisect
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 

@@ -4,14 +4,16 @@ The server listens at once; :class:`ModelHost` loads on a thread (the checkpoint
 its Skeleton, then the loader fills that same meta model as the plan says) and
 records progress from the loader's callback. Routes read :class:`LoadState` and answer 503 until it is ready.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from planner.api import plan_inputs
 from planner.errors import LoadmasterError
@@ -115,11 +117,15 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
 
         return Path(build_demo_model())
     if not settings.model:
-        raise ValueError("No model to serve: pass a model directory (loadmaster serve DIR), a Hub id "
-                         "(loadmaster serve org/name), or --demo.")
+        raise ValueError(
+            "No model to serve: pass a model directory (loadmaster serve DIR), a Hub id "
+            "(loadmaster serve org/name), or --demo."
+        )
     path = Path(settings.model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors.")
+        raise ValueError(
+            f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors."
+        )
     return path.resolve()
 
 
@@ -147,15 +153,24 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         if positions and inputs.context is not None:
             inputs = replace(inputs, context=min(inputs.context, positions))
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
-    described = describe_checkpoint(path, normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None,
-                                    name=hub.repo_id if hub is not None else None)
+    described = describe_checkpoint(
+        path,
+        normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None,
+        name=hub.repo_id if hub is not None else None,
+    )
     if commit is not None:  # the plan names the Hub commit it was made for
         described = replace(described, skeleton=replace(described.skeleton, revision=commit))
     progress(LoadPhase(phase="planning"))
     the_plan = plan_inputs(described.skeleton, inputs)
-    result = load_checkpoint(described, device_map=the_plan, offload_folder=settings.offload_folder,
-                             progress=progress, cpu_kernels=settings.cpu_kernels,
-                             cpu_quantization=settings.cpu_quantization, cpu_quantized_dir=settings.cpu_quantized_dir)
+    result = load_checkpoint(
+        described,
+        device_map=the_plan,
+        offload_folder=settings.offload_folder,
+        progress=progress,
+        cpu_kernels=settings.cpu_kernels,
+        cpu_quantization=settings.cpu_quantization,
+        cpu_quantized_dir=settings.cpu_quantized_dir,
+    )
     result.model.eval()
     name = settings.served_model_name or (hub.repo_id if hub is not None else path.name)
     return LoadedModel(

@@ -3,6 +3,7 @@
 It lives apart from the routes and from the loading thread because both need it; importing it from either one's
 module tied the two together in a cycle.
 """
+
 from __future__ import annotations
 
 import json

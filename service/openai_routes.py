@@ -4,11 +4,13 @@ Responses follow OpenAI's shapes closely enough that the official ``openai`` cli
 sequences are cut from the text (OpenAI's convention); in streams, text that might begin a stop sequence is held
 back until it is known not to.
 """
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -119,7 +121,9 @@ def _stream_response(
         finally:
             stream.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 @router.get("/models", summary="The served model")
@@ -147,6 +151,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     cid, created = f"cmpl-{rid}", int(time.time())
 
     if body.stream:
+
         def chunk(text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
             return {
                 "id": cid,
@@ -200,6 +205,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
 
     if body.stream:
+
         def chunk(text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
             delta = {"content": text} if text or finish is None else {}
             return {

@@ -3,6 +3,7 @@
 Output is for people (a table with bars) unless ``--json``. Bad input is the CLI's job to turn into exit code
 2 with one line; here we only raise the planner's own errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,21 +23,37 @@ from planner.units import format_bytes
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``plan`` and ``serve``: the planner's inputs."""
     g = parser.add_argument_group("planning")
-    g.add_argument("--max-memory", action="append", default=None, metavar="DEV=SIZE",
-                   help="budget for a device, repeatable: 0=20GiB, cuda:1=80GB, cpu=64GiB, disk=500GB")
-    g.add_argument("--gpus", default=None, metavar="NxSIZE",
-                   help="plan for GPUs that are not here, e.g. 4x24GiB or 2x80GB,1x24GiB")
-    g.add_argument("--strategy", default="auto",
-                   help="auto, balanced, balanced_low_0, sequential, or a custom map as JSON or @file.json")
+    g.add_argument(
+        "--max-memory",
+        action="append",
+        default=None,
+        metavar="DEV=SIZE",
+        help="budget for a device, repeatable: 0=20GiB, cuda:1=80GB, cpu=64GiB, disk=500GB",
+    )
+    g.add_argument(
+        "--gpus", default=None, metavar="NxSIZE", help="plan for GPUs that are not here, e.g. 4x24GiB or 2x80GB,1x24GiB"
+    )
+    g.add_argument(
+        "--strategy",
+        default="auto",
+        help="auto, balanced, balanced_low_0, sequential, or a custom map as JSON or @file.json",
+    )
     g.add_argument("--complete", action="store_true", help="let the planner place modules a custom map leaves out")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: the checkpoint's)")
     g.add_argument("--quantization", default=None, help="bitsandbytes int8, nf4 or fp4")
     g.add_argument("--batch-size", type=int, default=1, help="sequences generated at once (default 1)")
     g.add_argument("--context", type=int, default=None, help="tokens per sequence, prompt + output (default 2048)")
-    g.add_argument("--gpu-reserve", default=None, metavar="SIZE", help="held back per GPU for the CUDA context (default 512MiB)")
+    g.add_argument(
+        "--gpu-reserve", default=None, metavar="SIZE", help="held back per GPU for the CUDA context (default 512MiB)"
+    )
     g.add_argument("--offload-folder", default=None, help="folder for disk offload; makes disk usable by the plan")
-    g.add_argument("--bandwidth", action="append", default=None, metavar="KIND=RATE",
-                   help="override a cost-model bandwidth per second, repeatable: gpu=3.3TB, cpu=80GB, link=50GB, disk=7GB")
+    g.add_argument(
+        "--bandwidth",
+        action="append",
+        default=None,
+        metavar="KIND=RATE",
+        help="override a cost-model bandwidth per second, repeatable: gpu=3.3TB, cpu=80GB, link=50GB, disk=7GB",
+    )
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
@@ -103,7 +120,11 @@ def format_plan(plan: Plan) -> str:
         elif not b.blocks:
             span = "(runs offloaded blocks)"
         else:
-            span = _short(b.blocks[0]) if len(b.blocks) == 1 else f"{_short(b.blocks[0])} .. {_short(b.blocks[-1])} ({len(b.blocks)})"
+            span = (
+                _short(b.blocks[0])
+                if len(b.blocks) == 1
+                else f"{_short(b.blocks[0])} .. {_short(b.blocks[-1])} ({len(b.blocks)})"
+            )
         frac = b.total / b.capacity if b.capacity else 0.0
         lines.append(
             f"{device_label(b.device):<7} {span[:38]:<38} {format_bytes(b.weights):>9} {format_bytes(b.kv_cache):>9} "
@@ -114,8 +135,7 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"offloaded: {format_bytes(plan.offloaded_bytes)}",
-        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s "
-        f"(batch {w.batch_size})",
+        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s (batch {w.batch_size})",
         f"cost model: {p.cost_model}",
         "",
         "device map:",
@@ -151,8 +171,7 @@ def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    rows = estimate(args.model, batch_size=args.batch_size, context=args.context,
-                    gpu_reserve=args.gpu_reserve)
+    rows = estimate(args.model, batch_size=args.batch_size, context=args.context, gpu_reserve=args.gpu_reserve)
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return 0
@@ -177,18 +196,30 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``plan`` and ``estimate`` to the ``loadmaster`` command line."""
-    p = subparsers.add_parser("plan", help="plan a device map without loading weights",
-                              description="Plan where each layer goes, for this machine or for declared hardware.")
-    p.add_argument("model", help="a model directory (config.json + safetensors), a config.json, or a Hub id "
-                                 "org/name[@revision] (reads config.json and the shard headers only)")
+    p = subparsers.add_parser(
+        "plan",
+        help="plan a device map without loading weights",
+        description="Plan where each layer goes, for this machine or for declared hardware.",
+    )
+    p.add_argument(
+        "model",
+        help="a model directory (config.json + safetensors), a config.json, or a Hub id "
+        "org/name[@revision] (reads config.json and the shard headers only)",
+    )
     add_planner_flags(p)
     p.add_argument("--json", action="store_true", help="print the Plan as JSON (what /plan returns)")
     p.add_argument("--svg", default=None, metavar="FILE", help="also write the plan's picture as SVG")
-    p.add_argument("--html", default=None, metavar="FILE",
-                   help="also write the web page with this plan embedded (works offline, from a file)")
+    p.add_argument(
+        "--html",
+        default=None,
+        metavar="FILE",
+        help="also write the web page with this plan embedded (works offline, from a file)",
+    )
     p.set_defaults(func=run_plan)
 
-    e = subparsers.add_parser("estimate", help="model size per dtype/quantization and the smallest memory that serves it")
+    e = subparsers.add_parser(
+        "estimate", help="model size per dtype/quantization and the smallest memory that serves it"
+    )
     e.add_argument("model", help="a model directory, a config.json, or a Hub id org/name[@revision]")
     e.add_argument("--batch-size", type=int, default=1)
     e.add_argument("--context", type=int, default=None)

@@ -12,6 +12,7 @@ Its ``<title>``/``<desc>`` carry a text alternative (:func:`describe`), so a scr
 Plain string building on purpose: this module imports nothing beyond the standard library and the planner's
 types, because ``loadmaster plan --svg`` must stay fast to start.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,13 +95,16 @@ def describe(plan: Plan) -> str:
     return " ".join(parts)
 
 
-def _text(x: float, y: float, s: str, size: int = 12, anchor: str = "start", weight: str = "normal",
-          cls: str = "") -> str:
+def _text(
+    x: float, y: float, s: str, size: int = 12, anchor: str = "start", weight: str = "normal", cls: str = ""
+) -> str:
     c = f' class="{cls}"' if cls else ""
     # A white halo keeps the text readable where it overlaps a coloured segment.
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" font-weight="{weight}"{c} '
-            'paint-order="stroke" stroke="#ffffff" stroke-width="3" stroke-linejoin="round">'
-            f"{escape(s)}</text>")
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" font-weight="{weight}"{c} '
+        'paint-order="stroke" stroke="#ffffff" stroke-width="3" stroke-linejoin="round">'
+        f"{escape(s)}</text>"
+    )
 
 
 def render_svg(plan: Plan) -> str:
@@ -109,9 +113,17 @@ def render_svg(plan: Plan) -> str:
     out: list[str] = []
     y = MARGIN + 14
     w = plan.workload
-    out.append(_text(MARGIN, y, f"{plan.model}: {plan.strategy}, {w.dtype}"
-                     + (f" {w.quantization}" if w.quantization else "")
-                     + f", batch {w.batch_size} x context {w.context}", 15, weight="bold"))
+    out.append(
+        _text(
+            MARGIN,
+            y,
+            f"{plan.model}: {plan.strategy}, {w.dtype}"
+            + (f" {w.quantization}" if w.quantization else "")
+            + f", batch {w.batch_size} x context {w.context}",
+            15,
+            weight="bold",
+        )
+    )
     y += 14
 
     # -- one bar per device ----------------------------------------------------------------------------------------
@@ -122,8 +134,9 @@ def render_svg(plan: Plan) -> str:
         out.append(f'<g class="device-bar" data-device="{dev}" data-capacity="{b.capacity}" data-total="{b.total}">')
         out.append(f'<rect x="{MARGIN}" y="{y}" width="10" height="{BAR_H}" fill="{device_colour(b.device)}"/>')
         out.append(_text(MARGIN + 14, y + BAR_H - 6, device_label(b.device), 12, weight="bold"))
-        out.append(f'<rect class="capacity" x="{x0}" y="{y}" width="{inner}" height="{BAR_H}" fill="#f2f2f2" '
-                   f'stroke="#888"/>')
+        out.append(
+            f'<rect class="capacity" x="{x0}" y="{y}" width="{inner}" height="{BAR_H}" fill="#f2f2f2" stroke="#888"/>'
+        )
         x = float(x0)
         scale = inner / b.capacity if b.capacity > 0 else 0.0
         for key, label, colour in SEGMENTS:
@@ -131,21 +144,33 @@ def render_svg(plan: Plan) -> str:
             width = min(value * scale, x0 + inner - x)
             if value <= 0 or width <= 0:
                 continue
-            out.append(f'<rect class="segment" data-kind="{key}" data-bytes="{value}" x="{x:.2f}" y="{y}" '
-                       f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_label(b.device))} '
-                       f'{label}: {format_bytes(value)}</title></rect>')
+            out.append(
+                f'<rect class="segment" data-kind="{key}" data-bytes="{value}" x="{x:.2f}" y="{y}" '
+                f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_label(b.device))} '
+                f"{label}: {format_bytes(value)}</title></rect>"
+            )
             x += width
         frac = b.total / b.capacity if b.capacity else 0.0
-        out.append(_text(x0 + inner - 4, y + BAR_H - 6,
-                         f"{format_bytes(b.total)} / {format_bytes(b.capacity)} ({frac:.0%})", 11, anchor="end"))
+        out.append(
+            _text(
+                x0 + inner - 4,
+                y + BAR_H - 6,
+                f"{format_bytes(b.total)} / {format_bytes(b.capacity)} ({frac:.0%})",
+                11,
+                anchor="end",
+            )
+        )
         out.append("</g>")
         y += BAR_H
 
     # -- the layer strip -------------------------------------------------------------------------------------------
     blocks = layer_blocks(plan)
     y += ROW_GAP + 18
-    out.append(_text(MARGIN, y, f"layers in execution order ({len(blocks)} blocks, {len(hops(blocks))} hops)", 12,
-                     weight="bold"))
+    out.append(
+        _text(
+            MARGIN, y, f"layers in execution order ({len(blocks)} blocks, {len(hops(blocks))} hops)", 12, weight="bold"
+        )
+    )
     y += 8
     strip_w = WIDTH - 2 * MARGIN
     cell = strip_w / max(len(blocks), 1)
@@ -161,16 +186,26 @@ def render_svg(plan: Plan) -> str:
         )
     for i in hops(blocks):
         hx = MARGIN + i * cell
-        out.append(f'<path class="hop" data-index="{i}" d="M{hx - 5:.2f},{y + 34} L{hx + 5:.2f},{y + 34} '
-                   f'L{hx:.2f},{y + 27} Z" fill="#d62728"><title>hop: {escape(blocks[i - 1].name)} -&gt; '
-                   f"{escape(blocks[i].name)}</title></path>")
+        out.append(
+            f'<path class="hop" data-index="{i}" d="M{hx - 5:.2f},{y + 34} L{hx + 5:.2f},{y + 34} '
+            f'L{hx:.2f},{y + 27} Z" fill="#d62728"><title>hop: {escape(blocks[i - 1].name)} -&gt; '
+            f"{escape(blocks[i].name)}</title></path>"
+        )
     out.append("</g>")
     y += 26 + 24
 
     # -- prediction and legend -------------------------------------------------------------------------------------
     p = plan.prediction
-    out.append(_text(MARGIN, y, f"predicted load {p.load_seconds:.1f} s; decode {p.decode_tokens_per_s:.3g} tokens/s "
-                     f"(batch {w.batch_size}); offloaded {format_bytes(plan.offloaded_bytes)}", 12, cls="prediction"))
+    out.append(
+        _text(
+            MARGIN,
+            y,
+            f"predicted load {p.load_seconds:.1f} s; decode {p.decode_tokens_per_s:.3g} tokens/s "
+            f"(batch {w.batch_size}); offloaded {format_bytes(plan.offloaded_bytes)}",
+            12,
+            cls="prediction",
+        )
+    )
     y += 20
     x = float(MARGIN)
     legend: list[tuple[str, str]] = [(device_label(b.device), device_colour(b.device)) for b in plan.budgets]

@@ -5,6 +5,7 @@ inline ``config``, or (when the server runs with ``--allow-hub-plan``) a Hub id 
 answer is the Plan JSON (``Plan.from_dict`` reads it back); with ``what_if`` it also carries the largest context
 or batch that fits on the same hardware.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -29,8 +30,11 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="Directory under the model roots, the served model's name, or a "
-                                                "Hub id org/name[@revision] (with --allow-hub-plan).")
+    model: str | None = Field(
+        None,
+        description="Directory under the model roots, the served model's name, or a "
+        "Hub id org/name[@revision] (with --allow-hub-plan).",
+    )
     config: dict[str, Any] | None = Field(None, description="An inline config.json (instead of model).")
     max_memory: dict[str, int | str] | None = Field(None, description='e.g. {"0": "20GiB", "cpu": "64GiB"}')
     gpus: str | list[int | str] | None = Field(None, description='Declared GPUs, e.g. "4x24GiB".')
@@ -83,13 +87,13 @@ def _hub_source(settings: Any, name: str) -> str | None:
 
     if not looks_like_hub_id(name):
         return None
-    if not name.startswith(HUB_PREFIX) and any((Path(r).expanduser() / name).exists()
-                                               for r in settings.model_root):
+    if not name.startswith(HUB_PREFIX) and any((Path(r).expanduser() / name).exists() for r in settings.model_root):
         return None  # local directories keep priority
     if not settings.allow_hub_plan:
         raise HubPlanDisabledError(
             f"{name!r} looks like a Hub id, and this server does not plan Hub models (it would make outbound "
-            "requests); start it with --allow-hub-plan (LOADMASTER_ALLOW_HUB_PLAN=1), or send an inline config")
+            "requests); start it with --allow-hub-plan (LOADMASTER_ALLOW_HUB_PLAN=1), or send an inline config"
+        )
     return name if name.startswith(HUB_PREFIX) else HUB_PREFIX + name
 
 

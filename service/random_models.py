@@ -26,21 +26,39 @@ DTYPES = ("float32", "float16", "bfloat16")
 # Architecture sizes per (kind, size). Kept as plain kwargs so a reader sees the whole model at a glance.
 MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
     ("llama", "tiny"): dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
     ),
     ("llama", "100m"): dict(
-        hidden_size=768, intermediate_size=2560, num_hidden_layers=14, num_attention_heads=12,
-        num_key_value_heads=4, max_position_embeddings=4096,
+        hidden_size=768,
+        intermediate_size=2560,
+        num_hidden_layers=14,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
     ),
     ("llama", "1b"): dict(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, max_position_embeddings=4096,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
     ),
     ("gpt2", "tiny"): dict(n_embd=64, n_layer=4, n_head=4, n_positions=1024),
     ("mixtral", "tiny"): dict(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
     ),
 }
 
@@ -197,8 +215,14 @@ def build_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     recipe = dict(
-        format=BUILD_FORMAT, kind=kind, size=size, dtype=dtype, seed=seed, max_shard_size=max_shard_size,
-        tokenizer=tokenizer_fingerprint(), transformers=transformers_version(),
+        format=BUILD_FORMAT,
+        kind=kind,
+        size=size,
+        dtype=dtype,
+        seed=seed,
+        max_shard_size=max_shard_size,
+        tokenizer=tokenizer_fingerprint(),
+        transformers=transformers_version(),
     )
     if is_complete(out_dir, recipe):
         return out_dir
@@ -218,4 +242,3 @@ def build_model(
         write_marker(tmp, recipe, parameters=n_params)
     logger.info("built %s/%s: %.1fM parameters in %.1f s", kind, size, n_params / 1e6, time.perf_counter() - started)
     return out_dir
-

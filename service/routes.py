@@ -3,10 +3,12 @@
 ``POST /generate`` and ``POST /generate_stream`` take TGI's body and answer in TGI's shapes, and ``POST /``
 dispatches on ``"stream"`` as TGI does, which is where huggingface_hub's ``InferenceClient`` posts.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -84,7 +86,11 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
                 if isinstance(ev, TokenEvent):
                     index += 1
                     data: dict[str, Any] = {
-                        "index": index, "token": _token(ev), "generated_text": None, "details": None, "top_tokens": None,
+                        "index": index,
+                        "token": _token(ev),
+                        "generated_text": None,
+                        "details": None,
+                        "top_tokens": None,
                     }
                     if ev.final is not None:
                         stream.finished = True
@@ -105,7 +111,9 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
         finally:
             stream.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 @router.post("/", tags=["TGI"], summary="TGI compatibility: /generate or /generate_stream by the 'stream' field")

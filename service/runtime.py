@@ -3,12 +3,14 @@
 Admission is counted here, on the event loop: a generation request holds a slot from validation until its
 response ends (or its client goes away), and a request beyond ``max_concurrent_requests`` is refused at once.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 
@@ -88,7 +90,7 @@ class Runtime:
             raise NotReadyError("The generation engine has stopped; the server must be restarted (see its log).")
         return self.engine, self.validator, loaded
 
-    def acquire(self) -> "Slot":
+    def acquire(self) -> Slot:
         if self.in_flight >= self.settings.max_concurrent_requests:
             self.metrics.rejected += 1
             raise OverloadedError(

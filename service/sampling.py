@@ -3,6 +3,7 @@
 Each sequence is chosen on its own row of logits, with its own seeded generator, so a sequence's result never
 depends on which other sequences share its decode step.
 """
+
 from __future__ import annotations
 
 import random
@@ -55,7 +56,7 @@ class TokenChooser:
         return not self.params.sampling and self.params.repetition_penalty in (None, 1.0)
 
     @classmethod
-    def create(cls, params: SamplingParams) -> "TokenChooser":
+    def create(cls, params: SamplingParams) -> TokenChooser:
         if not params.sampling:
             return cls(params=params)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(0, 2**63 - 1)

@@ -4,11 +4,12 @@ Keys are compared in constant time (``hmac.compare_digest``) against every confi
 nothing about how much of a key was right. ``/plan`` may only read model directories under the configured roots:
 ``..`` components, absolute paths elsewhere and symlinks that lead out are refused.
 """
+
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from service.errors import AuthError, NotFoundError, RequestValidationError
 

@@ -4,6 +4,7 @@ Every ``loadmaster serve`` flag is a field here, so ``--max-batch-size 8`` and `
 the same setting; flags given on the command line win over the environment, which wins over the defaults.
 List settings (``api_key``, ``model_root``, ``max_memory``) accept a comma-separated string in the environment.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -22,8 +23,11 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOADMASTER_", extra="ignore", validate_default=True)
 
     # The model to serve and how it is placed.
-    model: str | None = Field(None, description="Model directory (sharded safetensors + config + tokenizer), or a "
-                                                "Hub id org/name[@revision] fetched into the Hub cache (HF_HOME).")
+    model: str | None = Field(
+        None,
+        description="Model directory (sharded safetensors + config + tokenizer), or a "
+        "Hub id org/name[@revision] fetched into the Hub cache (HF_HOME).",
+    )
     demo: bool = Field(False, description="Build (once, cached) and serve the embedded demo model.")
     served_model_name: str | None = Field(None, description="Name reported by /info and /v1/models.")
     max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
@@ -43,17 +47,21 @@ class ServiceSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     api_key: CommaList = Field(default_factory=list, description="Bearer keys; when set, all but /health* need one.")
     model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
-    allow_hub_plan: bool = Field(False, description="Let /plan read Hub ids (config + shard headers: outbound "
-                                                    "requests to HF_ENDPOINT).")
+    allow_hub_plan: bool = Field(
+        False, description="Let /plan read Hub ids (config + shard headers: outbound requests to HF_ENDPOINT)."
+    )
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
     log_level: str = "info"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
-        "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never.")
+        "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never."
+    )
     cpu_quantization: Literal["int8", "int4"] | None = Field(
-        None, description="Weight-only int8/int4 for CPU and disk layers, quantized at load (GPU: quantization).")
+        None, description="Weight-only int8/int4 for CPU and disk layers, quantized at load (GPU: quantization)."
+    )
     cpu_quantized_dir: str | None = Field(
-        None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map.")
+        None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map."
+    )
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
@@ -78,7 +86,7 @@ class ServiceSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check_limits(self) -> "ServiceSettings":
+    def _check_limits(self) -> ServiceSettings:
         if self.max_input_tokens is None:
             self.max_input_tokens = min(1024, self.max_total_tokens - 1)
         if self.max_input_tokens >= self.max_total_tokens:

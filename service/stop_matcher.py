@@ -5,6 +5,7 @@ enough for a stop sequence that began in earlier text and ends in the new piece,
 costs the same however long the sequence has grown. Streams that must not show a stop sequence (OpenAI's) hold the
 same number of characters back (:class:`StopHoldback`) until the sequence's end says where the text stops.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ One document, no other requests for assets, nothing from a CDN: it works on a ma
 same document saved by ``loadmaster plan --html`` works from a file with the plan embedded. Standard library
 only (the CLI imports this without torch or FastAPI).
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@
 answers 405 as it did before the page existed. The page itself is open (it holds no data and must load to ask
 for the key); everything it fetches goes through the API-key check.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,17 @@ from service.ui_page import page_html
 
 router = APIRouter(tags=["page"])
 
+
 def _page(request: Request) -> HTMLResponse:
     settings = request.app.state.settings
     return HTMLResponse(page_html(needs_key=bool(settings.api_key)), headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/ui", summary="The web page: plan in force, live figures, what-if planning, playground",
-            response_class=HTMLResponse)
+@router.get(
+    "/ui",
+    summary="The web page: plan in force, live figures, what-if planning, playground",
+    response_class=HTMLResponse,
+)
 async def ui(request: Request) -> HTMLResponse:
     return _page(request)
 
@@ -36,8 +41,11 @@ async def root(request: Request) -> Response:
     raise StarletteHTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})
 
 
-@router.post("/ui/picture", summary="The SVG picture of a plan (the body is a Plan as /plan or /info answers it)",
-             response_class=Response)
+@router.post(
+    "/ui/picture",
+    summary="The SVG picture of a plan (the body is a Plan as /plan or /info answers it)",
+    response_class=Response,
+)
 async def picture(request: Request) -> Response:
     try:
         body = json.loads(await request.body())

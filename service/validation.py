@@ -4,6 +4,7 @@ The pydantic models give the OpenAPI schema and reject wrong types; :class:`Vali
 the tokenizer and the server's limits (token counts, ``max_new_tokens``), and builds the engine's
 :class:`~service.engine.GenerationRequest`. Every failure is a :class:`~service.errors.RequestValidationError`.
 """
+
 from __future__ import annotations
 
 import uuid

@@ -27,7 +27,9 @@ import pytest  # noqa: E402
 from tests import models  # noqa: E402
 
 #: What in a test's code (or its helpers' or fixtures') starts a process or a server.
-STARTS_SOMETHING = re.compile(r"\bsubprocess\.|\bPopen\(|\bLiveServer\(|\buvicorn\.|\bplaywright\b|\bchromium\.launch\(")
+STARTS_SOMETHING = re.compile(
+    r"\bsubprocess\.|\bPopen\(|\bLiveServer\(|\buvicorn\.|\bplaywright\b|\bchromium\.launch\("
+)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,9 @@ def _starts_something(func: object, seen: set[object]) -> bool:
     module = inspect.getmodule(func)
     helpers = (getattr(module, name, None) for name in func.__code__.co_names)
     return any(
-        _starts_something(h, seen) for h in helpers if isinstance(h, types.FunctionType) and h.__module__ == func.__module__
+        _starts_something(h, seen)
+        for h in helpers
+        if isinstance(h, types.FunctionType) and h.__module__ == func.__module__
     )
 
 

@@ -8,6 +8,7 @@ this graph exists to expose. Only imports of the project's own modules are kept.
 ``a.b.c`` is an edge to ``a.b.c`` only (not to the packages above it): a package's ``__init__`` running first is
 Python's order of execution, not a dependency the importing module chose.
 """
+
 from __future__ import annotations
 
 import ast
@@ -56,11 +57,7 @@ def module_name(root: Path, path: Path) -> str:
 
 def build_graph(root: Path, packages: tuple[str, ...]) -> ImportGraph:
     """Parse every ``*.py`` under ``root/<package>`` for each of ``packages`` and collect their imports."""
-    files = {
-        module_name(root, path): path
-        for package in packages
-        for path in sorted((root / package).rglob("*.py"))
-    }
+    files = {module_name(root, path): path for package in packages for path in sorted((root / package).rglob("*.py"))}
     graph = ImportGraph(files)
     for name, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))

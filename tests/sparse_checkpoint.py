@@ -4,13 +4,14 @@ Tests of header reading and of planning real architectures need checkpoints of 7
 here are real (the same layout the reference writer produces), the data is zeros that ``os.truncate`` leaves
 unallocated, so readers see a valid file. Test-only: nothing in the packages writes checkpoints this way.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from planner.safetensors_header import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 from planner.types import DTYPE_BYTES
@@ -19,8 +20,9 @@ from planner.types import DTYPE_BYTES
 DTYPE_CODES: dict[str, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def encode_header(entries: Mapping[str, tuple[str, Iterable[int]]], metadata: Mapping[str, str] | None = None
-                  ) -> tuple[bytes, int]:
+def encode_header(
+    entries: Mapping[str, tuple[str, Iterable[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, int]:
     """Lay out tensors back to back; return (8-byte length + padded JSON, data region length)."""
     doc: dict[str, object] = {}
     if metadata:

@@ -3,6 +3,7 @@
 Every import counts, including the function-local ones that hide a cycle from Python at start-up
 (see :mod:`tests.import_graph`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,13 +43,16 @@ def test_no_import_cycles_among_the_projects_modules(graph: ImportGraph):
 
 def test_nothing_outside_tests_imports_from_tests(graph: ImportGraph):
     bad = [str(e) for e in graph.edges if _top(e.importer) != "tests" and _top(e.imported) == "tests"]
-    assert not bad, "only tests may import tests/; give the caller its own module or a package module:\n  " + "\n  ".join(bad)
+    assert not bad, (
+        "only tests may import tests/; give the caller its own module or a package module:\n  " + "\n  ".join(bad)
+    )
 
 
 def test_layers_import_only_downwards(graph: ImportGraph):
     rank = {layer: i for i, layer in enumerate(LAYERS)}
     bad = [
-        str(e) for e in graph.edges
+        str(e)
+        for e in graph.edges
         if _top(e.importer) in rank and _top(e.imported) in rank and rank[_top(e.imported)] < rank[_top(e.importer)]
     ]
     assert not bad, "imports must point service -> loaders -> planner:\n  " + "\n  ".join(bad)
@@ -62,15 +66,18 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_a_cycle_hidden_in_a_function_and_relative_imports_are_found(tmp_path: Path):
-    _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg.b import thing\n",
-        "pkg/b.py": "def thing():\n    from . import c\n",
-        "pkg/c.py": "if False:\n    import pkg.a\n",
-        "pkg/d.py": "from pkg import a, missing\nimport os\n",
-        "pkg/sub/__init__.py": "from .. import d\n",
-        "pkg/selfish.py": "def f():\n    from pkg import selfish\n",
-    })
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import thing\n",
+            "pkg/b.py": "def thing():\n    from . import c\n",
+            "pkg/c.py": "if False:\n    import pkg.a\n",
+            "pkg/d.py": "from pkg import a, missing\nimport os\n",
+            "pkg/sub/__init__.py": "from .. import d\n",
+            "pkg/selfish.py": "def f():\n    from pkg import selfish\n",
+        },
+    )
     graph = build_graph(tmp_path, ("pkg",))
     assert graph.targets("pkg.d") == {"pkg.a", "pkg"}
     assert graph.targets("pkg.sub") == {"pkg.d"}
@@ -78,6 +85,8 @@ def test_a_cycle_hidden_in_a_function_and_relative_imports_are_found(tmp_path: P
 
 
 def test_an_acyclic_tree_has_no_cycles(tmp_path: Path):
-    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "from pkg import c\n",
-                      "pkg/c.py": ""})
+    _write(
+        tmp_path,
+        {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "from pkg import c\n", "pkg/c.py": ""},
+    )
     assert build_graph(tmp_path, ("pkg",)).cycles() == []

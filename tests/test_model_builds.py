@@ -53,7 +53,9 @@ def test_fixture_loads_offline_with_plain_transformers(any_model: Path):
     config = model.config
     assert config.vocab_size >= len(tokenizer)
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
     )
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert config.num_hidden_layers >= 4
@@ -137,7 +139,9 @@ def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_pa
     code = f"from service.random_models import build_model; print(build_model('gpt2', {str(out)!r}))"
     repo = Path(__file__).resolve().parent.parent
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     results = [p.communicate(timeout=120) for p in procs]
@@ -149,7 +153,9 @@ def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_pa
 
 @pytest.mark.parametrize(("size", "low", "high"), [("100m", 90e6, 120e6), ("1b", 0.9e9, 1.2e9)])
 def test_benchmark_recipes_have_their_advertised_size(size: str, low: float, high: float):
-    config = random_models.make_config("llama", random_models.MODEL_SPECS[("llama", size)], make_tokenizer(), "bfloat16")
+    config = random_models.make_config(
+        "llama", random_models.MODEL_SPECS[("llama", size)], make_tokenizer(), "bfloat16"
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert low <= sum(p.numel() for p in model.parameters()) <= high
@@ -172,7 +178,9 @@ def test_tokenizer_is_deterministic_and_has_the_specials_and_a_chat_template():
     assert first.get_vocab() == second.get_vocab()
     assert 512 <= len(first) <= 2000
     assert first.convert_ids_to_tokens([first.bos_token_id, first.eos_token_id, first.pad_token_id]) == [
-        "<s>", "</s>", "<pad>",
+        "<s>",
+        "</s>",
+        "<pad>",
     ]
     chat = [
         {"role": "system", "content": "Be brief."},

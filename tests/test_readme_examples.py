@@ -88,21 +88,26 @@ def parse_examples(text: str, source: str = "README.md") -> list[Example]:
         above = lines[i - 1].strip() if i > 0 else ""
         marker = MARKER.match(above)
         if above.startswith("<!--") and "readme-test" in above and not marker:
-            raise ValueError(f"{source}:{i}: unreadable marker {above!r}: use '<!-- readme-test: server -->' or "
-                             "'<!-- readme-test: skip (why) -->'")
+            raise ValueError(
+                f"{source}:{i}: unreadable marker {above!r}: use '<!-- readme-test: server -->' or "
+                "'<!-- readme-test: skip (why) -->'"
+            )
         if language in RUN_LANGUAGES:
             kind = marker.group("kind") if marker else None
             why = (marker.group("why") or "").strip() if marker else None
             if kind == "skip" and not why:
                 raise ValueError(f"{source}:{i}: a skipped example must say why: '<!-- readme-test: skip (why) -->'")
-            code = "\n".join(lines[i + 1:end]) + "\n"
+            code = "\n".join(lines[i + 1 : end]) + "\n"
             examples.append(Example(source, i + 1, RUN_LANGUAGES[language], code, kind, why))
         elif language not in SAMPLE_LANGUAGES:
-            raise ValueError(f"{source}:{i + 1}: fence language {language!r} is neither run ({sorted(RUN_LANGUAGES)}) "
-                             f"nor an output sample ({sorted(SAMPLE_LANGUAGES)})")
+            raise ValueError(
+                f"{source}:{i + 1}: fence language {language!r} is neither run ({sorted(RUN_LANGUAGES)}) "
+                f"nor an output sample ({sorted(SAMPLE_LANGUAGES)})"
+            )
         elif marker:
-            raise ValueError(f"{source}:{i}: a readme-test marker above a {language or 'plain'} block, "
-                             "which is not run")
+            raise ValueError(
+                f"{source}:{i}: a readme-test marker above a {language or 'plain'} block, which is not run"
+            )
         i = end + 1
     return examples
 
@@ -110,8 +115,12 @@ def parse_examples(text: str, source: str = "README.md") -> list[Example]:
 EXAMPLES = parse_examples(README.read_text())
 SERVER_EXAMPLES = [e for e in EXAMPLES if e.marker == "server"]
 #: The ``console`` examples of docs/*.md run too: each shows a command and what it prints, which must stay true.
-DOCS_CONSOLE = [e for page in sorted((REPO / "docs").glob("*.md"))
-                for e in parse_examples(page.read_text(), f"docs/{page.name}") if e.language == "console"]
+DOCS_CONSOLE = [
+    e
+    for page in sorted((REPO / "docs").glob("*.md"))
+    for e in parse_examples(page.read_text(), f"docs/{page.name}")
+    if e.language == "console"
+]
 
 
 def _env() -> dict[str, str]:
@@ -191,14 +200,21 @@ def readme_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
     log = tmp_path_factory.mktemp("readme-server") / "server.log"
     command = _substitute(example.code, tiny_llama, port).strip()
     with log.open("w") as out:
-        process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=REPO, env=_env(), stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-c", f"exec {command}"],
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             if process.poll() is not None:
-                pytest.fail(f"{example.test_id}: the server exited with {process.returncode}:\n"
-                            f"{log.read_text()[-3000:]}")
+                pytest.fail(
+                    f"{example.test_id}: the server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+                )
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=5).status_code == 200:
                     break
@@ -217,7 +233,8 @@ def readme_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) ->
                 process.kill()
                 process.wait()
     assert process.returncode == 0, (
-        f"the README's server exited {process.returncode} on SIGTERM:\n{log.read_text()[-3000:]}")
+        f"the README's server exited {process.returncode} on SIGTERM:\n{log.read_text()[-3000:]}"
+    )
 
 
 def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -232,11 +249,13 @@ def _check_console(example: Example, code: str) -> None:
         printed = p.stdout if p.returncode == 0 else p.stderr
         shows_usage_error = any(line.startswith("loadmaster: error:") for line in shown)
         assert p.returncode == 0 or (p.returncode == 2 and shows_usage_error), (
-            f"{example.test_id}: '{command}' exited {p.returncode}:\n{p.stderr[-3000:]}")
+            f"{example.test_id}: '{command}' exited {p.returncode}:\n{p.stderr[-3000:]}"
+        )
         actual = [line.rstrip() for line in printed.splitlines()]
         assert output_matches(shown, actual), (
             f"{example.test_id}: '{command}' printed something other than the page shows.\n"
-            f"shown:\n" + "\n".join(shown) + "\nactual:\n" + "\n".join(actual))
+            f"shown:\n" + "\n".join(shown) + "\nactual:\n" + "\n".join(actual)
+        )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """The ``slow`` mark follows what a test uses: its own code, the helpers it calls, its fixtures."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +10,7 @@ import pytest
 
 from tests.conftest import _starts_something
 
-SAMPLE = '''
+SAMPLE = """
 import subprocess
 
 
@@ -35,7 +36,7 @@ def recursive(n):
 
 def test_spawns():
     indirect()
-'''
+"""
 
 
 def _sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

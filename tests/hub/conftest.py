@@ -3,6 +3,7 @@
 The CLI runs as a subprocess: huggingface_hub reads ``HF_ENDPOINT``, ``HF_HOME`` and ``HF_HUB_OFFLINE`` when it is
 imported, and the test session itself runs with ``HF_HUB_OFFLINE=1`` (tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,13 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from tests.sparse_checkpoint import write_sparse_checkpoint
 from tests.hub.fake_hub import FakeHub
+from tests.sparse_checkpoint import write_sparse_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "org/tiny-llama"
@@ -34,8 +35,15 @@ def dead_endpoint() -> str:
 
 def hub_env(endpoint: str, hf_home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOADMASTER_"))}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_XET="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.update(
+        HF_ENDPOINT=endpoint,
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="0",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_DISABLE_XET="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(ROOT),
+    )
     if "LOADMASTER_TEST_CACHE" in os.environ:
         env["LOADMASTER_TEST_CACHE"] = os.environ["LOADMASTER_TEST_CACHE"]
     env.update(extra)
@@ -43,8 +51,9 @@ def hub_env(endpoint: str, hf_home: Path, **extra: str) -> dict[str, str]:
 
 
 def loadmaster(args: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def repo_files(folder: Path, skip: tuple[str, ...] = ("loadmaster_build.json",)) -> dict[str, Path]:
@@ -57,18 +66,25 @@ def big_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pat
     is zeros and costs no disk, with a real config and the tiny models' tokenizer (same vocabulary)."""
     from transformers import LlamaConfig
 
-    from service.random_models import MODEL_SPECS
     from planner.skeleton import build_meta_model
+    from service.random_models import MODEL_SPECS
 
     tiny_cfg = json.loads((tiny_llama / "config.json").read_text())
-    cfg = LlamaConfig(vocab_size=tiny_cfg["vocab_size"], tie_word_embeddings=False, dtype="bfloat16",
-                      bos_token_id=tiny_cfg.get("bos_token_id"), eos_token_id=tiny_cfg.get("eos_token_id"),
-                      pad_token_id=tiny_cfg.get("pad_token_id"), **MODEL_SPECS[("llama", "100m")])
+    cfg = LlamaConfig(
+        vocab_size=tiny_cfg["vocab_size"],
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        bos_token_id=tiny_cfg.get("bos_token_id"),
+        eos_token_id=tiny_cfg.get("eos_token_id"),
+        pad_token_id=tiny_cfg.get("pad_token_id"),
+        **MODEL_SPECS[("llama", "100m")],
+    )
     out = tmp_path_factory.mktemp("llama-100m")
     cfg.save_pretrained(out)
     model = build_meta_model(cfg)
-    tensors = {n: ("bfloat16", tuple(t.shape)) for n, t in model.state_dict().items()
-               if not n.endswith("rotary_emb.inv_freq")}
+    tensors = {
+        n: ("bfloat16", tuple(t.shape)) for n, t in model.state_dict().items() if not n.endswith("rotary_emb.inv_freq")
+    }
     write_sparse_checkpoint(out, tensors, shards=4)
     for name in TOKENIZER_FILES + ("generation_config.json",):
         if (tiny_llama / name).is_file():
@@ -88,15 +104,21 @@ def pickles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def fake_hub(tiny_llama: Path, big_llama: Path, pickles: dict[str, Path],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
+def fake_hub(
+    tiny_llama: Path, big_llama: Path, pickles: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FakeHub]:
     hub = FakeHub()
     hub.add_repo(TINY, {**repo_files(tiny_llama), **pickles})
     hub.add_repo(BIG, repo_files(big_llama))
     hub.add_repo("org/gated", repo_files(tiny_llama), gated=True, tokens=("hf_granted",))
-    hub.add_repo("org/pickled-only", {"config.json": tiny_llama / "config.json",
-                                      "pytorch_model.bin": pickles["pytorch_model.bin"],
-                                      "training_args.bin": pickles["training_args.bin"]})
+    hub.add_repo(
+        "org/pickled-only",
+        {
+            "config.json": tiny_llama / "config.json",
+            "pytorch_model.bin": pickles["pytorch_model.bin"],
+            "training_args.bin": pickles["training_args.bin"],
+        },
+    )
     # a model bigger than the free disk (sparse: it costs nothing here)
     huge = tmp_path_factory.mktemp("huge")
     free = shutil.disk_usage(huge).free

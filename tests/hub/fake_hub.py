@@ -14,6 +14,7 @@ Every response body byte is counted (in total and per file), every request is lo
 test can make the next GET of a file stop after some bytes (stall until released, then drop the connection), which
 is how a download is interrupted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,7 +77,7 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, name="fake-hub", daemon=True)
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         self.thread.start()
         return self
 
@@ -86,8 +87,9 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
 
-    def add_repo(self, repo_id: str, files: dict[str, Path], *, gated: bool = False,
-                 tokens: tuple[str, ...] = ()) -> FakeRepo:
+    def add_repo(
+        self, repo_id: str, files: dict[str, Path], *, gated: bool = False, tokens: tuple[str, ...] = ()
+    ) -> FakeRepo:
         commit = hashlib.sha1(f"{repo_id}:{sorted(files)}".encode()).hexdigest()
         repo = FakeRepo(repo_id, dict(files), commit, {"main": commit}, gated, frozenset(tokens))
         for name, path in files.items():
@@ -110,8 +112,11 @@ class FakeHub:
 
     def gets(self, filename: str | None = None) -> list[Request]:
         with self.lock:
-            return [r for r in self.requests if r.method == "GET" and "/resolve/" in r.path
-                    and (filename is None or r.path.endswith("/" + filename))]
+            return [
+                r
+                for r in self.requests
+                if r.method == "GET" and "/resolve/" in r.path and (filename is None or r.path.endswith("/" + filename))
+            ]
 
     def files_fetched(self) -> set[str]:
         return {r.path.rsplit("/", 1)[1] for r in self.gets() if r.status in (200, 206)}
@@ -153,8 +158,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.fake.requests.append(req)
         return req
 
-    def _send(self, req: Request, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-              method: str = "GET") -> None:
+    def _send(
+        self, req: Request, status: int, body: bytes = b"", headers: dict[str, str] | None = None, method: str = "GET"
+    ) -> None:
         self.send_response(status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -167,8 +173,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, method: str, status: int, code: str, message: str) -> None:
         req = self._record(method, status)
         body = json.dumps({"error": message}).encode()
-        self._send(req, status, body, {"X-Error-Code": code, "X-Error-Message": message,
-                                       "Content-Type": "application/json"}, method)
+        self._send(
+            req,
+            status,
+            body,
+            {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"},
+            method,
+        )
 
     def _repo(self, method: str, repo_id: str) -> FakeRepo | None:
         repo = self.fake.repos.get(repo_id)
@@ -202,10 +213,19 @@ class _Handler(BaseHTTPRequestHandler):
         commit = self._commit("GET", repo, rev)
         if commit is None:
             return
-        siblings = [{"rfilename": n, "size": p.stat().st_size, "blobId": repo.etags[n][:40]}
-                    for n, p in sorted(repo.files.items())]
-        doc = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
-               "gated": "manual" if repo.gated else False, "siblings": siblings, "tags": []}
+        siblings = [
+            {"rfilename": n, "size": p.stat().st_size, "blobId": repo.etags[n][:40]}
+            for n, p in sorted(repo.files.items())
+        ]
+        doc = {
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": commit,
+            "private": False,
+            "gated": "manual" if repo.gated else False,
+            "siblings": siblings,
+            "tags": [],
+        }
         req = self._record("GET", 200)
         self._send(req, 200, json.dumps(doc).encode(), {"Content-Type": "application/json"})
 
@@ -222,14 +242,19 @@ class _Handler(BaseHTTPRequestHandler):
             if not token:
                 return self._error(method, 401, "GatedRepo", "Access to model is restricted; you must be authenticated")
             if token not in repo.tokens:
-                return self._error(method, 403, "GatedRepo", "Access to model is restricted and you are not in the "
-                                                             "authorized list")
+                return self._error(
+                    method, 403, "GatedRepo", "Access to model is restricted and you are not in the authorized list"
+                )
         path = repo.files.get(filename)
         if path is None:
             return self._error(method, 404, "EntryNotFound", f"{filename} does not exist at {commit}")
         size = path.stat().st_size
-        headers = {"X-Repo-Commit": commit, "ETag": f'"{repo.etags[filename]}"', "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": commit,
+            "ETag": f'"{repo.etags[filename]}"',
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         begin, end, status = 0, size - 1, 200
         rng = self.headers.get("Range")
         if rng and method == "GET":

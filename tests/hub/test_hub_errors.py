@@ -1,4 +1,5 @@
 """Every way a Hub id can fail gives one line saying what to do, and exit code 2, before any weight moves."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,8 +32,9 @@ def test_gated_with_a_token_that_has_no_access(fake_hub: FakeHub, tmp_path: Path
 
 
 def test_gated_with_a_granted_token_plans(fake_hub: FakeHub, tmp_path: Path) -> None:
-    r = loadmaster(["plan", "org/gated", "--max-memory", "cpu=1GiB"],
-                   hub_env(fake_hub.url, tmp_path, HF_TOKEN="hf_granted"))
+    r = loadmaster(
+        ["plan", "org/gated", "--max-memory", "cpu=1GiB"], hub_env(fake_hub.url, tmp_path, HF_TOKEN="hf_granted")
+    )
     assert r.returncode == 0, r.stderr
     assert "Plan for org/gated at commit" in r.stdout
 
@@ -49,8 +51,7 @@ def test_missing_revision(fake_hub: FakeHub, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["plan", "serve"])
-def test_pickled_only_repository_is_refused_naming_the_files(fake_hub: FakeHub, tmp_path: Path,
-                                                            command: str) -> None:
+def test_pickled_only_repository_is_refused_naming_the_files(fake_hub: FakeHub, tmp_path: Path, command: str) -> None:
     mark = fake_hub.mark()
     r = loadmaster([command, "org/pickled-only"], hub_env(fake_hub.url, tmp_path))
     _one_line_error(r, "only pickled weights", "pytorch_model.bin", "training_args.bin", "safetensors")

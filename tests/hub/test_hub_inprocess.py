@@ -1,8 +1,9 @@
 """Hub ids inside one process: ``/plan`` (only with ``--allow-hub-plan``) and ``loaders.load_model``."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -24,7 +25,9 @@ def hub_here(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", fake_hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return fake_hub

@@ -1,4 +1,5 @@
 """``loadmaster plan org/name``: config.json and shard headers only, the same plan as from the local folder."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def _comparable(plan: Plan) -> dict:
     return d
 
 
-def test_plan_by_id_reads_headers_only_and_equals_the_local_plan(fake_hub: FakeHub, big_llama: Path,
-                                                                 tmp_path: Path) -> None:
+def test_plan_by_id_reads_headers_only_and_equals_the_local_plan(
+    fake_hub: FakeHub, big_llama: Path, tmp_path: Path
+) -> None:
     weights = sum(p.stat().st_size for p in big_llama.glob("*.safetensors"))
     assert weights >= 100 * 10**6
     mark = fake_hub.mark()
@@ -47,8 +49,7 @@ def test_plan_by_id_reads_headers_only_and_equals_the_local_plan(fake_hub: FakeH
     assert _comparable(remote) == _comparable(local)
 
 
-def test_plan_names_a_revision_and_the_estimate_takes_ids(fake_hub: FakeHub, tiny_llama: Path,
-                                                          tmp_path: Path) -> None:
+def test_plan_names_a_revision_and_the_estimate_takes_ids(fake_hub: FakeHub, tiny_llama: Path, tmp_path: Path) -> None:
     repo = fake_hub.repos[TINY]
     env = hub_env(fake_hub.url, tmp_path / "hf")
     r = loadmaster(["plan", f"{TINY}@{repo.commit}", "--max-memory", "cpu=1GiB"], env)
@@ -58,8 +59,9 @@ def test_plan_names_a_revision_and_the_estimate_takes_ids(fake_hub: FakeHub, tin
     assert r.returncode == 0, r.stderr
     remote = json.loads(r.stdout)
     local = planner.estimate.estimate(str(tiny_llama))
-    assert [{k: v for k, v in row.items() if k != "model"} for row in remote] == \
-        [{k: v for k, v in row.items() if k != "model"} for row in local]
+    assert [{k: v for k, v in row.items() if k != "model"} for row in remote] == [
+        {k: v for k, v in row.items() if k != "model"} for row in local
+    ]
     assert remote[0]["model"] == TINY
 
 
@@ -78,8 +80,9 @@ def test_plan_offline_uses_a_cached_snapshot(fake_hub: FakeHub, tiny_llama: Path
     (storage / "refs").mkdir()
     (storage / "refs" / "main").write_text(repo.commit)
     mark = fake_hub.mark()
-    r = loadmaster(["plan", TINY, "--json", "--max-memory", "cpu=1GiB"],
-                   hub_env(fake_hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1"))
+    r = loadmaster(
+        ["plan", TINY, "--json", "--max-memory", "cpu=1GiB"], hub_env(fake_hub.url, tmp_path / "hf", HF_HUB_OFFLINE="1")
+    )
     assert r.returncode == 0, r.stderr
     assert not fake_hub.since(mark)
     p = Plan.from_json(r.stdout)
@@ -103,7 +106,8 @@ def test_model_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_name_that_is_both_a_path_and_a_cached_repo_is_reported_ambiguous(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 

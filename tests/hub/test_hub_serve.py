@@ -1,4 +1,5 @@
 """``loadmaster serve org/name``: fetch only what loading needs (with progress), resume, serve, then serve offline."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,9 +26,13 @@ class ServeProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", model, "--port", str(self.port),
-                                      *SERVE_FLAGS], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(log, "w"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", model, "--port", str(self.port), *SERVE_FLAGS],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"),
+        )
 
     def health(self) -> dict | None:
         try:
@@ -49,8 +54,11 @@ class ServeProcess:
         raise AssertionError(f"timed out; last health {self.health()}; log: {self.log.read_text()[-3000:]}")
 
     def generate(self, prompt: str, n: int = 8) -> list[int]:
-        r = httpx.post(self.url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": n,
-                                                                                       "details": True}}, timeout=120)
+        r = httpx.post(
+            self.url + "/generate",
+            json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         return [t["id"] for t in r.json()["details"]["tokens"]]
 
@@ -76,13 +84,12 @@ def greedy(tiny_llama: Path):
     def run(prompt: str, n: int) -> list[int]:
         ids = tok(prompt, return_tensors="pt")
         out = model.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
+        return out[0, ids["input_ids"].shape[1] :].tolist()
 
     return run
 
 
-def test_serve_by_id_fetches_what_loading_needs_then_serves_offline(fake_hub: FakeHub, tmp_path: Path,
-                                                                   greedy) -> None:
+def test_serve_by_id_fetches_what_loading_needs_then_serves_offline(fake_hub: FakeHub, tmp_path: Path, greedy) -> None:
     hf_home = tmp_path / "hf"
     mark = fake_hub.mark()
     server = ServeProcess(TINY, hub_env(fake_hub.url, hf_home), tmp_path / "serve1.log")
@@ -94,8 +101,11 @@ def test_serve_by_id_fetches_what_loading_needs_then_serves_offline(fake_hub: Fa
         assert TINY in str(info)
     finally:
         server.stop()
-    fetched = {q.path.rsplit("/", 1)[1] for q in fake_hub.since(mark)
-               if q.method == "GET" and "/resolve/" in q.path and q.status in (200, 206)}
+    fetched = {
+        q.path.rsplit("/", 1)[1]
+        for q in fake_hub.since(mark)
+        if q.method == "GET" and "/resolve/" in q.path and q.status in (200, 206)
+    }
     repo = fake_hub.repos[TINY]
     expected = {n for n in repo.files if n.endswith((".safetensors", ".json", ".jinja"))}
     assert fetched == expected, fetched ^ expected
@@ -151,8 +161,9 @@ def test_an_interrupted_download_resumes_where_it_stopped(fake_hub: FakeHub, big
         second.stop()
     gets = [q for q in fake_hub.since(mark) if q.method == "GET" and q.path.endswith("/" + shard)]
     assert [(q.range, q.status, q.sent) for q in gets] == [(f"bytes={kept}-", 206, size - kept)]
-    first_shard = [q for q in fake_hub.since(mark) if q.method == "GET"
-                   and q.path.endswith("/model-00001-of-00004.safetensors")]
+    first_shard = [
+        q for q in fake_hub.since(mark) if q.method == "GET" and q.path.endswith("/model-00001-of-00004.safetensors")
+    ]
     assert not first_shard  # finished in the first run: not fetched again
     assert not _partial_files(hf_home)
     cached = next(hf_home.glob(f"hub/*/snapshots/*/{shard}"))

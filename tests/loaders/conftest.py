@@ -1,7 +1,10 @@
 """Loader-test fixtures: keep every default offload folder inside pytest's temporary directory."""
+
 from __future__ import annotations
 
 import pytest
+
+from tests.loaders.kernel_paths import kernel_path, native_path  # noqa: F401  (fixtures: one run per kernel path)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -24,4 +27,5 @@ def pytest_terminal_summary(terminalreporter):
     skipped = [isa for isa in cpu_kernels.ISAS if isa not in runnable]
     terminalreporter.write_line(
         f"native CPU kernel paths run: {', '.join(sorted(KERNEL_PATHS_RUN))}"
-        + (f"; not runnable on this CPU: {', '.join(skipped)}" if skipped else ""))
+        + (f"; not runnable on this CPU: {', '.join(skipped)}" if skipped else "")
+    )

@@ -1,4 +1,5 @@
 """Shared helpers for the loader tests: a reference model per checkpoint, and equivalence checks."""
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 MAX_ABS_DIFF = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(path: str, dtype: str = "float32") -> torch.nn.Module:
     """Plain transformers on the same weights: the ground truth every loaded model is compared with."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()

@@ -3,11 +3,13 @@
 Each run sets ``LOADMASTER_CPU_ISA`` and resets :mod:`loaders.cpu_kernels`, so the path really is the one named
 in the test id; the test asserts the loaded path, and the session summary lists every path that ran.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from loaders import cpu_kernels
+
 #: The paths tests ran, for the session summary (tests/loaders/conftest.py prints it).
 KERNEL_PATHS_RUN: set[str] = set()
 PATHS = [*cpu_kernels.runnable_isas(), "torch"]

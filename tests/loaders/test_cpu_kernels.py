@@ -1,5 +1,6 @@
 """The native CPU kernels (bf16, fp32), on every instruction-set path this CPU has: results against the exact
 product, operator registration, the build cache, and models that use them still match transformers."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ import loaders
 from loaders import cpu_kernels, kernel_ops
 from loaders.fast_linear import NativeCPULinear, use_native_linears
 from tests.loaders.helpers import prompt, reference_model
-from tests.loaders.kernel_paths import kernel_path, native_path  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_NATIVE = bool(cpu_kernels.runnable_isas())
@@ -56,7 +56,7 @@ def test_isa_setting_is_validated_and_forced_paths_need_the_cpu(monkeypatch):
 
 def _ulp_bound(ref: torch.Tensor) -> torch.Tensor:
     """One bf16 rounding step of the exact result, plus slack for float32 summation order."""
-    return ref.abs() * 2.0 ** -7 + 1e-3
+    return ref.abs() * 2.0**-7 + 1e-3
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 32])
@@ -71,7 +71,7 @@ def test_fp32_matches_exact_product(kernel_path, m, n, k, with_bias):
     assert out.dtype == torch.float32 and out.shape == (m, n)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # float32 summation error bound: a few ulps of the sum of |terms|
-    bound = (x.double().abs() @ w.double().abs().T) * 4 * k * 2.0 ** -24 + 1e-6
+    bound = (x.double().abs() @ w.double().abs().T) * 4 * k * 2.0**-24 + 1e-6
     assert ((out.double() - exact).abs() <= bound).all()
     assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
@@ -84,7 +84,7 @@ def test_rows_do_not_depend_on_their_batch(native_path, dtype):
     x, w = torch.randn(rows, 300, generator=g).to(dtype), torch.randn(70, 300, generator=g).to(dtype)
     together = kernel_ops.linear(x, w, None)
     for i in (0, 5, rows - 1):
-        assert torch.equal(kernel_ops.linear(x[i:i + 1], w, None), together[i:i + 1])
+        assert torch.equal(kernel_ops.linear(x[i : i + 1], w, None), together[i : i + 1])
     assert torch.equal(kernel_ops.linear(x[3:7], w, None), together[3:7])
 
 
@@ -114,10 +114,11 @@ def test_strided_operands_and_batch_shapes(kernel_path):
     out = kernel_ops.linear(x, w, None)
     assert out.shape == (2, 1, 48)
     ref = torch.nn.functional.linear(x.float(), w.float())
-    assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-2)
+    assert torch.allclose(out.float(), ref, rtol=2**-7, atol=1e-2)
     xt = torch.randn(128, 3).to(torch.bfloat16).T  # non-contiguous activations are copied, not misread
-    assert torch.allclose(kernel_ops.linear(xt, w, None).float(), torch.nn.functional.linear(xt.float(), w.float()),
-                          rtol=2 ** -7, atol=1e-2)
+    assert torch.allclose(
+        kernel_ops.linear(xt, w, None).float(), torch.nn.functional.linear(xt.float(), w.float()), rtol=2**-7, atol=1e-2
+    )
 
 
 def test_supports_only_small_cpu_products_in_a_loaded_dtype(native_path):
@@ -170,13 +171,20 @@ def test_model_on_the_kernel_matches_transformers(tiny_llama_bf16, tmp_path):
     """bf16 Llama with half its layers on disk: same parameters, same tensors, logits within bf16 rounding."""
     tiny_llama = tiny_llama_bf16
     dm = {"model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
-    model = loaders.load_model(tiny_llama, device_map=dm, dtype="bfloat16", offload_folder=tmp_path / "off",
-                               show_progress=False)
+    model = loaders.load_model(
+        tiny_llama, device_map=dm, dtype="bfloat16", offload_folder=tmp_path / "off", show_progress=False
+    )
     assert model.load_stats.native_linears > 0
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is NativeCPULinear for m in linears)
-    plain = loaders.load_model(tiny_llama, device_map=dm, dtype="bfloat16", offload_folder=tmp_path / "off",
-                               show_progress=False, cpu_kernels="torch")
+    plain = loaders.load_model(
+        tiny_llama,
+        device_map=dm,
+        dtype="bfloat16",
+        offload_folder=tmp_path / "off",
+        show_progress=False,
+        cpu_kernels="torch",
+    )
     assert not any(type(m) is NativeCPULinear for m in plain.modules())
     # Nothing was copied or moved: the disk layers' weights are still views of the shard maps.
     assert model.load_stats.zero_copy_bytes == plain.load_stats.zero_copy_bytes > 0
@@ -195,8 +203,9 @@ def test_model_on_the_kernel_matches_transformers(tiny_llama_bf16, tmp_path):
 
 
 def test_torch_choice_and_unknown_choice(tiny_llama, tmp_path):
-    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False,
-                               cpu_kernels="torch")
+    model = loaders.load_model(
+        tiny_llama, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, cpu_kernels="torch"
+    )
     assert model.load_stats.native_linears == 0
     with pytest.raises(ValueError, match="cpu_kernels"):
         use_native_linears(model, "fastest")
@@ -215,34 +224,48 @@ def test_fp32_model_on_the_kernel_matches_transformers(tiny_llama, tmp_path):
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_disabled_by_environment_and_native_then_refuses(tmp_path):
-    code = ("import torch; from torch import nn; from loaders import cpu_kernels; "
-            "from loaders.fast_linear import use_native_linears\n"
-            "st = cpu_kernels.status(); assert not st.available and 'LOADMASTER_CPU_KERNELS' in st.reason\n"
-            "m = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)\n"
-            "assert use_native_linears(m, 'auto') == 0\n"
-            "try:\n    use_native_linears(m, 'native')\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    code = (
+        "import torch; from torch import nn; from loaders import cpu_kernels; "
+        "from loaders.fast_linear import use_native_linears\n"
+        "st = cpu_kernels.status(); assert not st.available and 'LOADMASTER_CPU_KERNELS' in st.reason\n"
+        "m = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)\n"
+        "assert use_native_linears(m, 'auto') == 0\n"
+        "try:\n    use_native_linears(m, 'native')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
+    )
     for env in ({"LOADMASTER_CPU_KERNELS": "torch"}, {"LOADMASTER_CPU_ISA": "torch"}):
         r = _run(code, {**env, "LOADMASTER_KERNEL_CACHE": str(tmp_path)})
         assert r.returncode == 0, r.stderr
         assert "refused:" in r.stdout and "LOADMASTER_CPU_ISA=torch" in r.stdout
 
 
-_STATUS = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
-           "from loaders import cpu_kernels; st = cpu_kernels.status(); print(st.available, '|', st.library, '|', "
-           "st.reason)")
+_STATUS = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+    "from loaders import cpu_kernels; st = cpu_kernels.status(); print(st.available, '|', st.library, '|', "
+    "st.reason)"
+)
 
 
 @needs_kernel
 def test_concurrent_first_builds_leave_one_complete_library(tmp_path):
     """Several processes building into an empty cache at once all load a complete library; no temp files stay."""
     env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", _STATUS], cwd=ROOT, env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STATUS],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     libs = {o[0].split("|")[1].strip() for o in outs}
@@ -282,8 +305,10 @@ def test_a_library_built_ahead_is_used_where_no_compiler_is(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("False |") and "no C compiler" in r.stdout
     assert [line for line in r.stderr.splitlines() if "cpu_kernels" in line and "no C compiler" in line]
-    built = _run("from loaders import cpu_kernels; print(*cpu_kernels.build_all(), sep='\\n')",
-                 {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")})
+    built = _run(
+        "from loaders import cpu_kernels; print(*cpu_kernels.build_all(), sep='\\n')",
+        {"LOADMASTER_KERNEL_CACHE": str(tmp_path / "cache")},
+    )
     assert built.returncode == 0, built.stderr
     libs = built.stdout.split()
     assert len(libs) == len(cpu_kernels.ISAS)

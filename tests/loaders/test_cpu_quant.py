@@ -1,5 +1,6 @@
 """Weight-only int8 and 4-bit CPU layers: quantizer error bounds, the kernels on every path against a rigorous
 bound, the load option, logits against fp32 transformers, and the saved safetensors file served as a map."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from loaders import cpu_quant, kernel_ops
 from loaders.cpu_quant import QuantizedCPULinear
 from planner.errors import PlanError
 from tests.loaders.helpers import prompt, reference_model
-from tests.loaders.kernel_paths import kernel_path, native_path  # noqa: F401 (fixtures)
 
 GROUP = kernel_ops.GROUP
 
@@ -50,8 +50,10 @@ def test_native_quantizers_give_the_same_bytes_as_torch(native_path, dtype):
     w = (torch.randn(70, 200, generator=g) * torch.linspace(0.001, 4, 70)[:, None]).to(dtype)
     w[3] = 0  # an all-zero row and group
     w[5, :64] = torch.tensor([1.0, -1.0] * 32).to(dtype)  # ties in magnitude: the first one sets the scale
-    for native, reference in ((cpu_quant.quantize_int8, cpu_quant.quantize_int8_torch),
-                              (cpu_quant.quantize_int4, cpu_quant.quantize_int4_torch)):
+    for native, reference in (
+        (cpu_quant.quantize_int8, cpu_quant.quantize_int8_torch),
+        (cpu_quant.quantize_int4, cpu_quant.quantize_int4_torch),
+    ):
         q, s = native(w)
         q_ref, s_ref = reference(w)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), native.__name__
@@ -86,7 +88,7 @@ def test_quantized_kernels_within_the_activation_rounding_bound(kernel_path, sch
     ref = x.double() @ w_deq.T + lin.bias.double()
     bound = _activation_bound(x, w_deq) if kernel_path.available else torch.zeros(m, n, dtype=torch.float64)
     # plus float32 summation and, in bf16, the output's rounding and (torch's path) the weight's cast to bf16
-    rel = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    rel = 2**-8 if dtype == torch.bfloat16 else 1e-5
     tol = (x.double().abs() @ w_deq.abs().T) * rel + ref.abs() * rel
     assert ((out.double() - ref).abs() <= bound + tol + 1e-6).all()
 
@@ -100,7 +102,7 @@ def test_quantized_rows_do_not_depend_on_their_batch(native_path, scheme):
     with torch.no_grad():
         together = layer(x)
         for i in (0, 5, 31, 299):
-            assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
+            assert torch.equal(layer(x[i : i + 1]), together[i : i + 1])
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -126,8 +128,13 @@ def test_quantized_operators_check_operands_and_have_fake_shapes():
     with pytest.raises(ValueError, match="weight must be torch.int8"):
         torch.ops.loadmaster.linear_q8(torch.randn(1, 100), q8.qweight.to(torch.uint8), q8.scales, None, 100)
     with FakeTensorMode() as mode:
-        out = torch.ops.loadmaster.linear_q8(mode.from_tensor(torch.randn(2, 3, 100).to(torch.bfloat16)),
-                                             mode.from_tensor(q8.qweight), mode.from_tensor(q8.scales), None, 100)
+        out = torch.ops.loadmaster.linear_q8(
+            mode.from_tensor(torch.randn(2, 3, 100).to(torch.bfloat16)),
+            mode.from_tensor(q8.qweight),
+            mode.from_tensor(q8.scales),
+            None,
+            100,
+        )
     assert tuple(out.shape) == (2, 3, 12) and out.dtype == torch.bfloat16
 
 
@@ -141,8 +148,14 @@ LOGIT_BOUND = {"int8": 0.04, "int4": 0.3}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantized_load_logits_are_bounded_against_fp32(native_path, tiny_llama, tmp_path, scheme, dtype):
     dm = {"model.layers.1": "disk", "": "cpu"}
-    model = loaders.load_model(tiny_llama, device_map=dm, dtype=dtype, offload_folder=tmp_path / "off",
-                               show_progress=False, cpu_quantization=scheme)
+    model = loaders.load_model(
+        tiny_llama,
+        device_map=dm,
+        dtype=dtype,
+        offload_folder=tmp_path / "off",
+        show_progress=False,
+        cpu_quantization=scheme,
+    )
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedCPULinear))]
     assert linears and all(isinstance(m, QuantizedCPULinear) for m in linears)
     stats = model.load_stats.cpu_quantization
@@ -172,7 +185,7 @@ def test_quantized_weights_saved_then_mapped(tiny_llama, tmp_path, caplog):
     assert st.from_file and st.file == str(files[0])
     # the mapped tensors are views of one map of the file, not copies: their addresses differ as their offsets do
     header_len = int.from_bytes(files[0].read_bytes()[:8], "little")
-    header = json.loads(files[0].read_bytes()[8:8 + header_len])
+    header = json.loads(files[0].read_bytes()[8 : 8 + header_len])
     a, b = "model.layers.0.mlp.up_proj.qweight", "model.layers.1.self_attn.q_proj.scales"
     ptr = {n: second.get_submodule(n.rsplit(".", 1)[0]).get_buffer(n.rsplit(".", 1)[1]).data_ptr() for n in (a, b)}
     assert ptr[b] - ptr[a] == header[b]["data_offsets"][0] - header[a]["data_offsets"][0]
@@ -193,10 +206,12 @@ def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
     with pytest.raises(PlanError, match="cpu_quantization='int3' is not one of int8, int4"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int3")
     with pytest.raises(PlanError, match="quantization= is bitsandbytes for GPU layers"):
-        loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int8",
-                           quantization="int8")
+        loaders.load_model(
+            tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int8", quantization="int8"
+        )
     with pytest.raises(PlanError, match="float32 or bfloat16 activations, not float16"):
-        loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int4",
-                           dtype="float16")
+        loaders.load_model(
+            tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int4", dtype="float16"
+        )
     with pytest.raises(PlanError, match="cpu_quantized_dir was given without cpu_quantization"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantized_dir=tmp_path)

@@ -1,4 +1,5 @@
 """Device-map resolution: spellings users write, longest-prefix placement, and the errors for bad maps."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,14 +10,29 @@ from planner.device_map import assign_devices
 from planner.devices import parse_device
 from planner.errors import PlanError
 
-NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
-         "model.layers.10.mlp.up_proj.weight", "lm_head.weight"]
+NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "model.layers.10.mlp.up_proj.weight",
+    "lm_head.weight",
+]
 
 
-@pytest.mark.parametrize("value, expected", [
-    (0, 0), ("1", 1), ("cuda:2", 2), ("cuda", 0), (torch.device("cuda", 3), 3), (torch.device("cpu"), "cpu"),
-    ("CPU", "cpu"), ("disk", "disk"), ("gpu0", 0),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (0, 0),
+        ("1", 1),
+        ("cuda:2", 2),
+        ("cuda", 0),
+        (torch.device("cuda", 3), 3),
+        (torch.device("cpu"), "cpu"),
+        ("CPU", "cpu"),
+        ("disk", "disk"),
+        ("gpu0", 0),
+    ],
+)
 def test_normalize_device(value, expected):
     assert parse_device(value) == expected
 

@@ -1,4 +1,5 @@
 """Loaded models compute exactly what plain transformers computes on the same weights, under every kind of map."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,9 +15,16 @@ FIXTURES = ["tiny_llama", "tiny_gpt2", "tiny_moe"]
 
 # Custom maps that mix resident and disk-served modules (disk in the stored dtype: zero-copy memory maps).
 CUSTOM_MAPS = {
-    "tiny_llama": {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
-                   "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "disk",
-                   "lm_head": "disk"},
+    "tiny_llama": {
+        "model.embed_tokens": "disk",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.layers.3": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "disk",
+        "lm_head": "disk",
+    },
     # lm_head is tied to transformer.wte: it must end up as the very same tensor.
     "tiny_gpt2": {"transformer.h.1": "disk", "transformer.h.3": "disk", "transformer.wpe": "disk", "": "cpu"},
     # Fused experts on disk cannot be views of per-expert keys: they go through the offload folder.
@@ -25,8 +33,9 @@ CUSTOM_MAPS = {
 
 
 def _load(path, device_map, tmp_path, **kw):
-    return loaders.load_model(path, device_map=device_map, offload_folder=tmp_path / "offload", show_progress=False,
-                              **kw)
+    return loaders.load_model(
+        path, device_map=device_map, offload_folder=tmp_path / "offload", show_progress=False, **kw
+    )
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -47,8 +56,9 @@ def test_planner_strategies_split_over_cpu_and_disk(fixture, strategy, request, 
     mm = {"cpu": 900_000, "disk": "1GiB"}
     model = _load(path, strategy, tmp_path, max_memory=mm, context=32)
     assert set(model.hf_device_map.values()) == {"cpu", "disk"}, model.hf_device_map
-    expected = planner.plan(str(path), max_memory=mm, strategy=strategy, dtype="float32", context=32,
-                            offload_folder=tmp_path / "offload").device_map
+    expected = planner.plan(
+        str(path), max_memory=mm, strategy=strategy, dtype="float32", context=32, offload_folder=tmp_path / "offload"
+    ).device_map
     assert model.hf_device_map == expected
     assert model.load_stats.bytes_per_device["disk"] > 0
     assert_equivalent(model, path)
@@ -160,8 +170,14 @@ def test_cast_to_bfloat16_with_disk_share(tiny_llama, tmp_path):
 
 
 def test_obeys_a_plan_exactly(tiny_llama, tmp_path):
-    p = planner.plan(str(tiny_llama), max_memory={"cpu": 900_000, "disk": "1GiB"}, strategy="sequential",
-                     dtype="float32", context=32, offload_folder=tmp_path / "offload")
+    p = planner.plan(
+        str(tiny_llama),
+        max_memory={"cpu": 900_000, "disk": "1GiB"},
+        strategy="sequential",
+        dtype="float32",
+        context=32,
+        offload_folder=tmp_path / "offload",
+    )
     p = planner.Plan.from_json(p.to_json())  # as handed over by /plan
     model = loaders.load_model(tiny_llama, device_map=p, offload_folder=tmp_path / "offload", show_progress=False)
     assert model.hf_device_map == p.device_map
@@ -171,8 +187,13 @@ def test_obeys_a_plan_exactly(tiny_llama, tmp_path):
 
 def test_progress_reports_every_byte_in_order(tiny_gpt2, tmp_path):
     seen = []
-    model = loaders.load_model(tiny_gpt2, device_map={"transformer.h.0": "disk", "": "cpu"},
-                               offload_folder=tmp_path / "o", progress=seen.append, show_progress=False)
+    model = loaders.load_model(
+        tiny_gpt2,
+        device_map={"transformer.h.0": "disk", "": "cpu"},
+        offload_folder=tmp_path / "o",
+        progress=seen.append,
+        show_progress=False,
+    )
     done = [p.bytes_done for p in seen]
     assert done == sorted(done)
     assert seen[-1].phase == "ready" and seen[-1].bytes_done == seen[-1].bytes_total
@@ -195,9 +216,19 @@ def tiny_qwen_moe(tmp_path_factory):
     """A Qwen2-MoE checkpoint: per-expert gate_proj/up_proj/down_proj keys plus a shared expert."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-    cfg = Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
-                         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = Qwen2MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qwen-moe")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path, max_shard_size="30KB")

@@ -1,4 +1,5 @@
 """Every way a checkpoint, a device map or an offload folder can be wrong raises before a model is returned."""
+
 from __future__ import annotations
 
 import json
@@ -131,12 +132,18 @@ BF16_DISK = {"model.layers.3": "disk", "": "cpu"}
 
 def test_offload_folder_of_another_model_is_refused(tiny_llama, tiny_gpt2, tmp_path):
     folder = tmp_path / "offload"
-    loaders.load_model(tiny_gpt2, device_map={"transformer.h.3": "disk", "": "cpu"}, dtype="bfloat16",
-                       offload_folder=folder, show_progress=False)
+    loaders.load_model(
+        tiny_gpt2,
+        device_map={"transformer.h.3": "disk", "": "cpu"},
+        dtype="bfloat16",
+        offload_folder=folder,
+        show_progress=False,
+    )
     before = (folder / DATA).read_bytes()
     with pytest.raises(CheckpointError, match="belongs to another model"):
-        loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder,
-                           show_progress=False)
+        loaders.load_model(
+            tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder, show_progress=False
+        )
     assert (folder / DATA).read_bytes() == before  # never overwritten silently
 
 
@@ -156,13 +163,20 @@ def test_offload_folder_from_an_interrupted_run_is_rewritten(tiny_llama, tmp_pat
 
     monkeypatch.setattr(materialize.Materializer, "_load_cpu", dies_midway)
     with pytest.raises(KeyboardInterrupt):
-        loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder,
-                           show_progress=False)
+        loaders.load_model(
+            tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder, show_progress=False
+        )
     monkeypatch.undo()
     assert not (folder / INDEX).exists(), "an interrupted write must not leave an index behind"
     assert list(folder.glob("*.tmp")), "the half-written data file is still a temp file"
-    model = loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder,
-                               show_progress=False, cpu_kernels="torch")  # exact bf16 comparison below
+    model = loaders.load_model(
+        tiny_llama,
+        device_map=BF16_DISK,
+        dtype="bfloat16",
+        offload_folder=folder,
+        show_progress=False,
+        cpu_kernels="torch",
+    )  # exact bf16 comparison below
     assert model.load_stats.offload_bytes_written > 0
     assert not list(folder.glob("*.tmp"))
     assert_equivalent(model, tiny_llama, dtype="bfloat16")
@@ -199,8 +213,9 @@ def test_offload_folder_with_foreign_index_is_refused(tiny_llama, tmp_path):
     folder.mkdir()
     (folder / INDEX).write_text(json.dumps({"some": "other tool"}))
     with pytest.raises(CheckpointError, match="not written by loadmaster"):
-        loaders.load_model(tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder,
-                           show_progress=False)
+        loaders.load_model(
+            tiny_llama, device_map=BF16_DISK, dtype="bfloat16", offload_folder=folder, show_progress=False
+        )
 
 
 def test_missing_tokenizer(ckpt):

@@ -1,4 +1,5 @@
 """A Plan names the checkpoint it was made for; the loader refuses to apply it to another one."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """bitsandbytes int8 / nf4 / fp4 on the CPU: they load, generate, and allocate exactly what the planner predicts."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,9 @@ def test_quantized_load_generates_and_matches_planned_size(tiny_llama, quantizat
         ids = torch.tensor([[1, 2, 3, 4, 5]])
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 11)
-    planned = planner.plan(str(tiny_llama), strategy={"": "cpu"}, dtype="float32", quantization=quantization,
-                           context=64)
+    planned = planner.plan(
+        str(tiny_llama), strategy={"": "cpu"}, dtype="float32", quantization=quantization, context=64
+    )
     assert model.load_stats.bytes_per_device == {"cpu": planned.budget("cpu").weights}
     full = sum(p.numel() * 4 for p in model.parameters())
     assert model.load_stats.bytes_per_device["cpu"] < full

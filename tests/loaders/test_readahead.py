@@ -1,4 +1,5 @@
 """Disk-block readahead on a host without GPUs: advice only when the next block's bytes are not cached."""
+
 from __future__ import annotations
 
 import mmap

@@ -5,6 +5,7 @@ defers every side-stream copy until something waits for it (as late as CUDA may 
 wait would compute on stale weights under the lazy backend; one that overwrote a running block's slot would be
 caught by the eager backend's check. Both must reproduce transformers' logits exactly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,16 @@ from loaders.device_map import ordered_entries
 from loaders.streaming import BlockStreamer, CpuBackend, build_blocks
 from tests.loaders.helpers import assert_equivalent, prompt
 
-LLAMA_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
-             "model.layers.2": "disk", "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
-             "lm_head": "cpu"}
+LLAMA_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "cpu",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
 
 
 class LazyBackend(CpuBackend):
@@ -170,8 +178,16 @@ def test_gpu_wiring_runs_with_the_cpu_backend(tiny_gpt2):
     """install_gpu_execution itself (align hooks, root hooks, blocks, tied head), with CPU standing in for CUDA."""
     from loaders.streaming import install_gpu_execution
 
-    dm = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "cpu", "transformer.h.1": "disk",
-          "transformer.h.2": "cpu", "transformer.h.3": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    dm = {
+        "transformer.wte": "cpu",
+        "transformer.wpe": "cpu",
+        "transformer.h.0": "cpu",
+        "transformer.h.1": "disk",
+        "transformer.h.2": "cpu",
+        "transformer.h.3": "disk",
+        "transformer.ln_f": "cpu",
+        "lm_head": "cpu",
+    }
     model = loaders.load_model(tiny_gpt2, device_map=dm, show_progress=False)
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
     streamer = install_gpu_execution(model, dm, placement, torch.device("cpu"), backend=LazyBackend())

@@ -8,13 +8,14 @@ so tests can check the skeleton against facts that do not come from our own code
 of the published checkpoints (per-expert keys for Mixtral); with
 :func:`tests.sparse_checkpoint.write_sparse_checkpoint` it makes a real, full-size, sparse checkpoint on disk.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.sparse_checkpoint import write_sparse_checkpoint
 from planner.types import Skeleton
+from tests.sparse_checkpoint import write_sparse_checkpoint
 
 
 @dataclass(frozen=True)
@@ -29,55 +30,127 @@ class PublicFacts:
 REAL_CONFIGS: dict[str, dict] = {
     # meta-llama/Meta-Llama-3-8B
     "llama-3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         dtype="bfloat16",
     ),
     # meta-llama/Meta-Llama-3-70B
     "llama-3-70b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192, intermediate_size=28672,
-        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         dtype="bfloat16",
     ),
     # mistralai/Mixtral-8x7B-v0.1
     "mixtral-8x7b": dict(
-        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
-        num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="bfloat16",
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
     ),
     # Qwen/Qwen2-72B
     "qwen2-72b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=8192, intermediate_size=29568,
-        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
-        max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
         dtype="bfloat16",
     ),
     # openai-community/gpt2-xl (lm_head tied to transformer.wte)
     "gpt2-xl": dict(
-        architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=1600, n_layer=48, n_head=25,
-        n_positions=1024, vocab_size=50257, dtype="float32",
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        n_embd=1600,
+        n_layer=48,
+        n_head=25,
+        n_positions=1024,
+        vocab_size=50257,
+        dtype="float32",
     ),
     # google/gemma-2-27b (embeddings tied)
     "gemma-2-27b": dict(
-        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=4608, intermediate_size=36864,
-        num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=256000,
-        max_position_embeddings=8192, query_pre_attn_scalar=144, sliding_window=4096, tie_word_embeddings=True,
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        hidden_size=4608,
+        intermediate_size=36864,
+        num_hidden_layers=46,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        query_pre_attn_scalar=144,
+        sliding_window=4096,
+        tie_word_embeddings=True,
         dtype="bfloat16",
     ),
     # tiiuae/falcon-7b (multi-query attention, parallel attention/MLP, tied head)
     "falcon-7b": dict(
-        architectures=["FalconForCausalLM"], model_type="falcon", hidden_size=4544, num_hidden_layers=32,
-        num_attention_heads=71, multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
-        alibi=False, vocab_size=65024, tie_word_embeddings=True, dtype="bfloat16",
+        architectures=["FalconForCausalLM"],
+        model_type="falcon",
+        hidden_size=4544,
+        num_hidden_layers=32,
+        num_attention_heads=71,
+        multi_query=True,
+        new_decoder_architecture=False,
+        parallel_attn=True,
+        bias=False,
+        alibi=False,
+        vocab_size=65024,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
     ),
     # microsoft/Phi-3-mini-4k-instruct
     "phi-3-mini": dict(
-        architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, intermediate_size=8192,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
-        max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32064,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
     ),
 }
 

@@ -1,4 +1,5 @@
 """Skeletons built from plain numbers, without torch: what the planner's pure tests and property tests use."""
+
 from __future__ import annotations
 
 from planner.types import Block, KVGeometry, Skeleton, TensorSpec
@@ -20,7 +21,11 @@ def llama_like(
     def linear(n: str, out_f: int, in_f: int) -> TensorSpec:
         return TensorSpec(f"{n}.weight", (out_f, in_f), dtype, "parameter", True)
 
-    blocks = [Block("model.embed_tokens", (TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype),), is_embedding=True)]
+    blocks = [
+        Block(
+            "model.embed_tokens", (TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype),), is_embedding=True
+        )
+    ]
     for i in range(layers):
         p = f"model.layers.{i}"
         ts = (
@@ -36,7 +41,12 @@ def llama_like(
         )
         blocks.append(Block(p, ts, no_split=True, layer_index=i))
     blocks.append(Block("model.norm", (TensorSpec("model.norm.weight", (hidden,), dtype),)))
-    blocks.append(Block("model.rotary_emb", (TensorSpec("model.rotary_emb.inv_freq", (head_dim // 2,), "float32", "buffer_nonpersistent"),)))
+    blocks.append(
+        Block(
+            "model.rotary_emb",
+            (TensorSpec("model.rotary_emb.inv_freq", (head_dim // 2,), "float32", "buffer_nonpersistent"),),
+        )
+    )
     tied_groups: tuple[tuple[str, ...], ...] = ()
     if tied:
         blocks.append(Block("lm_head", (), is_head=True))

@@ -1,4 +1,5 @@
 """One spelling of a device: every accepted input reads to the canonical id, and every rendering reads back."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,21 +10,47 @@ from planner.devices import device_key, device_label, device_order, gpu_range_la
 from planner.errors import HardwareSpecError
 
 
-@pytest.mark.parametrize("spelling,expected", [
-    (0, 0), (3, 3), ("0", 0), (" 12 ", 12), ("gpu0", 0), ("gpu:1", 1), ("GPU 0", 0), ("GPU 7", 7), ("cuda:0", 0),
-    ("CUDA:2", 2), ("cuda", 0), ("gpu", 0), ("cpu", "cpu"), ("CPU", "cpu"), ("disk", "disk"), ("Disk ", "disk"),
-    (SimpleNamespace(type="cuda", index=2), 2), (SimpleNamespace(type="cuda", index=None), 0),
-    (SimpleNamespace(type="cpu", index=None), "cpu"),
-])
+@pytest.mark.parametrize(
+    "spelling,expected",
+    [
+        (0, 0),
+        (3, 3),
+        ("0", 0),
+        (" 12 ", 12),
+        ("gpu0", 0),
+        ("gpu:1", 1),
+        ("GPU 0", 0),
+        ("GPU 7", 7),
+        ("cuda:0", 0),
+        ("CUDA:2", 2),
+        ("cuda", 0),
+        ("gpu", 0),
+        ("cpu", "cpu"),
+        ("CPU", "cpu"),
+        ("disk", "disk"),
+        ("Disk ", "disk"),
+        (SimpleNamespace(type="cuda", index=2), 2),
+        (SimpleNamespace(type="cuda", index=None), 0),
+        (SimpleNamespace(type="cpu", index=None), "cpu"),
+    ],
+)
 def test_every_accepted_spelling_reads_to_the_canonical_id(spelling, expected):
     assert parse_device(spelling) == expected
     assert type(parse_device(spelling)) is type(expected)
 
 
-@pytest.mark.parametrize("bad,needle", [
-    (-1, "negative"), (True, "boolean"), ("tpu0", "unknown device"), ("cpuu", "did you mean 'cpu'"),
-    ("cuda:x", "unknown device"), (1.5, "float"), (SimpleNamespace(type="meta", index=None), "not one"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (-1, "negative"),
+        (True, "boolean"),
+        ("tpu0", "unknown device"),
+        ("cpuu", "did you mean 'cpu'"),
+        ("cuda:x", "unknown device"),
+        (1.5, "float"),
+        (SimpleNamespace(type="meta", index=None), "not one"),
+    ],
+)
 def test_other_spellings_are_refused_with_the_accepted_ones_named(bad, needle):
     with pytest.raises(HardwareSpecError) as e:
         parse_device(bad)

@@ -1,19 +1,32 @@
 """Sizes, device keys and declared GPUs as users write them."""
+
 from __future__ import annotations
 
 import pytest
 
-from planner.errors import HardwareSpecError
 from planner.devices import parse_device
+from planner.errors import HardwareSpecError
 from planner.hardware import build_hardware, parse_gpus
 from planner.units import format_bytes, parse_size
 
 
-@pytest.mark.parametrize("text,expected", [
-    (123, 123), ("123", 123), ("20GiB", 20 * 2**30), ("20GB", 20 * 10**9), ("512MiB", 512 * 2**20),
-    ("1.5TiB", int(1.5 * 2**40)), ("80GB", 80 * 10**9), ("80 gb", 80 * 10**9), ("4KiB", 4096), ("2KB", 2000),
-    ("0", 0), ("16G", 16 * 2**30),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (123, 123),
+        ("123", 123),
+        ("20GiB", 20 * 2**30),
+        ("20GB", 20 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("80GB", 80 * 10**9),
+        ("80 gb", 80 * 10**9),
+        ("4KiB", 4096),
+        ("2KB", 2000),
+        ("0", 0),
+        ("16G", 16 * 2**30),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -32,7 +45,9 @@ def test_format_bytes_labels_binary_units_and_round_trips():
     assert parse_size(format_bytes(3 * 2**40)) == 3 * 2**40
 
 
-@pytest.mark.parametrize("key,expected", [(0, 0), ("0", 0), ("cuda:1", 1), ("CUDA:2", 2), ("cpu", "cpu"), ("disk", "disk"), ("gpu3", 3)])
+@pytest.mark.parametrize(
+    "key,expected", [(0, 0), ("0", 0), ("cuda:1", 1), ("CUDA:2", 2), ("cpu", "cpu"), ("disk", "disk"), ("gpu3", 3)]
+)
 def test_device_keys(key, expected):
     assert parse_device(key) == expected
 

@@ -1,4 +1,5 @@
 """Every way plan() can be handed bad input answers with a PlanError that says what to do."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,15 @@ def test_unknown_strategy_suggests_the_nearest():
         plan(SKEL, max_memory=CPU, strategy="balance")
 
 
-@pytest.mark.parametrize("mm,match", [
-    ({"cpu": "12 parsecs"}, "unknown unit"),
-    ({"cpu": "-1GiB"}, "negative"),
-    ({"gpu7x": "1GiB"}, "unknown device"),
-    ({"cpu": -10}, "negative"),
-])
+@pytest.mark.parametrize(
+    "mm,match",
+    [
+        ({"cpu": "12 parsecs"}, "unknown unit"),
+        ({"cpu": "-1GiB"}, "negative"),
+        ({"gpu7x": "1GiB"}, "unknown device"),
+        ({"cpu": -10}, "negative"),
+    ],
+)
 def test_bad_max_memory(mm, match):
     with pytest.raises(HardwareSpecError, match=match):
         plan(SKEL, max_memory=mm)
@@ -47,8 +51,12 @@ def test_custom_map_leaving_tensors_uncovered_is_an_error_unless_completed():
 
 def test_custom_map_accepts_root_prefixes_single_params_and_device_spellings():
     mm = {0: "1GiB", 1: "1GiB", "cpu": "1GiB"}
-    p = plan(SKEL, max_memory=mm, gpu_reserve=0,
-             strategy={"": "cpu", "model.layers.1": "cuda:1", "model.layers.2": "0", "lm_head.weight": 1})
+    p = plan(
+        SKEL,
+        max_memory=mm,
+        gpu_reserve=0,
+        strategy={"": "cpu", "model.layers.1": "cuda:1", "model.layers.2": "0", "lm_head.weight": 1},
+    )
     assert p.placement["model.layers.1"] == 1 and p.placement["model.layers.2"] == 0
     assert p.placement["lm_head"] == 1 and p.placement["model.norm"] == "cpu"
     assert json.loads(p.to_json())["device_map"]["model.layers.1"] == 1
@@ -73,13 +81,16 @@ def test_custom_map_over_capacity_names_the_shortfall():
     assert "GPU 0 needs" in str(e.value) and "short by" in str(e.value)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(batch_size=0), "batch_size must be at least 1"),
-    (dict(context=-5), "context must be at least 1"),
-    (dict(batch_size=1.5), "whole number"),
-    (dict(dtype="fp8"), "unknown dtype"),
-    (dict(quantization="int3"), "unknown quantization"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(batch_size=0), "batch_size must be at least 1"),
+        (dict(context=-5), "context must be at least 1"),
+        (dict(batch_size=1.5), "whole number"),
+        (dict(dtype="fp8"), "unknown dtype"),
+        (dict(quantization="int3"), "unknown quantization"),
+    ],
+)
 def test_bad_workload(kw, match):
     with pytest.raises(PlanError, match=match):
         plan(SKEL, max_memory=CPU, **kw)

@@ -1,14 +1,15 @@
 """Property tests of the planner's invariants over random skeletons and capacities (no torch involved)."""
+
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.api import plan
-from planner.solve import make_problem
 from planner.errors import PlanError
 from planner.hardware import build_hardware
 from planner.sizing import tensor_bytes
+from planner.solve import make_problem
 from planner.strategies import compute_loads
 from planner.types import Block, KVGeometry, Plan, Skeleton, TensorSpec
 
@@ -23,7 +24,11 @@ def skeletons(draw) -> Skeleton:
     vocab = draw(st.integers(8, 400))
     tied = draw(st.booleans())
     dtype = draw(st.sampled_from(DTYPES))
-    blocks = [Block("model.embed_tokens", (TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype),), is_embedding=True)]
+    blocks = [
+        Block(
+            "model.embed_tokens", (TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype),), is_embedding=True
+        )
+    ]
     for i in range(layers):
         n_t = draw(st.integers(1, 4))
         tensors = tuple(
@@ -31,7 +36,9 @@ def skeletons(draw) -> Skeleton:
             for j in range(n_t)
         )
         if draw(st.booleans()):
-            tensors += (TensorSpec(f"model.layers.{i}.buf", (draw(st.integers(1, 8)),), "float32", "buffer_nonpersistent"),)
+            tensors += (
+                TensorSpec(f"model.layers.{i}.buf", (draw(st.integers(1, 8)),), "float32", "buffer_nonpersistent"),
+            )
         blocks.append(Block(f"model.layers.{i}", tensors, no_split=True, layer_index=i))
     blocks.append(Block("model.norm", (TensorSpec("model.norm.weight", (hidden,), dtype),)))
     groups: tuple[tuple[str, ...], ...] = ()
@@ -41,19 +48,29 @@ def skeletons(draw) -> Skeleton:
     else:
         blocks.append(Block("lm_head", (TensorSpec("lm_head.weight", (vocab, hidden), dtype),), is_head=True))
     return Skeleton(
-        name="random", architecture="Random", model_type="random", blocks=tuple(blocks), tied_groups=groups,
-        kv=KVGeometry(layers, kv_heads, hidden // 4), vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=2 * hidden, num_attention_heads=4, default_dtype=dtype,
+        name="random",
+        architecture="Random",
+        model_type="random",
+        blocks=tuple(blocks),
+        tied_groups=groups,
+        kv=KVGeometry(layers, kv_heads, hidden // 4),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        default_dtype=dtype,
     )
 
 
 capacities = st.lists(st.integers(0, 3_000_000), min_size=0, max_size=4)
-workloads = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["fp32", "fp16", "bf16"]),
-    "quantization": st.sampled_from([None, None, "int8", "nf4"]),
-    "batch_size": st.integers(1, 4),
-    "context": st.integers(1, 64),
-})
+workloads = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["fp32", "fp16", "bf16"]),
+        "quantization": st.sampled_from([None, None, "int8", "nf4"]),
+        "batch_size": st.integers(1, 4),
+        "context": st.integers(1, 64),
+    }
+)
 strategy_names = st.sampled_from(["auto", "sequential", "balanced", "balanced_low_0"])
 
 
@@ -93,8 +110,14 @@ def _check_invariants(skel: Skeleton, p: Plan, mm: dict, workload_kwargs: dict) 
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(skel=skeletons(), gpus=capacities, cpu=st.one_of(st.integers(0, 8_000_000), st.just(10**8)), disk=st.one_of(st.none(), st.integers(0, 8_000_000)),
-       wl=workloads, strategy=strategy_names)
+@given(
+    skel=skeletons(),
+    gpus=capacities,
+    cpu=st.one_of(st.integers(0, 8_000_000), st.just(10**8)),
+    disk=st.one_of(st.none(), st.integers(0, 8_000_000)),
+    wl=workloads,
+    strategy=strategy_names,
+)
 def test_plans_satisfy_invariants_or_fail_cleanly(skel, gpus, cpu, disk, wl, strategy):
     mm = _max_memory(gpus, cpu, disk)
     try:
@@ -136,8 +159,10 @@ def test_balanced_never_worse_than_sequential_on_peak_utilisation(skel, n, cap):
         bal = plan(skel, max_memory=mm, strategy="balanced", gpu_reserve=0)
     except PlanError:
         return
+
     def peak(p: Plan) -> float:
         return max(b.total / b.capacity for b in p.budgets if isinstance(b.device, int))
+
     assert peak(bal) <= peak(seq) + 1e-9
 
 

@@ -1,4 +1,5 @@
 """The planner's core is pure: planning a Skeleton imports neither torch nor transformers."""
+
 from __future__ import annotations
 
 import subprocess

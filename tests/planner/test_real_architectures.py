@@ -1,5 +1,6 @@
 """Skeletons of real architectures at their real sizes (meta device only), checked against transformers and
 against the models' published figures."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -54,7 +55,10 @@ def test_real_architecture_skeleton(name):
     # KV geometry and layers
     assert skel.kv is not None
     assert (skel.kv.num_layers, skel.kv.num_kv_heads, skel.kv.head_dim) == (
-        facts.num_layers, facts.num_kv_heads, facts.head_dim)
+        facts.num_layers,
+        facts.num_kv_heads,
+        facts.head_dim,
+    )
     layers = [b for b in skel.blocks if b.layer_index is not None]
     assert [b.layer_index for b in layers] == list(range(facts.num_layers))
     assert all(b.no_split for b in layers)
@@ -83,7 +87,8 @@ def test_mixtral_full_size_checkpoint_maps_every_key(tmp_path):
     write_real_checkpoint(name, meta, tmp_path, shards=19)
     ck = read_checkpoint_headers(tmp_path)
     assert len(ck.files) == 19 and ck.nbytes == sum(
-        int(t.numel * DTYPE_BYTES[t.dtype]) for t in meta.tensors() if t.kind == "parameter")
+        int(t.numel * DTYPE_BYTES[t.dtype]) for t in meta.tensors() if t.kind == "parameter"
+    )
     skel = skeleton_from_dir(tmp_path)
     mapped = [k for ks in skel.checkpoint_keys.values() for k in ks]
     assert sorted(mapped) == sorted(ck.tensors)

@@ -1,4 +1,5 @@
 """Plans for real architectures at their real sizes (meta device): byte-exact weights, valid placements."""
+
 from __future__ import annotations
 
 import pytest

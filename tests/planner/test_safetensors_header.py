@@ -1,4 +1,5 @@
 """The safetensors header reader against real files: ones written by the safetensors library, and corrupt ones."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def test_reads_file_written_by_safetensors_library(tmp_path):
     data = path.read_bytes()
     for name in ("a.weight", "c.idx"):
         e = h.tensors[name]
-        got = torch.frombuffer(bytearray(data[e.offset:e.offset + e.nbytes]), dtype=payload[name].dtype)
+        got = torch.frombuffer(bytearray(data[e.offset : e.offset + e.nbytes]), dtype=payload[name].dtype)
         assert torch.equal(got.reshape(e.shape), payload[name])
 
 
@@ -154,14 +155,17 @@ def test_unknown_dtype(tmp_path):
         read_header(p)
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 8]}, "non-negative integers"),
-    ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "non-negative integers"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [0]}, r"expected \[begin, end\]"),
-    ({"dtype": "F32", "shape": [2]}, r"expected \[begin, end\]"),
-    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "not a valid span"),
-    ("not an entry", "is not an object"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 8]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [0]}, r"expected \[begin, end\]"),
+        ({"dtype": "F32", "shape": [2]}, r"expected \[begin, end\]"),
+        ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "not a valid span"),
+        ("not an entry", "is not an object"),
+    ],
+)
 def test_malformed_entries(tmp_path, entry, message):
     p = _raw_file(tmp_path / "m.safetensors", json.dumps({"w": entry}), data_len=8)
     with pytest.raises(HeaderError, match=message):

@@ -1,4 +1,5 @@
 """The planner's quantized sizes equal what bitsandbytes really allocates (tiny Llama, on this CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,13 +33,18 @@ def _allocated_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-@pytest.mark.parametrize("quant,config", [
-    ("int8", BitsAndBytesConfig(load_in_8bit=True)),
-    ("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)),
-    ("fp4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float16)),
-])
+@pytest.mark.parametrize(
+    "quant,config",
+    [
+        ("int8", BitsAndBytesConfig(load_in_8bit=True)),
+        ("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)),
+        ("fp4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float16)),
+    ],
+)
 def test_quantized_weight_bytes_match_bitsandbytes(tiny_llama, quant, config):
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=config, dtype=torch.float16, device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama, quantization_config=config, dtype=torch.float16, device_map="cpu"
+    )
     real = _allocated_bytes(model)
     planned = plan(tiny_llama, max_memory={"cpu": "1GiB"}, quantization=quant, dtype="fp16").budgets[0].weights
     # The 4-bit quant state's small per-tensor extras (code table, shape) are estimated: allow 64 B per tensor.

@@ -1,4 +1,5 @@
 """Skeletons of real checkpoints and configs, checked against what transformers itself builds and loads."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from planner.errors import ModelSourceError
 from planner.safetensors_header import read_checkpoint_headers
-from tests.sparse_checkpoint import write_sparse_checkpoint
 from planner.skeleton import (
     load_skeleton,
     skeleton_from_config,
@@ -21,6 +21,7 @@ from planner.skeleton import (
     skeleton_from_model,
 )
 from planner.types import DTYPE_BYTES, Skeleton
+from tests.sparse_checkpoint import write_sparse_checkpoint
 
 SKELETON_LOG = "planner.skeleton"
 
@@ -44,7 +45,9 @@ def _assert_matches_loaded_model(skel: Skeleton, model: nn.Module) -> None:
     tensors = _tensor_map(skel)
     aliases = {a: g[0] for g in skel.tied_groups for a in g[1:]}
     seen = set()
-    everything = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    everything = list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    )
     for n, t in everything:
         n = aliases.get(n, n)
         assert n in tensors, f"{n} is missing from the skeleton"
@@ -124,8 +127,17 @@ def test_model_walk_of_real_and_meta_models_agree(tiny_llama):
 
 def test_layer_prefixes_do_not_capture_neighbours():
     """model.layers.1 must not swallow model.layers.10.* (string-prefix trap)."""
-    skel = skeleton_from_config(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=12,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    skel = skeleton_from_config(
+        dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=12,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     layers = [b for b in skel.blocks if b.layer_index is not None]
     assert [b.layer_index for b in layers] == list(range(12))
     assert all(len(b.tensors) == 9 for b in layers)
@@ -152,15 +164,21 @@ def test_gpt2_tied_head(tiny_gpt2):
     assert not q["transformer.h.0.attn.c_attn.bias"] and not q["transformer.wte.weight"]
     assert skel.kv is not None
     assert (skel.kv.num_layers, skel.kv.num_kv_heads, skel.kv.head_dim) == (
-        cfg["n_layer"], cfg["n_head"], cfg["n_embd"] // cfg["n_head"])
+        cfg["n_layer"],
+        cfg["n_head"],
+        cfg["n_embd"] // cfg["n_head"],
+    )
     assert skel.intermediate_size == (cfg.get("n_inner") or 4 * cfg["n_embd"])
     assert skel.no_split_classes == ("GPT2Block",)
     _assert_matches_loaded_model(skel, _loaded(tiny_gpt2))
 
 
 def test_untied_gpt2_has_no_group():
-    skel = skeleton_from_config(dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64,
-                                     n_positions=64, tie_word_embeddings=False))
+    skel = skeleton_from_config(
+        dict(
+            model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64, tie_word_embeddings=False
+        )
+    )
     assert skel.tied_groups == ()
     head = [b for b in skel.blocks if b.is_head][0]
     assert [t.name for t in head.tensors] == ["lm_head.weight"]
@@ -243,9 +261,12 @@ def test_walking_rules_on_a_custom_module():
     assert layer.no_split and layer.layer_index == 1
     # module pre-order; within a module, its parameters then its buffers
     assert [(t.name, t.kind) for t in layer.tensors] == [
-        ("layers.1.inner.scale", "buffer"), ("layers.1.inner.cache", "buffer_nonpersistent"),
-        ("layers.1.inner.proj.weight", "parameter"), ("layers.1.inner.proj.bias", "parameter"),
-        ("layers.1.norm.weight", "parameter"), ("layers.1.norm.bias", "parameter"),
+        ("layers.1.inner.scale", "buffer"),
+        ("layers.1.inner.cache", "buffer_nonpersistent"),
+        ("layers.1.inner.proj.weight", "parameter"),
+        ("layers.1.inner.proj.bias", "parameter"),
+        ("layers.1.norm.weight", "parameter"),
+        ("layers.1.norm.bias", "parameter"),
     ]
     assert blocks["extra"].no_split and blocks["extra"].layer_index is None
     assert blocks["embed"].is_embedding and blocks["pos"].is_embedding and not blocks["final"].is_embedding
@@ -257,8 +278,18 @@ def test_walking_rules_on_a_custom_module():
 
 
 def test_default_dtype_and_meta_dtypes_follow_config():
-    skel = skeleton_from_config(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=1, vocab_size=64, dtype="bfloat16"))
+    skel = skeleton_from_config(
+        dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=64,
+            dtype="bfloat16",
+        )
+    )
     assert skel.default_dtype == "bfloat16"
     assert {t.dtype for t in skel.tensors() if t.kind == "parameter"} == {"bfloat16"}
     assert skel.kv.num_kv_heads == 1
@@ -301,9 +332,17 @@ def test_unknown_architecture_suggests_near_names(tmp_path):
 
 
 def test_architectures_alone_is_enough():
-    skel = load_skeleton({"architectures": ["MistralForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
-                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                          "vocab_size": 64})
+    skel = load_skeleton(
+        {
+            "architectures": ["MistralForCausalLM"],
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 64,
+        }
+    )
     assert skel.model_type == "mistral" and skel.architecture == "MistralForCausalLM"
 
 
@@ -377,11 +416,19 @@ def test_config_and_weights_that_disagree_are_reported(tmp_path, tiny_llama, cap
 
 def test_stored_dtype_comes_from_headers(tmp_path):
     """A config without dtype over a bf16 checkpoint: parameters take the stored dtype."""
-    cfg = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=64)
+    cfg = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     meta = skeleton_from_config(cfg)
-    write_sparse_checkpoint(tmp_path, {t.name: ("bfloat16", t.shape) for t in meta.tensors() if t.kind == "parameter"},
-                            shards=2)
+    write_sparse_checkpoint(
+        tmp_path, {t.name: ("bfloat16", t.shape) for t in meta.tensors() if t.kind == "parameter"}, shards=2
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     skel = skeleton_from_dir(tmp_path)
     assert {t.dtype for t in skel.tensors() if t.kind == "parameter"} == {"bfloat16"}
@@ -408,8 +455,11 @@ class _Declared(nn.Module):
 def test_declared_ties_and_shared_modules():
     skel = skeleton_from_model(_Declared(), name="declared")
     assert [t.name for t in skel.tensors()] == ["inp.weight", "mid.weight", "mid.bias"]
-    assert set(skel.tied_groups) == {("inp.weight", "out.weight"), ("mid.weight", "again.weight"),
-                                     ("mid.bias", "again.bias")}
+    assert set(skel.tied_groups) == {
+        ("inp.weight", "out.weight"),
+        ("mid.weight", "again.weight"),
+        ("mid.bias", "again.bias"),
+    }
     assert [b.name for b in skel.blocks] == ["inp", "mid", "out"] and skel.blocks[-1].is_head
 
 

@@ -1,5 +1,6 @@
 """The strategies' promises: balanced is a true minimax partition, balanced_low_0 keeps GPU 0 light by id,
 overflow walks GPU -> cpu -> disk, auto picks and explains, and the plan budgets generation's memory."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,9 +8,9 @@ import itertools
 import pytest
 
 from planner.api import plan
-from planner.solve import make_problem
 from planner.hardware import build_hardware
 from planner.sizing import activation_bytes, kv_bytes_per_layer, logits_bytes
+from planner.solve import make_problem
 from planner.strategies import compute_loads
 from planner.types import Plan
 from tests.planner.synthetic import llama_like
@@ -63,7 +64,9 @@ def test_balanced_gives_bigger_gpus_proportionally_more():
 
 
 def test_sequential_fills_in_order_and_leaves_later_gpus_idle():
-    p = plan(SKEL, max_memory={0: 20 * MiB, 1: 20 * MiB}, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64)
+    p = plan(
+        SKEL, max_memory={0: 20 * MiB, 1: 20 * MiB}, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64
+    )
     assert set(p.placement.values()) == {0}
     assert any("GPU 1 holds nothing" in w for w in p.warnings)
 
@@ -79,7 +82,14 @@ def test_balanced_low_0_keeps_the_first_gpu_light_but_used_and_indexes_by_id():
 
 
 def test_overflow_goes_gpu_then_cpu_then_disk_and_is_contiguous():
-    p = plan(SKEL, max_memory={0: 3 * MiB, "cpu": 3 * MiB, "disk": "1GiB"}, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64)
+    p = plan(
+        SKEL,
+        max_memory={0: 3 * MiB, "cpu": 3 * MiB, "disk": "1GiB"},
+        strategy="sequential",
+        gpu_reserve=0,
+        dtype="fp32",
+        context=64,
+    )
     order = {0: 0, "cpu": 1, "disk": 2}
     seq = [order[p.placement[b.name]] for b in SKEL.blocks]
     assert seq == sorted(seq) and set(seq) == {0, 1, 2}
@@ -100,7 +110,9 @@ def test_generation_memory_is_budgeted_where_it_lives():
 
 
 def test_offloaded_layers_keep_their_kv_and_a_double_buffer_on_the_computing_gpu():
-    p = plan(SKEL, max_memory={0: 4 * MiB, "cpu": "1GiB"}, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64)
+    p = plan(
+        SKEL, max_memory={0: 4 * MiB, "cpu": "1GiB"}, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64
+    )
     kv = kv_bytes_per_layer(SKEL, p.workload)
     assert p.budget("cpu").kv_cache == 0
     assert p.budget(0).kv_cache == kv * SKEL.kv.num_layers
@@ -116,13 +128,27 @@ def test_auto_explains_its_choice_and_offloads_embeddings_first_when_memory_is_s
     p = plan(big_vocab, max_memory={0: 12 * MiB, "cpu": "1GiB"}, gpu_reserve=0, dtype="fp32", context=64)
     assert p.reasons[0].startswith("auto chose")
     assert p.placement["model.embed_tokens"] == "cpu"
-    seq = plan(big_vocab, max_memory={0: 12 * MiB, "cpu": "1GiB"}, gpu_reserve=0, dtype="fp32", context=64, strategy="sequential")
+    seq = plan(
+        big_vocab,
+        max_memory={0: 12 * MiB, "cpu": "1GiB"},
+        gpu_reserve=0,
+        dtype="fp32",
+        context=64,
+        strategy="sequential",
+    )
     assert p.prediction.decode_tokens_per_s > seq.prediction.decode_tokens_per_s
 
 
 def test_tied_head_follows_the_embedding():
     tied = llama_like(layers=6, hidden=128, intermediate=344, vocab=2048, tied=True)
-    p = plan(tied, max_memory={0: 3 * MiB, 1: 3 * MiB, 2: 3 * MiB}, strategy="balanced", gpu_reserve=0, dtype="fp32", context=16)
+    p = plan(
+        tied,
+        max_memory={0: 3 * MiB, 1: 3 * MiB, 2: 3 * MiB},
+        strategy="balanced",
+        gpu_reserve=0,
+        dtype="fp32",
+        context=16,
+    )
     assert p.placement["lm_head"] == p.placement["model.embed_tokens"]
 
 

@@ -3,13 +3,15 @@
 Servers run in a thread of the test process (so a test can reach the engine and the runtime) or, for signal
 handling, as a subprocess (see test_shutdown.py). Each fixture is shared as widely as its settings allow.
 """
+
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -34,8 +36,9 @@ class LiveServer:
         self.port = free_port()
         self.settings = settings.model_copy(update={"port": self.port, "host": "127.0.0.1"})
         self.app = create_app(self.settings, loader=loader)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,7 +47,7 @@ class LiveServer:
     def runtime(self):
         return self.app.state.runtime
 
-    def start(self, wait_ready: bool = True, timeout: float = 60.0) -> "LiveServer":
+    def start(self, wait_ready: bool = True, timeout: float = 60.0) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -72,8 +75,9 @@ class LiveServer:
 
 
 def settings_for(model: Path, **kw: Any) -> ServiceSettings:
-    base: dict[str, Any] = dict(model=str(model), max_memory=["cpu=4GiB"], max_total_tokens=512, max_input_tokens=256,
-                                default_max_new_tokens=16)
+    base: dict[str, Any] = dict(
+        model=str(model), max_memory=["cpu=4GiB"], max_total_tokens=512, max_input_tokens=256, default_max_new_tokens=16
+    )
     base.update(kw)
     return ServiceSettings(**base)
 
@@ -97,8 +101,11 @@ def model_root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_
 @pytest.fixture(scope="session")
 def server(tiny_llama: Path, model_root: Path) -> Iterator[LiveServer]:
     """The main server: tiny Llama, 16-wide batches, /plan roots, generous limits."""
-    s = LiveServer(settings_for(tiny_llama, max_batch_size=16, max_concurrent_requests=32,
-                                model_root=[str(model_root)], max_body_bytes=4096)).start()
+    s = LiveServer(
+        settings_for(
+            tiny_llama, max_batch_size=16, max_concurrent_requests=32, model_root=[str(model_root)], max_body_bytes=4096
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -117,8 +124,7 @@ def reference(tiny_llama: Path):
 
     def greedy(prompt: str, n: int) -> list[int]:
         ids = tok(prompt, return_tensors="pt")
-        out = model.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=tok.pad_token_id)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
+        out = model.generate(**ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        return out[0, ids["input_ids"].shape[1] :].tolist()
 
     return greedy, tok

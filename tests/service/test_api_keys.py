@@ -1,14 +1,15 @@
 """API keys: Bearer, case-sensitive, several keys; health routes open, everything else closed."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
-from service.security import check_api_key
 from service.errors import AuthError
+from service.security import check_api_key
 from tests.service.conftest import LiveServer, settings_for
 
 

@@ -1,4 +1,5 @@
 """Batched prefill: prompts prefilled together compute what each would alone, and are grouped sensibly."""
+
 from __future__ import annotations
 
 from pathlib import Path

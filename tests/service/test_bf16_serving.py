@@ -1,4 +1,5 @@
 """A bf16 model served on the CPU: decode runs on the native kernel, and answers match transformers' in bf16."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loaders import cpu_kernels
 from tests.service.conftest import LiveServer, settings_for
 
-PROMPTS = ["The old lighthouse keeper climbed", "Once upon a time in a quiet village", "Hello there, my friend",
-           "A river runs through the valley and", "Winter came early that year", "She opened the letter slowly"]
+PROMPTS = [
+    "The old lighthouse keeper climbed",
+    "Once upon a time in a quiet village",
+    "Hello there, my friend",
+    "A river runs through the valley and",
+    "Winter came early that year",
+    "She opened the letter slowly",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +48,14 @@ def test_greedy_answers_equal_transformers_bf16_alone_and_together(bf16_server: 
     def expected(prompt: str) -> list[int]:
         ids = tok(prompt, return_tensors="pt")
         out = ref.generate(**ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        return out[0, ids["input_ids"].shape[1]:].tolist()
+        return out[0, ids["input_ids"].shape[1] :].tolist()
 
     def ask(prompt: str) -> list[int]:
-        r = httpx.post(bf16_server.url + "/generate", timeout=60,
-                       json={"inputs": prompt, "parameters": {"max_new_tokens": 10, "details": True}})
+        r = httpx.post(
+            bf16_server.url + "/generate",
+            timeout=60,
+            json={"inputs": prompt, "parameters": {"max_new_tokens": 10, "details": True}},
+        )
         assert r.status_code == 200, r.text
         return [t["id"] for t in r.json()["details"]["tokens"]]
 

@@ -1,5 +1,6 @@
 """``loadmaster serve`` as a real process: settings from flags and environment, usage errors exit 2, and SIGTERM
 drains in-flight requests before exiting."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
     assert s.api_key == ["a", "b"] and s.max_memory == ["cpu=2GiB", "disk=10GiB"]
     assert s.strategy == "sequential" and s.grace_period == 3.5
     # flags win over the environment
-    s = settings_from_args(build_parser().parse_args(
-        ["serve", "other-dir", "--max-batch-size", "3", "--api-key", "z", "--strategy", "balanced"]))
+    s = settings_from_args(
+        build_parser().parse_args(
+            ["serve", "other-dir", "--max-batch-size", "3", "--api-key", "z", "--strategy", "balanced"]
+        )
+    )
     assert s.model == "other-dir" and s.max_batch_size == 3 and s.api_key == ["z"] and s.strategy == "balanced"
     # every serve flag has a settings field of the same name
     parser = build_parser()
@@ -64,8 +68,9 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
 )
 def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], env: dict, mentions: str) -> None:
     argv = [a.replace("{model}", str(tiny_llama)) for a in args]
-    p = subprocess.run([sys.executable, "-m", "service.cli", *argv], capture_output=True, text=True,
-                       env=_env(**env), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "service.cli", *argv], capture_output=True, text=True, env=_env(**env), timeout=120
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("loadmaster: error:") and mentions in lines[0], p.stderr
@@ -77,9 +82,25 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> No
     log = tmp_path / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port),
-             "--max-memory", "cpu=8GiB", "--grace-period", "60", "--max-total-tokens", "256"],
-            stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "serve",
+                str(llama_100m_dir()),
+                "--port",
+                str(port),
+                "--max-memory",
+                "cpu=8GiB",
+                "--grace-period",
+                "60",
+                "--max-total-tokens",
+                "256",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -95,9 +116,12 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> No
             time.sleep(0.1)
 
         n = 40
-        with httpx.Client(timeout=120) as c, c.stream(
-            "POST", url + "/generate_stream", json={"inputs": "Long ago", "parameters": {"max_new_tokens": n}}
-        ) as r:
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream(
+                "POST", url + "/generate_stream", json={"inputs": "Long ago", "parameters": {"max_new_tokens": n}}
+            ) as r,
+        ):
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             proc.send_signal(signal.SIGTERM)
@@ -109,7 +133,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> No
                 refused = True
             assert refused
             rest = [line for line in lines if line.startswith("data:")]
-        events = [json.loads(x[len("data:"):]) for x in [first, *rest]]
+        events = [json.loads(x[len("data:") :]) for x in [first, *rest]]
         assert len(events) == n
         assert events[-1]["details"]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0

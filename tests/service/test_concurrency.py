@@ -1,9 +1,10 @@
 """Batching under load: equal greedy outputs alone or among 15 others, 429 past the limit, disconnects free slots."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -37,8 +38,10 @@ async def _post_all(url: str, bodies: list[dict], route: str = "/generate") -> l
 
 
 def test_sixteen_concurrent_clients_equal_sequential_greedy(server: LiveServer, client: httpx.Client) -> None:
-    bodies = [{"inputs": p, "parameters": {"max_new_tokens": 12 + (i % 5) * 4, "details": True}}
-              for i, p in enumerate(PROMPTS)]
+    bodies = [
+        {"inputs": p, "parameters": {"max_new_tokens": 12 + (i % 5) * 4, "details": True}}
+        for i, p in enumerate(PROMPTS)
+    ]
     sequential = []
     for b in bodies:
         r = client.post("/generate", json=b)
@@ -60,15 +63,17 @@ def test_sixteen_concurrent_clients_equal_sequential_greedy(server: LiveServer, 
     # streams join and leave the batch mid-way: still the same tokens
     async def streams() -> list[str]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+
             async def one(b: dict) -> str:
                 async with c.stream("POST", "/generate_stream", json=b) as r:
                     return (await r.aread()).decode()
+
             return await asyncio.gather(*(one(b) for b in bodies))
 
     import json
 
     for raw, seq in zip(asyncio.run(streams()), sequential):
-        events = [json.loads(e[len("data:"):]) for e in raw.split("\n\n") if e.strip()]
+        events = [json.loads(e[len("data:") :]) for e in raw.split("\n\n") if e.strip()]
         assert [e["token"]["id"] for e in events] == [t["id"] for t in seq["details"]["tokens"]]
 
 
@@ -76,8 +81,11 @@ def test_sixteen_concurrent_clients_equal_sequential_greedy(server: LiveServer, 
 def limited() -> Iterator[LiveServer]:
     """A server with room for 3 requests and 2 sequences per batch, on a model slow enough (~100M parameters)
     that a long stream is still running whenever the test looks."""
-    s = LiveServer(settings_for(llama_100m_dir(), max_concurrent_requests=3, max_batch_size=2, max_total_tokens=1000,
-                                max_input_tokens=100)).start()
+    s = LiveServer(
+        settings_for(
+            llama_100m_dir(), max_concurrent_requests=3, max_batch_size=2, max_total_tokens=1000, max_input_tokens=100
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -87,7 +95,9 @@ async def _open_streams(url: str, n: int, max_new_tokens: int = 900):
     client = httpx.AsyncClient(base_url=url, timeout=60)
     opened = []
     for _ in range(n):
-        cm = client.stream("POST", "/generate_stream", json={"inputs": "Hold", "parameters": {"max_new_tokens": max_new_tokens}})
+        cm = client.stream(
+            "POST", "/generate_stream", json={"inputs": "Hold", "parameters": {"max_new_tokens": max_new_tokens}}
+        )
         r = await cm.__aenter__()
         assert r.status_code == 200
         opened.append((cm, r))
@@ -153,8 +163,9 @@ def test_disconnect_mid_stream_frees_the_batch_slot(limited: LiveServer) -> None
             assert _wait(lambda: engine.active == 1, timeout=5)
             started = time.monotonic()
             async with httpx.AsyncClient(base_url=limited.url, timeout=60) as c:
-                r = await c.post("/generate", json={"inputs": "next", "parameters": {"max_new_tokens": 3,
-                                                                                       "details": True}})
+                r = await c.post(
+                    "/generate", json={"inputs": "next", "parameters": {"max_new_tokens": 3, "details": True}}
+                )
             assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 3
             # the remaining long stream is still running: the new request did not wait for it to end
             assert _wait(lambda: engine.active == 1, timeout=5) and limited.runtime.in_flight == 1
@@ -173,7 +184,9 @@ def test_non_streaming_client_disconnect_cancels_its_sequence(limited: LiveServe
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=limited.url, timeout=60) as c:
-            task = asyncio.create_task(c.post("/generate", json={"inputs": "long", "parameters": {"max_new_tokens": 900}}))
+            task = asyncio.create_task(
+                c.post("/generate", json={"inputs": "long", "parameters": {"max_new_tokens": 900}})
+            )
             for _ in range(500):
                 await asyncio.sleep(0.01)
                 if engine.active == 1:
@@ -186,4 +199,8 @@ def test_non_streaming_client_disconnect_cancels_its_sequence(limited: LiveServe
                 pass
 
     asyncio.run(scenario())
-    assert _wait(lambda: engine.active == 0 and limited.runtime.in_flight == 0, timeout=5), (engine.active, limited.runtime.in_flight, engine.queue_length)
+    assert _wait(lambda: engine.active == 0 and limited.runtime.in_flight == 0, timeout=5), (
+        engine.active,
+        limited.runtime.in_flight,
+        engine.queue_length,
+    )

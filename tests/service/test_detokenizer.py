@@ -4,6 +4,7 @@ Checked on two real tokenizers with different decoders: the byte-level BPE the t
 across tokens) and a SentencePiece-style Metaspace BPE (the leading space depends on what came before). Both the
 DecodeStream path and the fallback are held to the same reference, and to each other piece by piece.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,9 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
     tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", clean_up_tokenization_spaces=False
+    )
 
 
 @pytest.fixture(scope="module", params=["byte_level", "metaspace"])
@@ -46,7 +48,7 @@ def test_both_paths_rebuild_the_whole_decode_and_agree_piece_by_piece(tokenizer,
     prompt = tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
     generated = tokenizer(" " + text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     expected = tokenizer.decode(prompt + generated, skip_special_tokens=True)[
-        len(tokenizer.decode(prompt, skip_special_tokens=True)):
+        len(tokenizer.decode(prompt, skip_special_tokens=True)) :
     ]
     stream = make_detokenizer(tokenizer, prompt)
     fallback = make_detokenizer(tokenizer, prompt, streaming=False)

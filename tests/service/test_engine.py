@@ -1,5 +1,6 @@
 """The engine without HTTP: batched greedy decoding equals transformers' generate on every tiny architecture,
 and a failing step (out of memory, or any error) fails only that step's requests."""
+
 from __future__ import annotations
 
 import queue
@@ -43,8 +44,9 @@ def test_batched_greedy_equals_transformers_generate(model_and_tokenizer) -> Non
     engine = Engine(model, tok, max_batch_size=4, max_queue=16)  # 6 requests: joins happen mid-decode
     engine.start()
     try:
-        reqs = [GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=10 + 3 * i)
-                for i, p in enumerate(PROMPTS)]
+        reqs = [
+            GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=10 + 3 * i) for i, p in enumerate(PROMPTS)
+        ]
         results = _run(engine, reqs)
     finally:
         engine.stop()
@@ -54,9 +56,15 @@ def test_batched_greedy_equals_transformers_generate(model_and_tokenizer) -> Non
         final = events[-1]
         assert isinstance(final, FinishEvent), final
         ids = torch.tensor([req.prompt_ids])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_new_tokens,
-                             do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=list(eos) or None)
-        want = ref[0, len(req.prompt_ids):].tolist()
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=req.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=list(eos) or None,
+        )
+        want = ref[0, len(req.prompt_ids) :].tolist()
         got = [e.id for e in events if isinstance(e, TokenEvent)]
         assert got == want
         assert final.generated_tokens == len(got)
@@ -104,8 +112,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_lla
     try:
         ids = tok("Hello")["input_ids"]
         fault.armed = True
-        failed = _run(engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}")
-                               for i in range(2)])
+        failed = _run(
+            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}") for i in range(2)]
+        )
         for events in failed:
             err = events[-1]
             assert isinstance(err, ErrorEvent) and err.error_type == "generation"
@@ -126,8 +135,12 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(tiny_llama: Path) -
         params = SamplingParams(do_sample=True, temperature=0.9, top_p=0.9, seed=42)
         req = GenerationRequest(prompt_ids=tok("Hello")["input_ids"], max_new_tokens=12, params=params)
         alone = _run(engine, [req])[0]
-        others = [GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=12,
-                                    params=SamplingParams(do_sample=True, seed=i)) for i, p in enumerate(PROMPTS)]
+        others = [
+            GenerationRequest(
+                prompt_ids=tok(p)["input_ids"], max_new_tokens=12, params=SamplingParams(do_sample=True, seed=i)
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
         crowded = _run(engine, others[:3] + [req] + others[3:])[3]
     finally:
         engine.stop()

@@ -1,4 +1,5 @@
 """GET /info, /metrics and /docs on the main server, and generation errors reaching clients over HTTP."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,10 @@ def test_metrics_count_requests_tokens_and_memory(client: httpx.Client) -> None:
     assert after[key_bad] == before.get(key_bad, 0) + 1
     assert after["loadmaster_generated_tokens_total"] == before["loadmaster_generated_tokens_total"] + 5
     assert after["loadmaster_prompt_tokens_total"] > before["loadmaster_prompt_tokens_total"]
-    assert after["loadmaster_time_to_first_token_seconds_count"] == before["loadmaster_time_to_first_token_seconds_count"] + 1
+    assert (
+        after["loadmaster_time_to_first_token_seconds_count"]
+        == before["loadmaster_time_to_first_token_seconds_count"] + 1
+    )
     assert after["loadmaster_queue_duration_seconds_count"] >= 1
     assert after['loadmaster_request_duration_seconds_count{route="/generate"}'] >= 2
     assert after["loadmaster_generated_tokens_per_second"] > 0
@@ -71,8 +75,18 @@ def test_metrics_count_requests_tokens_and_memory(client: httpx.Client) -> None:
 
 def test_openapi_docs_list_every_route(client: httpx.Client) -> None:
     spec = client.get("/openapi.json").json()
-    for path in ("/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models", "/plan",
-                 "/info", "/health", "/health/ready", "/metrics"):
+    for path in (
+        "/generate",
+        "/generate_stream",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/plan",
+        "/info",
+        "/health",
+        "/health/ready",
+        "/metrics",
+    ):
         assert path in spec["paths"], path
     assert client.get("/docs").status_code == 200
 
@@ -96,7 +110,7 @@ def test_out_of_memory_fails_the_request_cleanly_and_the_server_keeps_serving(fa
 
     fault.armed = True
     with httpx.stream("POST", server.url + "/generate_stream", json=body) as s:
-        events = [json.loads(b[len("data:"):]) for b in s.read().decode().split("\n\n") if b.strip()]
+        events = [json.loads(b[len("data:") :]) for b in s.read().decode().split("\n\n") if b.strip()]
     assert events[-1]["error_type"] == "generation" and "Out of memory" in events[-1]["error"]
 
     fault.armed = True
@@ -119,8 +133,12 @@ DISK_MAP = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
 
 @pytest.fixture(scope="module")
 def half_on_disk(tiny_llama: Path, tmp_path_factory):
-    settings = settings_for(tiny_llama, max_memory=["cpu=4GiB", "disk=1GiB"], strategy=json.dumps(DISK_MAP),
-                            offload_folder=str(tmp_path_factory.mktemp("offload")))
+    settings = settings_for(
+        tiny_llama,
+        max_memory=["cpu=4GiB", "disk=1GiB"],
+        strategy=json.dumps(DISK_MAP),
+        offload_folder=str(tmp_path_factory.mktemp("offload")),
+    )
     s = LiveServer(settings).start()
     yield s
     s.stop()

@@ -1,4 +1,5 @@
 """The position limit both /plan and the served load cap the context at, from each family's config spelling."""
+
 from __future__ import annotations
 
 import json

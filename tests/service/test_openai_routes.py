@@ -1,4 +1,5 @@
 """OpenAI routes over a real socket, driven by the official ``openai`` client and by raw SSE parsing."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,16 @@ def test_completion_logprobs_and_echo(oa) -> None:
 
 def test_completion_stream_concatenates_to_the_same_text(oa) -> None:
     whole = oa.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=9, temperature=0)
-    chunks = list(oa.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=9, temperature=0,
-                                        stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oa.completions.create(
+            model="tiny-llama",
+            prompt="Hello there",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == whole.choices[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
@@ -61,21 +70,29 @@ def test_chat_completion_uses_the_chat_template(oa, client: httpx.Client, tiny_l
 
 
 def test_chat_stream_role_then_content_then_done(server, oa) -> None:
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
         raw = r.read().decode()
     lines = [ln for ln in raw.split("\n\n") if ln.strip()]
     assert all(ln.startswith("data: ") for ln in lines)
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     whole = oa.chat.completions.create(model="tiny-llama", messages=body["messages"], max_tokens=5, temperature=0)
     assert streamed == whole.choices[0].message.content
-    via_client = list(oa.chat.completions.create(model="tiny-llama", messages=body["messages"], max_tokens=5,
-                                                 temperature=0, stream=True))
+    via_client = list(
+        oa.chat.completions.create(
+            model="tiny-llama", messages=body["messages"], max_tokens=5, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in via_client) == streamed
 
 
@@ -86,8 +103,9 @@ def test_stop_sequences_are_cut_and_never_streamed(oa) -> None:
     cut = oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].text == whole[: whole.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    chunks = list(oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=12, temperature=0,
-                                        stop=[stop], stream=True))
+    chunks = list(
+        oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=12, temperature=0, stop=[stop], stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole[: whole.index(stop)]
 
 

@@ -1,4 +1,5 @@
 """``loadmaster plan`` and ``loadmaster estimate`` as a user runs them: a real process, real output, exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_plan_prints_a_table_with_bars_and_predictions(tiny_llama):
-    r = run("plan", str(tiny_llama), "--gpus", "2x4MiB", "--max-memory", "cpu=1GiB", "--gpu-reserve", "0", "--context", "64")
+    r = run(
+        "plan", str(tiny_llama), "--gpus", "2x4MiB", "--max-memory", "cpu=1GiB", "--gpu-reserve", "0", "--context", "64"
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "GPU 0" in out and "GPU 1" in out and "[" in out and "#" in out
@@ -27,8 +30,21 @@ def test_plan_prints_a_table_with_bars_and_predictions(tiny_llama):
 
 
 def test_plan_json_is_the_plan(tiny_gpt2):
-    r = run("plan", str(tiny_gpt2), "--max-memory", "0=8MiB", "--max-memory", "cpu=1GiB", "--gpu-reserve", "0",
-            "--context", "32", "--strategy", "sequential", "--json")
+    r = run(
+        "plan",
+        str(tiny_gpt2),
+        "--max-memory",
+        "0=8MiB",
+        "--max-memory",
+        "cpu=1GiB",
+        "--gpu-reserve",
+        "0",
+        "--context",
+        "32",
+        "--strategy",
+        "sequential",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     p = Plan.from_json(r.stdout)
     assert p.strategy == "sequential" and p.to_dict() == json.loads(r.stdout)
@@ -37,26 +53,40 @@ def test_plan_json_is_the_plan(tiny_gpt2):
 def test_custom_map_from_a_file(tiny_llama, tmp_path):
     f = tmp_path / "map.json"
     f.write_text(json.dumps({"model.layers": "cpu", "": 0}))
-    r = run("plan", str(tiny_llama), "--max-memory", "0=64MiB,cpu=1GiB", "--gpu-reserve", "0", "--context", "16",
-            "--strategy", f"@{f}", "--json")
+    r = run(
+        "plan",
+        str(tiny_llama),
+        "--max-memory",
+        "0=64MiB,cpu=1GiB",
+        "--gpu-reserve",
+        "0",
+        "--context",
+        "16",
+        "--strategy",
+        f"@{f}",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     p = Plan.from_json(r.stdout)
     assert p.placement["model.layers.0"] == "cpu" and p.placement["model.embed_tokens"] == 0
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--max-memory", "cpu=-1GiB"], "negative"),
-    (["--max-memory", "cpu=12parsecs"], "unknown unit"),
-    (["--max-memory", "tpu0=1GiB"], "unknown device"),
-    (["--max-memory", "cpu"], "DEV=SIZE"),
-    (["--strategy", "balance"], "did you mean 'balanced'"),
-    (["--strategy", "{not json"], "not valid JSON"),
-    (["--strategy", '{"model.layerz": 0}'], "did you mean"),
-    (["--strategy", '{"model.layers": 0}', "--max-memory", "0=1GiB"], "without a device"),
-    (["--dtype", "fp8"], "unknown dtype"),
-    (["--max-memory", "cpu=1MiB"], "does not fit"),
-    (["--gpus", "4xlots"], "GPU declaration"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--max-memory", "cpu=-1GiB"], "negative"),
+        (["--max-memory", "cpu=12parsecs"], "unknown unit"),
+        (["--max-memory", "tpu0=1GiB"], "unknown device"),
+        (["--max-memory", "cpu"], "DEV=SIZE"),
+        (["--strategy", "balance"], "did you mean 'balanced'"),
+        (["--strategy", "{not json"], "not valid JSON"),
+        (["--strategy", '{"model.layerz": 0}'], "did you mean"),
+        (["--strategy", '{"model.layers": 0}', "--max-memory", "0=1GiB"], "without a device"),
+        (["--dtype", "fp8"], "unknown dtype"),
+        (["--max-memory", "cpu=1MiB"], "does not fit"),
+        (["--gpus", "4xlots"], "GPU declaration"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tiny_llama, args, needle, capsys):
     """In-process through the same ``main`` the console script calls (a process per case would cost minutes)."""
     from service.cli import main
@@ -108,12 +138,22 @@ HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "pydantic", "pydantic_se
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 
-@pytest.mark.parametrize("args", [
-    ["plan", str(EXAMPLES / "llama-3-70b.json"), "--gpus", "4x24GiB", "--max-memory", "cpu=64GiB", "--json"],
-    ["plan", str(EXAMPLES / "mixtral-8x7b.json"), "--gpus", "1x24GiB", "--max-memory", "cpu=1GiB"],  # no fit: advice
-    ["estimate", str(EXAMPLES / "gemma-2-27b.json"), "--json"],
-    ["plan", "{tiny_llama}", "--max-memory", "cpu=1GiB"],  # a checkpoint directory: config + headers
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", str(EXAMPLES / "llama-3-70b.json"), "--gpus", "4x24GiB", "--max-memory", "cpu=64GiB", "--json"],
+        [
+            "plan",
+            str(EXAMPLES / "mixtral-8x7b.json"),
+            "--gpus",
+            "1x24GiB",
+            "--max-memory",
+            "cpu=1GiB",
+        ],  # no fit: advice
+        ["estimate", str(EXAMPLES / "gemma-2-27b.json"), "--json"],
+        ["plan", "{tiny_llama}", "--max-memory", "cpu=1GiB"],  # a checkpoint directory: config + headers
+    ],
+)
 def test_plan_and_estimate_import_no_torch_transformers_or_server(tiny_llama, args):
     """The cold CLI stays fast because it imports none of these for the common families (checked in a fresh process,
     through the same ``main`` the console script calls)."""
@@ -142,12 +182,40 @@ def test_flags_and_environment_settings_read_to_the_same_plan_inputs(monkeypatch
     f.write_text(json.dumps({"": "cpu"}))
     parser = argparse.ArgumentParser()
     add_planner_flags(parser)
-    args = parser.parse_args(["--max-memory", "0=1GiB", "--max-memory", "cpu=2GiB", "--gpus", "1x1GiB",
-                              "--strategy", f"@{f}", "--dtype", "bf16", "--batch-size", "3", "--context", "99",
-                              "--gpu-reserve", "1MiB", "--bandwidth", "gpu=1TB,disk=3GB", "--complete"])
-    for name, value in {"MAX_MEMORY": "0=1GiB,cpu=2GiB", "GPUS": "1x1GiB", "STRATEGY": f"@{f}", "DTYPE": "bf16",
-                        "BATCH_SIZE": "3", "CONTEXT": "99", "GPU_RESERVE": "1MiB", "BANDWIDTH": "gpu=1TB,disk=3GB",
-                        "COMPLETE": "1"}.items():
+    args = parser.parse_args(
+        [
+            "--max-memory",
+            "0=1GiB",
+            "--max-memory",
+            "cpu=2GiB",
+            "--gpus",
+            "1x1GiB",
+            "--strategy",
+            f"@{f}",
+            "--dtype",
+            "bf16",
+            "--batch-size",
+            "3",
+            "--context",
+            "99",
+            "--gpu-reserve",
+            "1MiB",
+            "--bandwidth",
+            "gpu=1TB,disk=3GB",
+            "--complete",
+        ]
+    )
+    for name, value in {
+        "MAX_MEMORY": "0=1GiB,cpu=2GiB",
+        "GPUS": "1x1GiB",
+        "STRATEGY": f"@{f}",
+        "DTYPE": "bf16",
+        "BATCH_SIZE": "3",
+        "CONTEXT": "99",
+        "GPU_RESERVE": "1MiB",
+        "BANDWIDTH": "gpu=1TB,disk=3GB",
+        "COMPLETE": "1",
+    }.items():
         monkeypatch.setenv(f"LOADMASTER_{name}", value)
     from_flags = inputs_from_args(args)
     assert ServiceSettings().plan_inputs() == from_flags

@@ -1,4 +1,5 @@
 """POST /plan: dry runs for the served model, model roots and inline configs; what-ifs; path escapes refused."""
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,29 @@ def test_plan_of_the_served_model_equals_the_planner(client: httpx.Client, tiny_
 
 
 def test_plan_for_declared_gpus_from_a_model_root(client: httpx.Client, model_root: Path) -> None:
-    r = client.post("/plan", json={"model": "gpt2-copy", "gpus": "2x8MiB", "max_memory": {"cpu": "1GiB"},
-                                   "dtype": "float16", "strategy": "sequential", "context": 64})
+    r = client.post(
+        "/plan",
+        json={
+            "model": "gpt2-copy",
+            "gpus": "2x8MiB",
+            "max_memory": {"cpu": "1GiB"},
+            "dtype": "float16",
+            "strategy": "sequential",
+            "context": 64,
+        },
+    )
     assert r.status_code == 200, r.text
     plan = Plan.from_dict(r.json())
     assert plan.architecture == "GPT2LMHeadModel" and plan.workload.dtype == "float16"
     assert {b.device for b in plan.budgets} >= {0, 1}
-    assert plan == planner.plan(str(model_root / "gpt2-copy"), gpus="2x8MiB", max_memory={"cpu": "1GiB"},
-                                dtype="float16", strategy="sequential", context=64)
+    assert plan == planner.plan(
+        str(model_root / "gpt2-copy"),
+        gpus="2x8MiB",
+        max_memory={"cpu": "1GiB"},
+        dtype="float16",
+        strategy="sequential",
+        context=64,
+    )
 
 
 def test_plan_from_an_inline_config(client: httpx.Client, tiny_moe: Path) -> None:
@@ -79,8 +95,8 @@ def test_bad_planner_inputs_are_refused(client: httpx.Client) -> None:
         ("../outside", 403),
         ("gpt2-copy/../../etc", 403),
         ("/etc", 403),
-        ("llama", 403),      # a symlink to a directory outside the root
-        ("escape", 403),     # ditto
+        ("llama", 403),  # a symlink to a directory outside the root
+        ("escape", 403),  # ditto
         ("missing-model", 404),
     ],
 )

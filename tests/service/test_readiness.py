@@ -1,4 +1,5 @@
 """The server listens before the model is loaded: readiness is 503 with progress, generation is refused."""
+
 from __future__ import annotations
 
 import threading
@@ -43,7 +44,10 @@ def test_ready_reports_progress_until_the_load_finishes(tiny_llama: Path) -> Non
         server.wait_ready(30)
         r = httpx.get(server.url + "/health/ready")
         assert r.status_code == 200 and r.json()["status"] == "ready" and r.json()["progress"] == 1.0
-        assert httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+        assert (
+            httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code
+            == 200
+        )
     finally:
         release.set()
         server.stop()

@@ -1,4 +1,5 @@
 """Stop sequences are found however the text is cut into pieces, at the place they start in all the text."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,9 @@ def test_no_stops_or_empty_pieces_never_match_and_empty_stops_are_refused():
     cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=12),
     stops=st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=4), min_size=1, max_size=3),
 )
-def test_any_cutting_of_the_text_finds_what_searching_the_whole_text_finds(text: str, cuts: list[int], stops: list[str]):
+def test_any_cutting_of_the_text_finds_what_searching_the_whole_text_finds(
+    text: str, cuts: list[int], stops: list[str]
+):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     parts = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     found = feed_all(StopMatcher(tuple(stops)), parts)

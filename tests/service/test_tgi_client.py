@@ -3,6 +3,7 @@
 ``text-generation`` 0.7 declares ``huggingface-hub<1`` but uses nothing that transformers 5's hub lacks, so
 ``scripts/setup`` installs it with ``--no-deps`` (its other needs, pydantic and aiohttp, are in the test extra).
 """
+
 from __future__ import annotations
 
 import asyncio

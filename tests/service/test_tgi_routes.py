@@ -1,8 +1,8 @@
 """TGI routes over a real socket: shapes, SSE streaming, details, stop sequences, and huggingface_hub's client."""
+
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,7 +16,7 @@ def sse_events(text: str) -> list[dict]:
         if not block:
             continue
         assert block.startswith("data:"), block
-        events.append(json.loads(block[len("data:"):]))
+        events.append(json.loads(block[len("data:") :]))
     return events
 
 
@@ -43,8 +43,9 @@ def test_generate_without_details_has_only_text(client: httpx.Client) -> None:
 
 def test_return_full_text_prepends_the_prompt(client: httpx.Client) -> None:
     plain = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}}).json()
-    full = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4,
-                                                                          "return_full_text": True}}).json()
+    full = client.post(
+        "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "return_full_text": True}}
+    ).json()
     assert full["generated_text"] == "Hello" + plain["generated_text"]
 
 
@@ -67,17 +68,27 @@ def test_stream_events_match_the_non_streamed_answer(client: httpx.Client) -> No
 def test_stop_sequence_ends_generation(client: httpx.Client) -> None:
     base = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 12}}).json()
     text = base["generated_text"]
-    stop = text[len(text) // 2: len(text) // 2 + 2].strip() or text[-1]
-    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 12, "stop": [stop],
-                                                                       "details": True}}).json()
+    stop = text[len(text) // 2 : len(text) // 2 + 2].strip() or text[-1]
+    r = client.post(
+        "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 12, "stop": [stop], "details": True}}
+    ).json()
     assert r["details"]["finish_reason"] == "stop_sequence"
     assert r["generated_text"].endswith(stop)
     assert r["generated_text"] == text[: text.index(stop) + len(stop)]
 
 
 def test_seeded_sampling_is_reproducible_and_reported(client: httpx.Client) -> None:
-    params = {"max_new_tokens": 8, "do_sample": True, "temperature": 1.5, "top_k": 50, "top_p": 0.95,
-              "typical_p": 0.99, "repetition_penalty": 1.2, "seed": 1234, "details": True}
+    params = {
+        "max_new_tokens": 8,
+        "do_sample": True,
+        "temperature": 1.5,
+        "top_k": 50,
+        "top_p": 0.95,
+        "typical_p": 0.99,
+        "repetition_penalty": 1.2,
+        "seed": 1234,
+        "details": True,
+    }
     a = client.post("/generate", json={"inputs": "Hello", "parameters": params}).json()
     b = client.post("/generate", json={"inputs": "Hello", "parameters": params}).json()
     assert a["details"]["tokens"] == b["details"]["tokens"]
@@ -89,8 +100,10 @@ def test_seeded_sampling_is_reproducible_and_reported(client: httpx.Client) -> N
 
 def test_top_k_one_is_greedy(client: httpx.Client) -> None:
     greedy = client.post("/generate", json={"inputs": "Far away", "parameters": {"max_new_tokens": 8}}).json()
-    k1 = client.post("/generate", json={"inputs": "Far away", "parameters": {"max_new_tokens": 8, "do_sample": True,
-                                                                          "top_k": 1, "seed": 7}}).json()
+    k1 = client.post(
+        "/generate",
+        json={"inputs": "Far away", "parameters": {"max_new_tokens": 8, "do_sample": True, "top_k": 1, "seed": 7}},
+    ).json()
     assert k1["generated_text"] == greedy["generated_text"]
 
 

@@ -4,6 +4,7 @@ The served tiny Llama is planned with part of it on disk, so the page has two de
 needs an API key: the page must ask for it and send it. Every request the page makes is recorded; anything
 not to the test server is refused and fails the test (the page must work with no network).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -21,8 +23,15 @@ from service.plan_picture import device_colour
 from tests.service.conftest import LiveServer, settings_for
 
 CHROMIUM = os.environ.get("LOADMASTER_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 KEY = "ui-test-key-5f2a"
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,9 +94,17 @@ def _cpu_budget_splitting(model: Path, folder: Path) -> int:
 def ui_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     folder = tmp_path_factory.mktemp("offload")
     cpu = _cpu_budget_splitting(tiny_llama, folder)
-    s = LiveServer(settings_for(tiny_llama, api_key=[KEY], max_memory=[f"cpu={cpu}", "disk=1GiB"],
-                                offload_folder=str(folder), batch_size=4, max_batch_size=4,
-                                max_concurrent_requests=32)).start()
+    s = LiveServer(
+        settings_for(
+            tiny_llama,
+            api_key=[KEY],
+            max_memory=[f"cpu={cpu}", "disk=1GiB"],
+            offload_folder=str(folder),
+            batch_size=4,
+            max_batch_size=4,
+            max_concurrent_requests=32,
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -160,9 +177,10 @@ def test_page_draws_the_served_plan_and_sends_the_key(session: PageSession, ui_s
     assert devices == {"cpu", "disk"}, devices
     assert device_colour("cpu") != device_colour("disk")
 
-    bars = page.eval_on_selector_all("#plan-picture g.device-bar",
-                                     "els => els.map(e => [e.dataset.device, Number(e.dataset.total), "
-                                     "Number(e.dataset.capacity)])")
+    bars = page.eval_on_selector_all(
+        "#plan-picture g.device-bar",
+        "els => els.map(e => [e.dataset.device, Number(e.dataset.total), Number(e.dataset.capacity)])",
+    )
     assert bars == [[str(b["device"]), b["total"], b["capacity"]] for b in plan["budgets"]]
     hops = page.locator("#plan-picture path.hop").count()
     assert hops == sum(1 for a, b in zip(layers, layers[1:]) if a["device"] != b["device"])
@@ -175,10 +193,14 @@ def test_page_draws_the_served_plan_and_sends_the_key(session: PageSession, ui_s
     assert httpx.get(ui_server.url + "/ui", timeout=30).status_code == 200
     assert httpx.get(ui_server.url + "/info", timeout=30).status_code == 401
     assert httpx.get(ui_server.url + "/", headers={"Accept": "application/json"}, timeout=30).status_code == 401
-    assert httpx.post(ui_server.url + "/", json={"inputs": "x"}, headers={"Accept": "text/html"},
-                      timeout=30).status_code == 401
+    assert (
+        httpx.post(ui_server.url + "/", json={"inputs": "x"}, headers={"Accept": "text/html"}, timeout=30).status_code
+        == 401
+    )
 
-    api_calls = [r for r in session.requests if r.url.startswith(ui_server.url) and "/ui" != r.url[len(ui_server.url):]]
+    api_calls = [
+        r for r in session.requests if r.url.startswith(ui_server.url) and "/ui" != r.url[len(ui_server.url) :]
+    ]
     assert api_calls, "the page called the API"
     for r in api_calls:
         if r.url.endswith(("/info", "/metrics", "/ui/picture")):
@@ -213,8 +235,10 @@ def test_what_if_redraws_and_gives_advice(session: PageSession) -> None:
 
 
 def _figures(page: Any) -> dict[str, str]:
-    return page.evaluate("() => Object.fromEntries(['tps','batch','queue','inflight','generated','ttft']"
-                         ".map(k => [k, document.getElementById('live-' + k).textContent]))")
+    return page.evaluate(
+        "() => Object.fromEntries(['tps','batch','queue','inflight','generated','ttft']"
+        ".map(k => [k, document.getElementById('live-' + k).textContent]))"
+    )
 
 
 def test_live_figures_change_while_requests_run(session: PageSession, ui_server: LiveServer) -> None:
@@ -226,8 +250,14 @@ def test_live_figures_change_while_requests_run(session: PageSession, ui_server:
 
     def load() -> None:
         with httpx.Client(base_url=ui_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-            threads = [threading.Thread(target=lambda: c.post("/generate", json={
-                "inputs": "the plan is", "parameters": {"max_new_tokens": 120}})) for _ in range(6)]
+            threads = [
+                threading.Thread(
+                    target=lambda: c.post(
+                        "/generate", json={"inputs": "the plan is", "parameters": {"max_new_tokens": 120}}
+                    )
+                )
+                for _ in range(6)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -268,8 +298,12 @@ def test_playground_streams(session: PageSession, ui_server: LiveServer) -> None
     text = page.text_content("#play-output")
     assert page.get_attribute("#play-output", "data-tokens") == "48"
     assert len(set(counts)) >= 2 and counts[0] < 48, f"token counts as shown: {counts}"
-    expected = httpx.post(ui_server.url + "/generate", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                          json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 48}}).json()
+    expected = httpx.post(
+        ui_server.url + "/generate",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+        json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 48}},
+    ).json()
     assert text == expected["generated_text"], "the streamed text is the server's greedy text"
     gen = [r for r in session.requests if r.url.endswith("/generate_stream")]
     assert gen and gen[-1].headers.get("authorization") == f"Bearer {KEY}"

@@ -3,6 +3,7 @@
 The SVG must parse as XML in the SVG namespace and hold one ``rect.layer`` per placed block (one per decoder
 layer among them), coloured by device; ``plan`` with these flags still imports no torch, transformers or FastAPI.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,16 +28,29 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_picture_modules_import_nothing_heavy() -> None:
     """What --svg/--html add to ``loadmaster plan`` costs no torch, transformers or FastAPI import."""
-    code = ("import sys, service.plan_picture, service.ui_page; "
-            "print(','.join(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
+    code = (
+        "import sys, service.plan_picture, service.ui_page; "
+        "print(','.join(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
 
 
 def test_svg_has_one_element_per_layer_coloured_by_device(tmp_path: Path) -> None:
-    svg_path, json_path = tmp_path / "plan.svg", tmp_path / "plan.json"
-    args = ["plan", str(LLAMA_8B), "--gpus", "1x8GiB", "--max-memory", "0=8GiB,cpu=8GiB,disk=100GB",
-            "--offload-folder", str(tmp_path), "--svg", str(svg_path), "--json"]
+    svg_path = tmp_path / "plan.svg"
+    args = [
+        "plan",
+        str(LLAMA_8B),
+        "--gpus",
+        "1x8GiB",
+        "--max-memory",
+        "0=8GiB,cpu=8GiB,disk=100GB",
+        "--offload-folder",
+        str(tmp_path),
+        "--svg",
+        str(svg_path),
+        "--json",
+    ]
     proc = _run_cli(*args)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
@@ -54,7 +68,8 @@ def test_svg_has_one_element_per_layer_coloured_by_device(tmp_path: Path) -> Non
     assert len({device_colour(0), device_colour("cpu"), device_colour("disk")}) == 3
     bars = [g for g in root.iter(f"{SVG_NS}g") if g.get("class") == "device-bar"]
     assert [(g.get("data-device"), int(g.get("data-total"))) for g in bars] == [
-        (str(b["device"]), b["total"]) for b in plan["budgets"]]
+        (str(b["device"]), b["total"]) for b in plan["budgets"]
+    ]
     hops = [p for p in root.iter(f"{SVG_NS}path") if p.get("class") == "hop"]
     devs = [e.get("data-device") for e in layers]
     assert len(hops) == sum(1 for a, b in zip(devs, devs[1:]) if a != b) > 0

@@ -1,4 +1,5 @@
 """Every validation error path: 422 with the envelope on TGI routes, 400 in OpenAI's shape under /v1."""
+
 from __future__ import annotations
 
 import httpx
@@ -25,7 +26,9 @@ BAD_PARAMETERS = [
 
 @pytest.mark.parametrize("route", ["/generate", "/generate_stream"])
 @pytest.mark.parametrize("params,mentions", BAD_PARAMETERS)
-def test_bad_parameters_are_422_before_any_stream(client: httpx.Client, route: str, params: dict, mentions: str) -> None:
+def test_bad_parameters_are_422_before_any_stream(
+    client: httpx.Client, route: str, params: dict, mentions: str
+) -> None:
     r = client.post(route, json={"inputs": "Hello", "parameters": params})
     assert r.status_code == 422, r.text
     assert r.headers["content-type"].startswith("application/json")  # never an event stream
@@ -83,8 +86,11 @@ def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Clie
         ("/v1/chat/completions", {"messages": []}, "empty"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
-                                  "max_tokens": -3}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": -3},
+            "max_tokens",
+        ),
     ],
 )
 def test_openai_routes_answer_400_in_openai_shape(client: httpx.Client, route: str, body: dict, mentions: str) -> None:
