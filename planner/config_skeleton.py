@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.config_values import CONFIG_NAME, dtype_name, kv_geometry, model_sizes
+from planner.config_values import CONFIG_NAME, default_dtype, dtype_name, kv_geometry, model_sizes
 from planner.types import Block, Skeleton, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -593,12 +593,12 @@ def _resolve(family: Family, raw: Mapping[str, Any]) -> _Config | None:
 
 
 def _dtype_of(raw: Mapping[str, Any]) -> str | None:
-    """The config's dtype name, ``float32`` when it names none, or None when it names one we cannot follow."""
+    """The model's default dtype (:func:`default_dtype`, the one rule), or None when the config names a dtype this
+    fast path does not follow (the meta walk then handles it)."""
     value = raw.get("dtype", raw.get("torch_dtype"))
-    if value is None:
-        return "float32"
-    name = dtype_name(value)
-    return name if name in ("float32", "float16", "bfloat16") else None
+    if value is not None and dtype_name(value) not in ("float32", "float16", "bfloat16"):
+        return None
+    return default_dtype(value)
 
 
 def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Skeleton | None:

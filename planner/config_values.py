@@ -8,6 +8,7 @@ each value, so the two builders cannot disagree about the KV cache or the model'
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,20 @@ def dtype_name(dtype: Any) -> str | None:
         return None
     s = str(dtype).replace("torch.", "")
     return s if s in DTYPE_BYTES else None
+
+
+def default_dtype(config_dtype: Any, stored_dtypes: Any = ()) -> str:
+    """The dtype a model runs in when the user names none: the one definition, for the planner and the loader.
+
+    The config's ``dtype`` (``torch_dtype``) when it names one, as transformers' ``dtype="auto"`` does; else the
+    most common floating dtype among the stored tensors (``stored_dtypes``: one dtype name per tensor); else
+    float32.
+    """
+    named = dtype_name(config_dtype)
+    if named is not None:
+        return named
+    floats = Counter(d for d in stored_dtypes if str(d).startswith(("float", "bfloat")))
+    return floats.most_common(1)[0][0] if floats else "float32"
 
 
 def kv_geometry(cfg: Any, num_layers: int | None = None) -> KVGeometry | None:

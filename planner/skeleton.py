@@ -53,7 +53,6 @@ import gc
 import logging
 import os
 import re
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,7 +60,14 @@ from typing import TYPE_CHECKING, Any
 
 from planner.checkpoint_keys import tensor_source
 from planner.config_skeleton import base_model_prefix, config_file_name, config_skeleton
-from planner.config_values import CONFIG_NAME, dtype_name, kv_geometry, model_sizes, read_config_json
+from planner.config_values import (
+    CONFIG_NAME,
+    default_dtype,
+    dtype_name,
+    kv_geometry,
+    model_sizes,
+    read_config_json,
+)
 from planner.errors import ModelSourceError
 from planner.fingerprint import checkpoint_fingerprint
 from planner.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
@@ -217,20 +223,6 @@ def build_meta_model(cfg: PretrainedConfig, dtype: str | None = None) -> torch.n
             ) from None
     model.eval()
     return model
-
-
-def default_dtype(config_dtype: Any, stored_dtypes: Any = ()) -> str:
-    """The dtype a model runs in when the user names none: the one definition, for the planner and the loader.
-
-    The config's ``dtype`` (``torch_dtype``) when it names one, as transformers' ``dtype="auto"`` does; else the
-    most common floating dtype among the stored tensors (``stored_dtypes``: one dtype name per tensor); else
-    float32.
-    """
-    named = dtype_name(config_dtype)
-    if named is not None:
-        return named
-    floats = Counter(d for d in stored_dtypes if str(d).startswith(("float", "bfloat")))
-    return floats.most_common(1)[0][0] if floats else "float32"
 
 
 # --------------------------------------------------------------------------------------------------------------
