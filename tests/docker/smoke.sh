@@ -132,6 +132,13 @@ if grep -q "native CPU kernels built:" "$LOGS/docker-build.log" && grep -qw avx5
 else
     say "native kernels: not in use in the image ($kernel)"
 fi
+# GPU images load bitsandbytes models through transformers, which needs accelerate at run time: prove both are
+# installed and work in this image with a real 4-bit load of the demo model (bitsandbytes' CPU backend here).
+quant="$(docker exec "$NAME" python -c 'import accelerate, bitsandbytes as bnb, loaders; m = loaders.load_model("/models/demo-model", device_map={"": "cpu"}, dtype="float32", quantization="nf4", show_progress=False); print(sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()))' 2>&1 | tail -n 1)"
+case "$quant" in
+    ''|0|*[!0-9]*) say "FAILED: a bitsandbytes nf4 load in the image: $quant"; exit 1 ;;
+    *) say "quantized load: $quant nf4 linear layers (accelerate and bitsandbytes work in the image)" ;;
+esac
 docker stop -t 30 "$NAME" >/dev/null
 code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME")"
 [ "$code" = 0 ] || { say "FAILED: exit code $code after SIGTERM"; docker logs "$NAME" 2>&1 | tail -n 20; exit 1; }
