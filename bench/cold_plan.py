@@ -15,7 +15,7 @@ neighbour's burst on this shared machine hits both alike, and each figure is the
   repo (library ``transformers``, no ``auto_map``) and then runs accelerate's own ``estimate_command``: its imports,
   config read, meta model and table, unchanged.
 
-Run: ``.venv/bin/python bench/cold_plan.py`` (prints a table; ``--out FILE`` writes JSON).
+Run: ``.venv/bin/python -m bench.cold_plan`` (prints a table; ``--out FILE`` writes JSON).
 """
 
 from __future__ import annotations
