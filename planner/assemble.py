@@ -60,7 +60,7 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         )
     prediction = predict(problem, assignment, loads, workload.batch_size, compute_dtype(workload))
     offloaded = sum(it.weight for it, dev in zip(problem.items, assignment) if problem.computes_on(dev) != dev)
-    reasons = list(solution.reasons)
+    reasons = list(hw.notes) + list(solution.reasons)
     for run in runs_of(assignment):
         dev, first = run.device, skeleton.blocks[run.first].name
         n = run.last - run.first + 1

@@ -11,12 +11,13 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from planner.devices import device_order, parse_device
 from planner.errors import HardwareSpecError
 from planner.types import Device, DeviceId, Hardware
-from planner.units import parse_size
+from planner.units import format_bytes, parse_size
 
 #: Bytes/s each kind of device reads its own memory at, and the rate its contents reach the execution device.
 #: Deliberately round, middle-of-the-road figures; override them with ``bandwidths=``.
@@ -84,11 +85,13 @@ def detect_gpus() -> dict[DeviceId, int]:
     return found
 
 
-def detect_memory(offload_folder: str | os.PathLike | None = None, gpus: bool = True) -> dict[DeviceId, int]:
-    """Free memory of each visible GPU (unless ``gpus=False``: they were declared), available RAM, and free disk at
-    the offload folder (if one is given)."""
+def detect_memory(
+    offload_folder: str | os.PathLike | None = None, gpus: bool = True, host: HostMemory | None = None
+) -> dict[DeviceId, int]:
+    """Free memory of each visible GPU (unless ``gpus=False``: they were declared), available RAM (``host``, or
+    read from this machine), and free disk at the offload folder (if one is given)."""
     found: dict[DeviceId, int] = detect_gpus() if gpus else {}
-    found["cpu"] = _available_ram()
+    found["cpu"] = (host or host_memory()).available
     if offload_folder is not None:
         folder = os.fspath(offload_folder)
         probe = folder
@@ -98,18 +101,112 @@ def detect_memory(offload_folder: str | os.PathLike | None = None, gpus: bool = 
     return found
 
 
-def _available_ram() -> int:
+#: A cgroup limit at or above this is "unlimited": v1 writes 2**63 rounded down to a page, not "max".
+UNLIMITED_CGROUP_BYTES = 2**60
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where this machine's memory figures are read. Injectable so tests can point them at fake files."""
+
+    meminfo: str = "/proc/meminfo"
+    cgroup_root: str = "/sys/fs/cgroup"
+    self_cgroup: str = "/proc/self/cgroup"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """RAM a plan may use on this host, and which bound set it: a container's limit can be far below what the
+    kernel reports as available, and planning past it gets the process OOM-killed while loading."""
+
+    available: int
+    #: ``"MemAvailable"`` or the cgroup file that set the bound.
+    bound: str
+    reason: str
+
+
+def read_mem_available(paths: HostPaths = HostPaths()) -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None when it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(paths.meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _own_cgroup_dirs(paths: HostPaths) -> list[tuple[str, str]]:
+    """(directory, version) candidates holding this process's memory controller, most specific first.
+
+    Inside a container the cgroup namespace makes the own cgroup the root, so the root files are the usual hit;
+    on a host the path comes from ``/proc/self/cgroup`` (``0::/path`` for v2, ``N:memory:/path`` for v1)."""
+    dirs: list[tuple[str, str]] = []
     try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 0
+        with open(paths.self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        rel = parts[2].lstrip("/")
+        if parts[0] == "0" and parts[1] == "" and rel:
+            dirs.append((os.path.join(paths.cgroup_root, rel), "v2"))
+        elif "memory" in parts[1].split(",") and rel:
+            dirs.append((os.path.join(paths.cgroup_root, "memory", rel), "v1"))
+    dirs.append((paths.cgroup_root, "v2"))
+    dirs.append((os.path.join(paths.cgroup_root, "memory"), "v1"))
+    return dirs
+
+
+def read_container_limit(paths: HostPaths = HostPaths()) -> tuple[int, str] | None:
+    """The container's memory limit in bytes and the file it came from (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), or None when there is no limit: no such file, ``max``, or a huge value."""
+    for directory, version in _own_cgroup_dirs(paths):
+        name = "memory.max" if version == "v2" else "memory.limit_in_bytes"
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        if limit <= 0 or limit >= UNLIMITED_CGROUP_BYTES:
+            return None
+        return limit, f"cgroup {version} {name}"
+    return None
+
+
+def host_memory(paths: HostPaths = HostPaths()) -> HostMemory:
+    """RAM the CPU may hold: the smaller of ``MemAvailable`` and the container's memory limit."""
+    available = read_mem_available(paths)
+    if available is None:
+        try:
+            available = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            available = 0
+    limit = read_container_limit(paths)
+    if limit is not None and limit[0] < available:
+        return HostMemory(
+            available=limit[0],
+            bound=limit[1],
+            reason=(
+                f"cpu capacity {format_bytes(limit[0])} is the container's memory limit ({limit[1]}), "
+                f"below the host's MemAvailable of {format_bytes(available)}"
+            ),
+        )
+    why = f"cpu capacity {format_bytes(available)} is the host's MemAvailable"
+    if limit is not None:
+        why += f" (the container's limit, {format_bytes(limit[0])} from {limit[1]}, is higher)"
+    return HostMemory(available=available, bound="MemAvailable", reason=why)
 
 
 def build_hardware(
@@ -118,6 +215,7 @@ def build_hardware(
     offload_folder: str | os.PathLike | None = None,
     gpu_reserve: int | str | None = None,
     bandwidths: Mapping[str, float] | None = None,
+    host_paths: HostPaths | None = None,
 ) -> Hardware:
     """Resolve what the plan may use.
 
@@ -126,6 +224,9 @@ def build_hardware(
     - only ``gpus`` given: those GPUs, plus this machine's available RAM as ``cpu`` and, with an offload folder,
       its free disk.
     - neither: everything detected on this machine.
+
+    Where the CPU's capacity is read from this machine, ``notes`` says which bound set it (MemAvailable or the
+    container's memory limit); ``host_paths`` points those reads elsewhere (tests).
     """
     bw = dict(DEFAULT_BANDWIDTHS)
     for k, v in (bandwidths or {}).items():
@@ -137,6 +238,7 @@ def build_hardware(
     reserve = DEFAULT_GPU_RESERVE if gpu_reserve is None else parse_size(gpu_reserve)
 
     capacities: dict[DeviceId, int] = {}
+    notes: list[str] = []
     source = "max_memory"
     if gpus is not None:
         for i, size in enumerate(parse_gpus(gpus)):
@@ -156,12 +258,16 @@ def build_hardware(
             except HardwareSpecError as e:
                 raise HardwareSpecError(f"max_memory[{key!r}]: {e}") from None
     elif gpus is not None:
-        detected = detect_memory(offload_folder, gpus=False)
+        host = host_memory(host_paths or HostPaths())
+        notes.append(host.reason)
+        detected = detect_memory(offload_folder, gpus=False, host=host)
         capacities["cpu"] = detected["cpu"]
         if "disk" in detected:
             capacities["disk"] = detected["disk"]
     else:
-        capacities = dict(detect_memory(offload_folder))
+        host = host_memory(host_paths or HostPaths())
+        notes.append(host.reason)
+        capacities = dict(detect_memory(offload_folder, host=host))
         source = "detected"
 
     devices = []
@@ -180,4 +286,5 @@ def build_hardware(
         source=source,
         storage_bandwidth=bw["disk"],
         link_bandwidth=bw["link"],
+        notes=tuple(notes),
     )

@@ -140,6 +140,8 @@ class Hardware:
     storage_bandwidth: float = 2.0e9
     #: Host -> GPU copy rate (bytes/s).
     link_bandwidth: float = 2.5e10
+    #: How detected capacities were bounded (e.g. a container's memory limit); they open the plan's reasons.
+    notes: tuple[str, ...] = ()
 
     @property
     def gpus(self) -> tuple[Device, ...]:
