@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.devices import device_order, parse_device
-from planner.errors import HardwareSpecError
+from planner.errors import HardwareSpecError, PlanError
 from planner.types import Device, DeviceId, Hardware
 from planner.units import format_bytes, parse_size
 
@@ -28,6 +28,21 @@ DEFAULT_BANDWIDTHS: dict[str, float] = {
     "disk": 2.0e9,  # NVMe sequential read
 }
 DEFAULT_GPU_RESERVE = 512 * 2**20  # CUDA context + allocator slack per GPU
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Where this machine's memory figures are read. Injectable so tests can point them at fake files."""
+
+    meminfo: str = "/proc/meminfo"
+    cgroup_root: str = "/sys/fs/cgroup"
+    self_cgroup: str = "/proc/self/cgroup"
+    dev_dir: str = "/dev"
+    nvidia_proc: str = "/proc/driver/nvidia"
+    #: Where ``nvidia-smi`` is looked for; None means the process's ``PATH``.
+    search_path: str | None = None
+    #: ``CUDA_VISIBLE_DEVICES`` as this process sees it; None means read the environment.
+    visible_devices: str | None = None
 
 
 def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]:
@@ -52,14 +67,18 @@ def parse_gpus(spec: str | list[int | str] | tuple[int | str, ...]) -> list[int]
     return sizes
 
 
-def _gpu_driver_present() -> bool:
-    """Whether this machine shows a GPU driver (NVIDIA's, or ROCm's ``/dev/kfd``) at all. Without one torch would
-    find no GPU either, and asking it costs seconds of import; with one, torch is asked."""
-    return (
-        os.path.exists("/proc/driver/nvidia")
-        or os.path.exists("/dev/kfd")
-        or any(name.startswith("nvidia") and name[6:].isdigit() for name in _listdir("/dev"))
-    )
+def gpu_evidence(paths: HostPaths) -> str | None:
+    """What shows this machine has a GPU driver (NVIDIA's device nodes or ``nvidia-smi``, ROCm's ``/dev/kfd``), or
+    None. Without any, torch would find no GPU either, and asking it costs seconds of import."""
+    if os.path.exists(paths.nvidia_proc):
+        return paths.nvidia_proc
+    if os.path.exists(os.path.join(paths.dev_dir, "kfd")):
+        return os.path.join(paths.dev_dir, "kfd")
+    nodes = sorted(n for n in _listdir(paths.dev_dir) if n.startswith("nvidia") and n[6:].isdigit())
+    if nodes:
+        return os.path.join(paths.dev_dir, nodes[0])
+    smi = shutil.which("nvidia-smi", path=paths.search_path if paths.search_path is not None else None)
+    return f"{smi} on PATH" if smi else None
 
 
 def _listdir(path: str) -> list[str]:
@@ -69,20 +88,87 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def detect_gpus() -> dict[DeviceId, int]:
-    """Free memory of each GPU torch can see (none when torch is not installed or no GPU driver is present)."""
-    found: dict[DeviceId, int] = {}
-    if not _gpu_driver_present():
-        return found
+@dataclass(frozen=True)
+class GpuDetection:
+    """The GPUs found on this machine (id -> bytes the plan may use) and how their sizes were read."""
+
+    capacities: dict[DeviceId, int]
+    note: str | None = None
+
+
+def _gpus_hidden_on_purpose(paths: HostPaths) -> bool:
+    """``CUDA_VISIBLE_DEVICES=""`` (or ``-1``) hides every GPU deliberately: a CPU plan is then what was asked."""
+    visible = paths.visible_devices if paths.visible_devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() in ("", "-1")
+
+
+def _cuda_failure(torch: Any) -> str:
+    """Why torch cannot use the GPU this machine shows, in words a user can act on."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"the installed torch {torch.__version__} is a CPU-only build"
+    try:
+        torch.cuda.init()
+    except Exception as e:  # the driver's own words: too old for the wheel, no device node permission...
+        return f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot initialise CUDA: {e}"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+
+
+def _nvml_free(torch: Any, count: int) -> dict[int, int] | None:
+    """Free bytes per torch device id from NVML (matched by UUID), which opens no CUDA context; None without NVML."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            free: dict[int, int] = {}
+            for i in range(count):
+                uuid = str(torch.cuda.get_device_properties(i).uuid)
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+                free[i] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+            return free
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # an NVML that disagrees with torch: fall back to the device properties
+        return None
+
+
+def detect_gpus(paths: HostPaths | None = None) -> GpuDetection:
+    """The GPUs torch can use here. None when no GPU driver shows or the GPUs are hidden on purpose.
+
+    Raises PlanError when the machine shows a GPU driver but torch cannot use it: planning CPU and disk only
+    would load the model there and serve it a hundred times slower while reporting healthy. Sizes come from
+    NVML's free memory or the device properties' total, never ``mem_get_info``, which opens a CUDA context (and
+    its few hundred MiB) on every visible GPU, including those the plan will not use.
+    """
+    paths = paths or HostPaths()
+    evidence = gpu_evidence(paths)
+    if evidence is None or _gpus_hidden_on_purpose(paths):
+        return GpuDetection({})
     try:
         import torch
-    except ImportError:  # planning without torch: CPU and disk only
-        return found
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            free, _total = torch.cuda.mem_get_info(i)
-            found[i] = int(free)
-    return found
+    except ImportError:
+        cause = "torch is not installed"
+    else:
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            count = torch.cuda.device_count()
+            free = _nvml_free(torch, count)
+            if free is not None:
+                return GpuDetection(dict(free), f"GPU capacities are NVML's free memory on {count} GPU(s)")
+            totals = {i: int(torch.cuda.get_device_properties(i).total_memory) for i in range(count)}
+            return GpuDetection(
+                dict(totals),
+                f"GPU capacities are the total memory of {count} GPU(s) (memory other processes hold is not "
+                "seen; install nvidia-ml-py to plan on free memory, or give max_memory)",
+            )
+        cause = _cuda_failure(torch)
+    raise PlanError(
+        f"this machine shows a GPU ({evidence}) but {cause}, so a plan for it would silently use only CPU and "
+        "disk. Fix the driver or install a torch wheel built for it (e.g. pip install torch --index-url "
+        "https://download.pytorch.org/whl/cu124), or declare the hardware: --gpus 1x24GiB / max_memory, "
+        "e.g. {'cpu': '64GiB'} to plan without GPUs on purpose (or set CUDA_VISIBLE_DEVICES='')"
+    )
 
 
 def detect_memory(
@@ -90,7 +176,7 @@ def detect_memory(
 ) -> dict[DeviceId, int]:
     """Free memory of each visible GPU (unless ``gpus=False``: they were declared), available RAM (``host``, or
     read from this machine), and free disk at the offload folder (if one is given)."""
-    found: dict[DeviceId, int] = detect_gpus() if gpus else {}
+    found: dict[DeviceId, int] = detect_gpus().capacities if gpus else {}
     found["cpu"] = (host or host_memory()).available
     if offload_folder is not None:
         folder = os.fspath(offload_folder)
@@ -103,15 +189,6 @@ def detect_memory(
 
 #: A cgroup limit at or above this is "unlimited": v1 writes 2**63 rounded down to a page, not "max".
 UNLIMITED_CGROUP_BYTES = 2**60
-
-
-@dataclass(frozen=True)
-class HostPaths:
-    """Where this machine's memory figures are read. Injectable so tests can point them at fake files."""
-
-    meminfo: str = "/proc/meminfo"
-    cgroup_root: str = "/sys/fs/cgroup"
-    self_cgroup: str = "/proc/self/cgroup"
 
 
 @dataclass(frozen=True)
@@ -226,7 +303,8 @@ def build_hardware(
     - neither: everything detected on this machine.
 
     Where the CPU's capacity is read from this machine, ``notes`` says which bound set it (MemAvailable or the
-    container's memory limit); ``host_paths`` points those reads elsewhere (tests).
+    container's memory limit), and how detected GPUs were sized; ``host_paths`` points those reads elsewhere
+    (tests). A GPU driver that torch cannot use raises PlanError (see :func:`detect_gpus`).
     """
     bw = dict(DEFAULT_BANDWIDTHS)
     for k, v in (bandwidths or {}).items():
@@ -265,9 +343,12 @@ def build_hardware(
         if "disk" in detected:
             capacities["disk"] = detected["disk"]
     else:
-        host = host_memory(host_paths or HostPaths())
-        notes.append(host.reason)
-        capacities = dict(detect_memory(offload_folder, host=host))
+        host_paths = host_paths or HostPaths()
+        found = detect_gpus(host_paths)
+        host = host_memory(host_paths)
+        notes += [n for n in (found.note, host.reason) if n]
+        capacities = dict(found.capacities)
+        capacities.update(detect_memory(offload_folder, gpus=False, host=host))
         source = "detected"
 
     devices = []
