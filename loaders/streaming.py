@@ -398,30 +398,46 @@ def move_to(obj, device: torch.device):
     return obj
 
 
+def _cuda_device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def alignment_modules(model: torch.nn.Module, key: str, keys: list[str]) -> list[torch.nn.Module]:
+    """The modules whose inputs must be moved to entry ``key``'s device: the entry's module, and, when other entries
+    nest inside it, every piece split off around them. Those pieces (``model.norm`` and ``lm_head`` of
+    ``{"": "cpu", "model.layers.0": 0}``) are called by a parent with inputs still on the previous entry's device;
+    the root itself is aligned by the root hooks, never here."""
+    mods = [module_for_entry(model, key)]
+    if any(k != key and (key == "" or k.startswith(key + ".")) for k in keys):
+        units, _residual = _units(model, key, keys)
+        mods += [unit for _name, unit in units]
+    return [m for m in mods if m is not model]
+
+
 def install_gpu_execution(
     model: torch.nn.Module,
     device_map: Mapping[str, DeviceId],
     placement: Mapping[str, DeviceId],
     exec_device: torch.device,
     backend=None,
+    gpu_device: Callable[[int], torch.device] = _cuda_device,
 ) -> BlockStreamer | None:
     """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
 
     ``backend`` defaults to CUDA on ``exec_device``; tests pass :class:`CpuBackend` with ``exec_device=cpu`` to
-    run this exact wiring on a machine without GPUs.
+    run this exact wiring on a machine without GPUs, and ``gpu_device`` to stand other devices in for GPU ids.
     """
     entries = ordered_entries(model, device_map)
+    keys = list(device_map)
     for key in entries:
         dev = device_map[key]
-        target = torch.device("cuda", dev) if isinstance(dev, int) else exec_device
-        mod = module_for_entry(model, key)
-        if mod is model:
-            continue
+        target = gpu_device(dev) if isinstance(dev, int) else exec_device
 
         def align(module, args, kwargs, target=target):
             return move_to(args, target), move_to(kwargs, target)
 
-        mod.register_forward_pre_hook(align, with_kwargs=True)
+        for mod in alignment_modules(model, key, keys):
+            mod.register_forward_pre_hook(align, with_kwargs=True)
 
     def root_in(module, args, kwargs):
         first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
