@@ -20,6 +20,7 @@ All device operations go through a small backend so the schedule is testable on 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ class BlockStreamer:
         #: first guess (Llama runs rotary_emb right after the embeddings although it is registered last).
         self.next_of: dict[int, int] = {}
         self._last: int | None = None
+        self._first: int | None = None  # the block a forward starts with (prefetched again after a failure)
         self.where: dict[int, int] = {}  # block -> slot it was last copied into
         self._cur_slot: int | None = None  # slot of the block that ran last (or runs now)
         self._running: set[int] = set()  # slots whose block is between its pre- and post-hook
@@ -256,6 +258,8 @@ class BlockStreamer:
                 t.module._buffers[t.leaf] = view
         if self._last is not None:
             self.next_of[self._last] = i
+        elif self._first is None:
+            self._first = i
         self._last = i
         if n > 1:
             nxt = self.next_of.get(i, (i + 1) % len(self.blocks))
@@ -273,20 +277,39 @@ class BlockStreamer:
                 return s
         return None
 
-    def after(self, i: int) -> None:
-        slot = self.slots[self.where[i]]
-        self._running.discard(self.where[i])
-        slot.done = self.backend.record(self.backend.compute_stream())
+    def after(self, i: int, failed: bool = False) -> None:
+        """Release block ``i``'s slot and put its host tensors back. Runs also when the block raised (an OOM):
+        otherwise the slot stayed "running" and no later forward could prefetch into it. After a failure the
+        forward is over, so nothing is learned about what follows ``i``, and the forward's first block is
+        prefetched again for the next request."""
+        s = self.where.get(i)
+        if s is not None:
+            self._running.discard(s)
+            self.slots[s].done = self.backend.record(self.backend.compute_stream())
         for t in self.blocks[i].tensors:
             if t.is_param:
                 t.module._parameters[t.leaf] = torch.nn.Parameter(t.host, requires_grad=False)
             else:
                 t.module._buffers[t.leaf] = t.host
+        if failed:
+            self._last = None
+            first = self._first
+            if first is not None and first != i and self._slot_holding(first) is None and len(self.slots) > 1:
+                target = self._free_slot(0 if s is None else s)  # the failed block's slot is free now
+                if target is not None:
+                    self._issue(first, target)
+
+    def _after_hook(self, i: int):
+        def hook(module, args, output):
+            # always_call: torch runs this from its exception handler too, with output None
+            self.after(i, failed=output is None and sys.exc_info()[0] is not None)
+
+        return hook
 
     def install(self) -> None:
         for i, block in enumerate(self.blocks):
             self.handles.append(block.module.register_forward_pre_hook(lambda m, a, i=i: self.before(i)))
-            self.handles.append(block.module.register_forward_hook(lambda m, a, o, i=i: self.after(i)))
+            self.handles.append(block.module.register_forward_hook(self._after_hook(i), always_call=True))
 
     def remove(self) -> None:
         for h in self.handles:

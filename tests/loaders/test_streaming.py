@@ -240,3 +240,29 @@ def test_split_root_wiring_matches_transformers(tiny_llama, dm):
     )
     assert streamer is not None and "model.layers.0" not in {b.key for b in streamer.blocks}
     assert_equivalent(model, tiny_llama)
+
+
+def test_a_failed_block_frees_its_slot_and_the_next_forward_prefetches_again(tiny_llama):
+    """A block that raises (an OOM on a GPU) must still run the post-hook (issue 14 item 7): its slot is released,
+    its host tensors are back, and the next forward finds every block prefetched, with the same logits."""
+    model, streamer, _ = _streamed(tiny_llama, LLAMA_MAP, GuardedBackend())
+    streamer.backend.streamer = streamer
+    ids = prompt(model.config.vocab_size)
+    layer = model.model.layers[2]
+    with torch.no_grad():
+        model(ids)
+        model(ids)  # the order is learned: from here on no block waits for a copy
+        steady = streamer.sync_loads
+        forward = layer.forward
+        layer.forward = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("stand-in OOM"))
+        with pytest.raises(torch.OutOfMemoryError):
+            model(ids)
+        layer.forward = forward
+        assert streamer._running == set(), "the failed block's slot is still marked running"
+        block = next(b for b in streamer.blocks if b.key == "model.layers.2")
+        assert all(getattr(t.module, t.leaf).data_ptr() == t.host.data_ptr() for t in block.tensors)
+        assert streamer.sync_loads == steady
+        for _ in range(2):
+            model(ids)
+        assert streamer.sync_loads == steady, "a forward after the failure waited for a copy it should have prefetched"
+    assert_equivalent(model, tiny_llama)
