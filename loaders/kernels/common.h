@@ -34,6 +34,14 @@ static inline uint16_t lm_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Sum of the 8 floats of an AVX register (the AVX2 paths' final reduction of each accumulator). */
+static inline float lm_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 static inline float lm_act(const void *x, int bf16, long i) {
     return bf16 ? lm_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }

@@ -65,13 +65,6 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
 #else /* AVX2 + FMA */
 #define MAXM 2   /* 2 x ROWS accumulators + even/odd halves of x and W fit the 16 ymm registers */
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
                          uint16_t *y, long ldy, int n0, int nrows, int nm, int K) {
     __m256 acc[MAXM][ROWS];
@@ -102,7 +95,7 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
     }
     for (int m = 0; m < nm; m++)
         for (int r = 0; r < nrows; r++) {
-            float s = hsum256(acc[m][r]);
+            float s = lm_hsum256(acc[m][r]);
             for (int k = kfull; k < K; k++) s += lm_bf16_to_f32(x[(long)m * ldx + k]) * lm_bf16_to_f32(wr[r][k]);
             if (bias) s += lm_bf16_to_f32(bias[n0 + r]);
             y[(long)m * ldy + n0 + r] = lm_f32_to_bf16(s);

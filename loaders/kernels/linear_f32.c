@@ -54,13 +54,6 @@ static inline void block(const float *x, long ldx, const float *w, long ldw, con
 #else /* AVX2 + FMA */
 #define MAXM 2
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline void block(const float *x, long ldx, const float *w, long ldw, const float *bias, float *y, long ldy,
                          int n0, int nrows, int nm, int K) {
     __m256 acc[MAXM][ROWS];
@@ -85,7 +78,7 @@ static inline void block(const float *x, long ldx, const float *w, long ldw, con
     }
     for (int m = 0; m < nm; m++)
         for (int r = 0; r < nrows; r++) {
-            float s = hsum256(acc[m][r]);
+            float s = lm_hsum256(acc[m][r]);
             for (int k = kfull; k < K; k++) s += x[(long)m * ldx + k] * wr[r][k];
             if (bias) s += bias[n0 + r];
             y[(long)m * ldy + n0 + r] = s;

@@ -51,13 +51,6 @@ static inline void block(const int8_t *xq, const float *dx, int G, const int8_t 
 #else /* AVX2 + FMA */
 #define MAXM 2
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline void block(const int8_t *xq, const float *dx, int G, const int8_t *w, long ldw, float *out, int n0,
                          int nrows, int nm, int N) {
     __m256 acc[MAXM][ROWS];
@@ -85,7 +78,7 @@ static inline void block(const int8_t *xq, const float *dx, int G, const int8_t 
         }
     }
     for (int m = 0; m < nm; m++)
-        for (int r = 0; r < nrows; r++) out[(long)m * N + n0 + r] = hsum256(acc[m][r]);
+        for (int r = 0; r < nrows; r++) out[(long)m * N + n0 + r] = lm_hsum256(acc[m][r]);
 }
 #endif
 
