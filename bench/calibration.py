@@ -37,6 +37,7 @@ COLUMNS = [
     ("measured", "measured tok/s"),
     ("ratio", "predicted / measured"),
     ("within", "within +-25%"),
+    ("load_average", "load avg"),
 ]
 
 
@@ -68,11 +69,38 @@ def _predict(path: Path, dtype: str, device_map: dict, folder: Path, context: in
     return p.prediction.decode_tokens_per_s
 
 
+def _measure(case: dict, args: argparse.Namespace, work: Path, context: int) -> None:
+    """Predict ``case`` with the calibration in force, then decode it (fresh process, best of ``args.repeats``)."""
+    case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
+    spec = {
+        "contender": "loadmaster",
+        "label": f"{case['model']} {case['placement']}",
+        "path": str(case["path"]),
+        "dtype": case["dtype"],
+        "device_map": case["device_map"],
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "offload_folder": str(work / "offload"),
+    }
+    r = best_of(LOAD_MODULE, spec, args.repeats)
+    if "error" in r:
+        case["error"] = r["error"]
+        print(r["error"])
+        return
+    case["load_average"] = round(os.getloadavg()[0], 1)
+    case["measured"] = r["decode_tok_s"]
+    case["measured_runs"] = r.get("decode_tok_s_runs")
+    case["ratio"] = case["predicted"] / case["measured"]
+    case["within"] = "yes" if abs(case["ratio"] - 1) <= TOLERANCE else "no"
+    row = {k: v for k, v in case.items() if k not in ("path", "device_map")}
+    print(json.dumps(row), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="100m,1b")
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2, help="fresh-process decode runs per case (best kept)")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh-process decode runs per case (best kept)")
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads for calibration and decode alike (0: torch's default)"
     )
@@ -82,23 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import planner.calibration as pc
+    from planner.calibration import machine_id
     from service.calibration import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)
 
     models = _models(args.models.split(","))
+    load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="loadmaster-bench-calibration-"))
     cal_path = work / "calibration.json"
     context = PROMPT_TOKENS + args.new_tokens
 
     os.environ[pc.ENV_VAR] = "off"
     cases = []
+    calibrations = {}
     for label, path, dtype in models:
         resident = {"": "cpu"}
         half, _ = half_on_disk_map(path)
+        model_cases = []
         for placement, dm in (("resident", resident), ("half on disk (warm)", half)):
-            cases.append(
+            model_cases.append(
                 {
                     "model": label,
                     "placement": placement,
@@ -108,40 +140,30 @@ def main(argv: list[str] | None = None) -> int:
                     "predicted_default": _predict(path, dtype, dm, work, context),
                 }
             )
-
-    cal = calibrate(work, say=print)
-    pc.save_calibration(cal, cal_path)
-    os.environ[pc.ENV_VAR] = str(cal_path)
-    print(cal.summary())
-    for case in cases:
-        case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
-        spec = {
-            "contender": "loadmaster",
-            "label": f"{case['model']} {case['placement']}",
-            "path": str(case["path"]),
-            "dtype": case["dtype"],
-            "device_map": case["device_map"],
-            "new_tokens": args.new_tokens,
-            "threads": args.threads,
-            "offload_folder": str(work / "offload"),
-        }
-        r = best_of(LOAD_MODULE, spec, args.repeats)
-        if "error" in r:
-            case["error"] = r["error"]
-            print(r["error"])
-            continue
-        case["measured"] = r["decode_tok_s"]
-        case["ratio"] = case["predicted"] / case["measured"]
-        case["within"] = "yes" if abs(case["ratio"] - 1) <= TOLERANCE else "no"
-        print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in case.items()}), flush=True)
+        # Calibrate right before this model's decodes, so both see the same neighbours' load.
+        os.environ[pc.ENV_VAR] = "off"
+        cal = calibrate(work, say=print)
+        pc.save_calibration(cal, cal_path)
+        os.environ[pc.ENV_VAR] = str(cal_path)
+        calibrations[label] = cal.to_dict()
+        print(cal.summary(), flush=True)
+        for case in model_cases:
+            _measure(case, args, work, context)
+        cases += model_cases
     print()
     table = print_table(cases, COLUMNS)
+    print(
+        f"torch threads {torch.get_num_threads()}; load average (1 min) {load_start[0]:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end; {machine_id()}"
+    )
     write_json(
         Path(args.out),
         {
             "bench": "calibration",
             "machine": machine(),
-            "calibration": cal.to_dict(),
+            "calibrations": calibrations,
+            "threads": torch.get_num_threads(),
+            "load_average": {"start": load_start, "end": os.getloadavg()},
             "context": context,
             "rows": [{k: (str(v) if isinstance(v, Path) else v) for k, v in c.items()} for c in cases],
             "table": table,

@@ -22,7 +22,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+#: 2: per-call kernel cost, rates fitted over a shape sweep, and the extra cost of a disk layer.
+FORMAT_VERSION = 2
 #: ``LOADMASTER_CALIBRATION``: a file path, or ``off`` to plan with the default figures.
 ENV_VAR = "LOADMASTER_CALIBRATION"
 
@@ -31,6 +32,8 @@ ENV_VAR = "LOADMASTER_CALIBRATION"
 class KernelRate:
     """Bytes of weights per second one decode-time linear path reaches, for one dtype.
 
+    A one-row product takes ``call_overhead + weight bytes / rate`` seconds: the two are fitted over a sweep of
+    matrix sizes, each read from a pool larger than the CPU's caches, as a decode step reads its weights once each.
     ``resident``: weights in RAM; ``mapped``: weights read in place from a memory-mapped file whose pages are
     cached (a warm ``disk`` block). ``path`` is ``native`` (loaders/cpu_kernels) or ``torch``.
     """
@@ -39,6 +42,8 @@ class KernelRate:
     path: str
     resident: float
     mapped: float
+    #: Seconds one call costs whatever its size (dispatch, thread fork/join, the first cache lines' latency).
+    call_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class Calibration:
     step_overhead: float
     #: Host -> GPU copy rate; None without a GPU.
     link: float | None = None
+    #: Seconds a decoder layer placed on ``disk`` (memory-mapped, warm, with its readahead hook) adds per decode step
+    #: over the same layer resident, besides reading its weights at the mapped rate.
+    disk_layer_overhead: float = 0.0
     version: int = FORMAT_VERSION
     notes: list[str] = field(default_factory=list)
 
@@ -68,16 +76,22 @@ class Calibration:
             return self.memory_read
         return k.mapped if mapped else k.resident
 
+    def call_overhead(self, dtype: str | None) -> float:
+        """Seconds one decode-time linear call of ``dtype`` costs besides its bytes (0 for dtypes not measured)."""
+        k = self.kernels.get(dtype or "")
+        return 0.0 if k is None else k.call_overhead
+
     def summary(self) -> str:
         kernels = ", ".join(
-            f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s" for k in self.kernels.values()
+            f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s + {k.call_overhead * 1e6:.0f} us/call"
+            for k in self.kernels.values()
         )
         link = f", link {self.link / 1e9:.1f} GB/s" if self.link else ""
         return (
             f"calibrated {self.created} on {self.machine}: memory {self.memory_read / 1e9:.1f} GB/s, "
             f"disk {self.disk_cold / 1e9:.2f} GB/s cold / {self.disk_warm / 1e9:.1f} warm{link}, "
-            f"kernels (resident/mapped) {kernels}, overhead {self.layer_overhead * 1e3:.2f} ms per layer + "
-            f"{self.step_overhead * 1e3:.2f} ms per step"
+            f"kernels (resident/mapped) {kernels}, overhead {self.layer_overhead * 1e3:.2f} ms per layer "
+            f"(+{self.disk_layer_overhead * 1e3:.2f} on disk) + {self.step_overhead * 1e3:.2f} ms per step"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +110,11 @@ class Calibration:
                 raise ValueError(f"{name} must be a positive number of bytes/s, got {value!r}")
             return float(value)
 
+        def seconds(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be seconds in [0, 1), got {value!r}")
+            return float(value)
+
         kernels_in = d.get("kernels")
         if not isinstance(kernels_in, Mapping) or not kernels_in:
             raise ValueError("kernels must be a non-empty object of dtype -> rates")
@@ -108,13 +127,8 @@ class Calibration:
                 path=k["path"],
                 resident=rate(f"kernels.{dtype}.resident", k.get("resident")),
                 mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")),
+                call_overhead=seconds(f"kernels.{dtype}.call_overhead", k.get("call_overhead", 0.0)),
             )
-
-        def seconds(name: str) -> float:
-            value = d.get(name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be seconds in [0, 1), got {value!r}")
-            return float(value)
 
         threads = d.get("threads")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -131,11 +145,38 @@ class Calibration:
             disk_cold=rate("disk_cold", d.get("disk_cold")),
             disk_warm=rate("disk_warm", d.get("disk_warm")),
             kernels=kernels,
-            layer_overhead=seconds("layer_overhead"),
-            step_overhead=seconds("step_overhead"),
+            layer_overhead=seconds("layer_overhead", d.get("layer_overhead")),
+            step_overhead=seconds("step_overhead", d.get("step_overhead")),
+            disk_layer_overhead=seconds("disk_layer_overhead", d.get("disk_layer_overhead", 0.0)),
             link=None if link is None else rate("link", link),
             notes=[str(n) for n in d.get("notes", [])],
         )
+
+
+@dataclass(frozen=True)
+class CallFit:
+    """``seconds = overhead + bytes / rate`` for one decode-time linear call, fitted over the sweep."""
+
+    rate: float
+    overhead: float
+
+
+def fit_calls(points: list[tuple[int, float]]) -> CallFit:
+    """Least squares of seconds per call against weight bytes, weighted so each point counts by its relative error
+    (the smallest calls would otherwise not count at all). A fit whose slope or intercept noise pushed out of range
+    falls back to the largest size's rate and no fixed cost."""
+    weights = [1.0 / (t * t) for _, t in points]
+    sw = sum(weights)
+    mx = sum(w * b for w, (b, _) in zip(weights, points)) / sw
+    my = sum(w * t for w, (_, t) in zip(weights, points)) / sw
+    sxx = sum(w * (b - mx) ** 2 for w, (b, _) in zip(weights, points))
+    sxy = sum(w * (b - mx) * (t - my) for w, (b, t) in zip(weights, points))
+    slope = sxy / sxx if sxx > 0 else 0.0
+    intercept = my - slope * mx
+    if slope <= 0 or intercept < 0:
+        b, t = max(points)
+        return CallFit(rate=b / t, overhead=0.0)
+    return CallFit(rate=1.0 / slope, overhead=intercept)
 
 
 def machine_id() -> str:

@@ -17,7 +17,8 @@ link. Disk-placed tensors are served from the checkpoint in place, so they cost 
 With a calibration of this machine (``loadmaster env --calibrate``, :mod:`planner.calibration`), the figures the
 caller did not set are replaced by measured ones: without GPUs, cpu blocks read at the rate the decode kernels
 reach for the workload's dtype, warm disk blocks at the rate they reach on memory-mapped weights, and each step
-pays the measured per-step and per-layer overhead; cold disk and checkpoint reads use the measured disk rate,
+pays the measured overheads (:func:`calibrated_overhead`): once per step, once per decoder layer (more for a layer
+on disk), and once per linear call outside the layers (the head); cold disk and checkpoint reads use the measured disk rate,
 and the host link its measured rate. The cost-model line then says so.
 """
 
@@ -66,6 +67,23 @@ def _calibrated_rates(hw: Hardware, cal: Calibration, has_gpu: bool, dtype: str 
     return out
 
 
+def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calibration, dtype: str | None) -> float:
+    """Seconds a CPU decode step spends besides reading weights and KV cache, from the calibration.
+
+    The per-layer figure was measured on a real decoder layer stack with its hooks (norms, attention, rotary,
+    residuals, and the fixed cost of its seven linear calls); a layer placed on ``disk`` adds its readahead hook and
+    mapped pages. Blocks outside the layers pay one linear call each for a head; the rest (embedding lookup, final
+    norm, sampling, the generation loop) is the per-step figure.
+    """
+    seconds = cal.step_overhead
+    for item, dev in zip(problem.items, assignment):
+        if item.is_layer:
+            seconds += cal.layer_overhead + (cal.disk_layer_overhead if dev == "disk" else 0.0)
+        elif item.is_head:
+            seconds += cal.call_overhead(dtype)
+    return seconds
+
+
 def compute_dtype(workload: Workload) -> str | None:
     """The dtype decode kernels read weights in (None when quantized: the calibrated kernel rates do not apply)."""
     return None if workload.quantization else workload.dtype
@@ -107,14 +125,14 @@ def predict(
     step = sum(seconds.values())
     line = COST_MODEL
     if cal is not None and not has_gpu:
-        layers = sum(1 for item in problem.items if item.is_layer)
-        overhead = cal.step_overhead + layers * cal.layer_overhead
+        overhead = calibrated_overhead(problem, assignment, cal, dtype)
         seconds["overhead"] = overhead
         step += overhead
     if cal is not None:
         used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
         extra = (
-            f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer"
+            f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer "
+            f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call"
             if "overhead" in seconds
             else ""
         )

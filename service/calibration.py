@@ -4,10 +4,16 @@
 - disk read rate, cold (pages dropped with ``posix_fadvise(DONTNEED)`` after an fsync) and warm, on a scratch
   file in the offload folder;
 - the host -> GPU link, where there is a GPU (pinned copies);
-- per dtype, the rate the decode-time linear path reaches (the native kernel where it loads, else torch), with
-  weights resident and with weights read in place from a memory-mapped file (a warm ``disk`` block);
-- the time a decode step spends per decoder layer and per step besides reading weights: two small Llamas (2 and
-  8 layers) loaded by our loader and decoded with ``generate``; the slope is per layer, the rest per step.
+- per dtype, the decode-time linear path (the native kernel where it loads, else torch): one-row products over a
+  sweep of matrix sizes (256 KiB to 32 MiB of weights), each size cut from a pool larger than the CPU's caches and
+  read once per pass, as a decode step reads its weights; ``seconds = fixed cost per call + bytes / rate`` fitted
+  over the sizes, with the weights resident and read in place from a memory-mapped file (a warm ``disk`` block);
+- the time a decode step spends besides reading weights: small, narrow Llamas (2 and 10 layers) loaded by our loader
+  (native linears, alignment and readahead hooks as served) and decoded with ``generate``; the slope is per layer,
+  the rest per step; the 10-layer one again with every layer on ``disk`` gives what a disk layer adds.
+
+Everything runs on torch's threads as set when it is called: the figures describe that thread count (recorded), and
+on a shared machine the neighbours' load of that moment.
 
 The record (:class:`planner.calibration.Calibration`) is validated and saved atomically to the user's cache.
 """
@@ -20,12 +26,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from planner.calibration import Calibration, KernelRate, machine_id
+from planner.calibration import Calibration, CallFit, KernelRate, fit_calls, machine_id
 
 log = logging.getLogger(__name__)
 
@@ -121,37 +128,69 @@ def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.T
     return "torch", lambda x, w: torch.nn.functional.linear(x, w)
 
 
-def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 7) -> KernelRate:
-    """Weight bytes/s of a one-row product (a decode step's linear), weights resident and memory-mapped."""
+#: Weight bytes of the matrices the kernel sweep times: from a 100M model's smallest projection to a 1B model's MLP.
+SWEEP_BYTES = (1 << 18, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+#: The inner (input) dimension of the swept matrices: a decoder's hidden size.
+SWEEP_WIDTH = 2048
+
+
+def _sweep(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pool: torch.Tensor, repeats: int) -> CallFit:
+    """Per matrix size, the typical time of a pass that multiplies one row by every matrix cut from ``pool`` in turn
+    (each read once, as a decode step reads each weight once; the pool is larger than the CPU's caches), divided by
+    the number of matrices; then the fit over sizes."""
+    elt = pool.element_size()
+    rows_total = pool.shape[0]
+    x = torch.randn(1, SWEEP_WIDTH).to(pool.dtype)
+    points = []
+    for nbytes in SWEEP_BYTES:
+        rows = max(nbytes // (SWEEP_WIDTH * elt), 1)
+        mats = [pool[i : i + rows] for i in range(0, rows_total - rows + 1, rows)]
+
+        def one_pass(mats: list[torch.Tensor] = mats) -> None:
+            for w in mats:
+                fn(x, w)
+
+        points.append((rows * SWEEP_WIDTH * elt, _typical_seconds(one_pass, repeats) / len(mats)))
+    return fit_calls(points)
+
+
+def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 3) -> KernelRate:
+    """One-row products (a decode step's linears) over a sweep of matrix sizes, weights resident and memory-mapped:
+    the fitted bytes/s and fixed seconds per call."""
     elt = torch.tensor([], dtype=dtype).element_size()
-    k = 4096
-    n = max(nbytes // (k * elt), 64)
+    rows = max(nbytes // (SWEEP_WIDTH * elt), 64)
     path_name, fn = _linear_fn(dtype)
     with torch.inference_mode():
-        x = torch.randn(1, k).to(dtype)
-        w = torch.randn(n, k).to(dtype)
-        resident = n * k * elt / _typical_seconds(lambda w=w: fn(x, w), repeats)
+        pool = torch.randn(rows, SWEEP_WIDTH).to(dtype)
+        resident = _sweep(fn, pool, repeats)
         fd, name = tempfile.mkstemp(prefix=".loadmaster-calibrate-", dir=folder)
         os.close(fd)
         try:
-            w.view(torch.uint8).numpy().tofile(name)
-            del w
-            mapped_w = torch.from_file(name, shared=True, size=n * k, dtype=dtype).view(n, k)  # reads in place
-            mapped = n * k * elt / _typical_seconds(lambda mapped_w=mapped_w: fn(x, mapped_w), repeats)
-            del mapped_w
+            pool.view(torch.uint8).numpy().tofile(name)
+            del pool
+            # read in place, as a disk block's weights are (views of the shard's mapping); the pages are cached
+            mapped_pool = torch.from_file(name, shared=True, size=rows * SWEEP_WIDTH, dtype=dtype)
+            mapped = _sweep(fn, mapped_pool.view(rows, SWEEP_WIDTH), repeats)
+            del mapped_pool
         finally:
             Path(name).unlink(missing_ok=True)
-    return KernelRate(dtype=str(dtype).removeprefix("torch."), path=path_name, resident=resident, mapped=mapped)
+    return KernelRate(
+        dtype=str(dtype).removeprefix("torch."),
+        path=path_name,
+        resident=resident.rate,
+        mapped=mapped.rate,
+        call_overhead=resident.overhead,
+    )
 
 
 def _small_llama(folder: Path, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=256,
+        intermediate_size=512,
         num_hidden_layers=layers,
-        num_attention_heads=4,
+        num_attention_heads=8,
         num_key_value_heads=2,
         vocab_size=256,
         max_position_embeddings=256,
@@ -162,14 +201,23 @@ def _small_llama(folder: Path, layers: int) -> Path:
     return out
 
 
-def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> float:
+def _layers_map(layers: int, where: str) -> dict[str, str]:
+    """Every decoder layer on ``where`` (``cpu`` or ``disk``), the rest of the model on the CPU."""
+    dm = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    dm.update({f"model.layers.{i}": where for i in range(layers)})
+    return dm
+
+
+def _decode_step_seconds(path: Path, device_map: dict[str, str], new_tokens: int = 24, repeats: int = 3) -> float:
     """Median seconds between generated tokens (all runs pooled) of a model loaded by our loader, as ``serve`` and
-    the benches load it."""
+    the benches load it: native linears, and on ``disk`` layers the memory maps and readahead hooks."""
     from transformers import StoppingCriteria
 
     from loaders import load_model
 
-    model = load_model(path, device_map={"": "cpu"}, dtype=torch.float32, show_progress=False)
+    model = load_model(
+        path, device_map=device_map, dtype=torch.float32, offload_folder=path / "offload", show_progress=False
+    )
 
     class Clock(StoppingCriteria):
         def __init__(self) -> None:
@@ -180,7 +228,7 @@ def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> 
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     gaps: list[float] = []
-    ids = torch.arange(1, 9).unsqueeze(0)
+    ids = torch.arange(1, 17).unsqueeze(0)
     with torch.inference_mode():
         for _ in range(repeats):
             clock = Clock()
@@ -196,19 +244,36 @@ def _decode_step_seconds(path: Path, new_tokens: int = 24, repeats: int = 3) -> 
     return statistics.median(gaps)
 
 
-def step_overheads(folder: Path) -> tuple[float, float]:
-    """(seconds per decoder layer, seconds per step) a decode step costs besides reading weights."""
+@dataclass(frozen=True)
+class StepOverheads:
+    """Seconds a decode step costs besides reading weights: per decoder layer, extra per disk layer, per step."""
+
+    per_layer: float
+    per_disk_layer: float
+    per_step: float
+
+
+def step_overheads(folder: Path) -> StepOverheads:
+    """Decode a small Llama (narrow layers, so reading their weights costs next to nothing) with 2 and with 10
+    layers: the slope is the cost of a layer, the rest the cost of a step; the 10-layer model once more with every
+    layer on ``disk`` gives what a disk layer adds (its readahead hook and mapped pages)."""
+    few, many = 2, 10
     with tempfile.TemporaryDirectory(prefix="loadmaster-calibrate-", dir=folder) as tmp:
-        few, many = 2, 8
-        t_few = _decode_step_seconds(_small_llama(Path(tmp), few))
-        t_many = _decode_step_seconds(_small_llama(Path(tmp), many))
+        small, big = _small_llama(Path(tmp), few), _small_llama(Path(tmp), many)
+        t_few = _decode_step_seconds(small, _layers_map(few, "cpu"))
+        t_many = _decode_step_seconds(big, _layers_map(many, "cpu"))
+        t_disk = _decode_step_seconds(big, _layers_map(many, "disk"))
     per_layer = max((t_many - t_few) / (many - few), 0.0)
-    return per_layer, max(t_few - few * per_layer, 0.0)
+    return StepOverheads(
+        per_layer=per_layer,
+        per_disk_layer=max((t_disk - t_many) / many, 0.0),
+        per_step=max(t_few - few * per_layer, 0.0),
+    )
 
 
 def calibrate(
     folder: Path,
-    size: int = 256 << 20,
+    size: int = 128 << 20,
     say: Say = log.info,
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
 ) -> Calibration:
@@ -230,10 +295,16 @@ def calibrate(
         say(f"decode linear path, {str(dtype).removeprefix('torch.')} ...")
         kr = kernel_rate(dtype, size, folder)
         kernels[kr.dtype] = kr
-        say(f"  {kr.path}: resident {kr.resident / 1e9:.1f} GB/s, memory-mapped {kr.mapped / 1e9:.1f} GB/s")
-    say("per-layer and per-step decode overhead (two small Llamas) ...")
-    per_layer, per_step = step_overheads(folder)
-    say(f"  {per_layer * 1e3:.3f} ms per layer, {per_step * 1e3:.3f} ms per step")
+        say(
+            f"  {kr.path}: resident {kr.resident / 1e9:.1f} GB/s, memory-mapped {kr.mapped / 1e9:.1f} GB/s, "
+            f"{kr.call_overhead * 1e6:.0f} us per call"
+        )
+    say("per-layer and per-step decode overhead (small Llamas, resident and on disk) ...")
+    over = step_overheads(folder)
+    say(
+        f"  {over.per_layer * 1e3:.3f} ms per layer (+{over.per_disk_layer * 1e3:.3f} on disk), "
+        f"{over.per_step * 1e3:.3f} ms per step"
+    )
     notes.append(f"measured in {time.perf_counter() - started:.1f} s with {torch.get_num_threads()} torch threads")
     return Calibration(
         machine=machine_id(),
@@ -243,8 +314,9 @@ def calibrate(
         disk_cold=cold,
         disk_warm=warm,
         kernels=kernels,
-        layer_overhead=per_layer,
-        step_overhead=per_step,
+        layer_overhead=over.per_layer,
+        step_overhead=over.per_step,
+        disk_layer_overhead=over.per_disk_layer,
         link=host_link,
         notes=notes,
     )
