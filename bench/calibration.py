@@ -1,16 +1,18 @@
 """Calibrated predictions against measured decode: the 100M (fp32) and 1B (bf16) Llamas, resident and half on disk.
 
-One run, side by side, because the machine is shared and its rates move with its neighbours' load:
+One run, side by side, because the machine is shared and its rates move with its neighbours' load. Per model:
 
-1. calibrate (``service.calibration.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file;
-2. predict each case with the planner, with the default figures and with the calibration;
-3. measure each case's decode tokens/s with ``bench/load.py``'s worker (our loader, fresh process, best of N);
-4. print predicted against measured, and whether the calibrated one is within +-25%.
+1. predict both cases with the planner's default figures;
+2. calibrate (``service.calibration.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file, right
+   before this model's decodes, so that calibration and decode see the same load;
+3. predict each case with that calibration, then measure its decode tokens/s with ``bench/load.py``'s worker (our
+   loader, fresh process, best of ``--repeats`` runs, each run's rate from its median gap between tokens);
+4. print predicted against measured, the ratio, whether it is within +-25%, and the load average.
 
 The prediction is made for the context actually decoded (prompt + new tokens), the same device map as measured
 (``bench/offload.py``'s half-on-disk map: the second half of the layers on disk, warm page cache).
 
-Run: ``.venv/bin/python -m bench.calibration [--models 100m,1b] [--repeats 2] [--out bench/results/calibration.json]``
+Run: ``.venv/bin/python -m bench.calibration [--models 100m,1b] [--repeats 3] [--threads N] [--out bench/results/calibration.json]``
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ COLUMNS = [
     ("measured", "measured tok/s"),
     ("ratio", "predicted / measured"),
     ("within", "within +-25%"),
-    ("load_average", "load avg"),
+    ("load_calibration", "load avg at calibration"),
+    ("load_average", "load avg at decode"),
 ]
 
 
@@ -122,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     cal_path = work / "calibration.json"
     context = PROMPT_TOKENS + args.new_tokens
 
-    os.environ[pc.ENV_VAR] = "off"
     cases = []
     calibrations = {}
     for label, path, dtype in models:
+        os.environ[pc.ENV_VAR] = "off"  # the default figures, not the previous model's calibration
         resident = {"": "cpu"}
         half, _ = half_on_disk_map(path)
         model_cases = []
@@ -141,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         # Calibrate right before this model's decodes, so both see the same neighbours' load.
-        os.environ[pc.ENV_VAR] = "off"
         cal = calibrate(work, say=print)
         pc.save_calibration(cal, cal_path)
         os.environ[pc.ENV_VAR] = str(cal_path)
         calibrations[label] = cal.to_dict()
+        for case in model_cases:
+            case["load_calibration"] = round(os.getloadavg()[0], 1)
         print(cal.summary(), flush=True)
         for case in model_cases:
             _measure(case, args, work, context)
