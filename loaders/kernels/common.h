@@ -18,6 +18,9 @@
  * 4-bit weights, one weight scale per group of each output channel. 64 int8 values fill one zmm register. */
 #define LM_GROUP 64
 
+/* For a kernel's inner block, instantiated once per constant row count so its accumulators stay in registers. */
+#define LM_ALWAYS_INLINE inline __attribute__((always_inline))
+
 static inline float lm_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
