@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from planner.devices import device_label, gpu_range_label
+from planner.devices import device_label, gpu_range_label, is_gpu
 from planner.inputs import ResolvedInputs, Strategy
 from planner.solve import Solution, fallbacks, fits
 from planner.strategies import Problem, compute_loads, sequential
@@ -104,6 +104,27 @@ def _describe_devices(hardware: Hardware) -> str:
     return ", ".join(parts)
 
 
+def _quantization_option(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy) -> str | None:
+    """The smallest quantization that fits, as the flag that gets it.
+
+    With a GPU that is bitsandbytes (``--quantization``). Without one, every layer computes on the CPU, where
+    bitsandbytes is the slowest path and the native int8 / 4-bit kernels the fastest, so the advice names
+    ``--cpu-quantization``. Its check plans with bitsandbytes' byte counts, which bound the native formats' from
+    above or equal them: int8 is one byte per weight plus a float32 scale per row in both (the native rows pad
+    to whole groups of 64 inputs: nothing for widths that are multiples of 64, as common models' are); nf4's float32 scale per 64 weights is
+    larger than int4's float16 one; and bitsandbytes leaves the output head in the compute dtype, which the
+    native schemes store as int8.
+    """
+    cpu_only = not any(is_gpu(d.id) for d in hardware.devices)
+    for bnb, native in (("int8", "int8"), ("nf4", "int4")):
+        dtype = workload.dtype if cpu_only or workload.dtype != "float32" else "float16"
+        if _feasible(skeleton, hardware, replace(workload, quantization=bnb, dtype=dtype), strategy):
+            if cpu_only:
+                return f"quantize to {native} on the CPU's native kernels (--cpu-quantization {native})"
+            return f"quantize to {bnb} (--quantization {bnb})"
+    return None
+
+
 def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = True) -> str:
     """Why ``solution`` (which does not fit) failed, in bytes per device, and, with ``advise``, every single change
     that would fit (each checked by solving again)."""
@@ -132,11 +153,9 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
         if _feasible(skeleton, hardware, w, strategy):
             options.append("run in bf16 (--dtype bf16)")
     if workload.quantization is None:
-        for q in ("int8", "nf4"):
-            w = replace(workload, quantization=q, dtype="float16" if workload.dtype == "float32" else workload.dtype)
-            if _feasible(skeleton, hardware, w, strategy):
-                options.append(f"quantize to {q} (--quantization {q})")
-                break
+        option = _quantization_option(skeleton, hardware, workload, strategy)
+        if option:
+            options.append(option)
     if workload.context > 1:
         c = _largest(
             1, workload.context - 1, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy)
