@@ -14,6 +14,7 @@ from typing import Any
 
 from planner.api import plan_inputs
 from planner.devices import device_label
+from planner.errors import PlanError
 from planner.estimate import estimate
 from planner.inputs import PlanInputs
 from planner.types import Plan
@@ -152,6 +153,14 @@ def format_plan(plan: Plan) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.nodes != 1 or args.micro_batches is not None or args.inter_host_bandwidth is not None:
+        from service.cluster_plan_cli import cluster_plan_from_args, format_cluster_plan
+
+        if args.svg or args.html:
+            raise PlanError("--svg and --html draw one host's plan; leave them out with --nodes")
+        cluster = cluster_plan_from_args(args, inputs_from_args(args))
+        sys.stdout.write((cluster.to_json() if args.json else format_cluster_plan(cluster)) + "\n")
+        return 0
     result = plan_inputs(args.model, inputs_from_args(args))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)
@@ -215,6 +224,9 @@ def register(subparsers: Any) -> None:
         metavar="FILE",
         help="also write the web page with this plan embedded (works offline, from a file)",
     )
+    from service.cluster_plan_cli import add_cluster_flags
+
+    add_cluster_flags(p)
     p.set_defaults(func=run_plan)
 
     e = subparsers.add_parser(
