@@ -38,6 +38,10 @@ class PipelineMismatchError(RuntimeError):
     """A rank planned a different pipeline than rank 0 (another model, plan or version)."""
 
 
+class PipelineBrokenError(RuntimeError):
+    """A rank died or stopped answering within the group's timeout: the whole group must be restarted."""
+
+
 def _loadmaster_version() -> str:
     try:
         return version("loadmaster")
@@ -109,19 +113,34 @@ class _Link:
             self.pending.append(dist.isend(t.contiguous(), self.next))
 
     def flush(self) -> None:
-        for w in self.pending:
-            w.wait()
-        self.pending.clear()
+        try:
+            for w in self.pending:
+                w.wait()
+        except RuntimeError as e:
+            raise PipelineBrokenError(f"pipeline rank {self.next} stopped receiving ({e}); restart the group") from e
+        finally:
+            self.pending.clear()
 
     def recv_header(self) -> Header:
         t = torch.zeros(5, dtype=torch.long)
-        dist.recv(t, self.prev)
+        self._recv(t)
         return Header.of(t)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, self.prev)
+        self._recv(t)
         return t
+
+    def _recv(self, t: torch.Tensor) -> None:
+        """A receive that a dead peer (connection closed) or a hung one (the group's timeout) turns into
+        :class:`PipelineBrokenError` naming the rank, instead of an endless wait."""
+        try:
+            dist.recv(t, self.prev)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1][:200]
+            raise PipelineBrokenError(
+                f"pipeline rank {self.prev} stopped answering ({first}); the group must be restarted"
+            ) from e
 
 
 def _run_layers(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,11 +23,15 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
     from loaders.pipeline_stage import load_stage
     from planner.cluster import plan_cluster
     from planner.inputs import PlanInputs
-    from service.pipeline import PipelineDriver, check_same_plan, serve_stage
+    from service.pipeline import PipelineBrokenError, PipelineDriver, check_same_plan, serve_stage
 
     torch.set_num_threads(1)  # several ranks share two cores here: spinning OpenMP pools would starve each other
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=job.get("timeout_s", 60)),
     )
     out = Path(job["out"])
     try:
@@ -53,9 +59,13 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
         delay = job.get("delay_s", 0.0)
         if rank == 0:
             driver = PipelineDriver(stage, plan.micro_batches, delay_s=delay)
-            record["tokens"] = driver.generate_greedy(job["prompts"], job["max_new_tokens"])
-            import time
-
+            t_start = time.perf_counter()
+            try:
+                record["tokens"] = driver.generate_greedy(job["prompts"], job["max_new_tokens"])
+            except PipelineBrokenError as e:
+                record.update(broken=str(e), seconds=time.perf_counter() - t_start)
+                (out / f"rank{rank}.json").write_text(json.dumps(record))
+                raise SystemExit(1) from e
             t0 = time.perf_counter()
             driver.step([])  # warm nothing: an empty step is free
             if job.get("timed_steps"):
@@ -63,10 +73,18 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
             record["overhead"] = time.perf_counter() - t0
             driver.stop()
         else:
+            if job.get("kill_rank") == rank:
+                threading.Timer(job["kill_after_s"], os._exit, args=(9,)).start()
             serve_stage(stage, delay_s=delay)
         (out / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
-        dist.destroy_process_group()
+        if not record_broken(out, rank):
+            dist.destroy_process_group()
+
+
+def record_broken(out: Path, rank: int) -> bool:
+    path = out / f"rank{rank}.json"
+    return path.exists() and "broken" in json.loads(path.read_text())
 
 
 def _timed(driver, job: dict) -> list[float]:
@@ -91,5 +109,12 @@ def run_ranks(world: int, job: dict, port: int) -> list[dict]:
     """Start ``world`` ranks, wait for them, and return each rank's record."""
     if START_METHOD == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    mp.start_processes(rank_main, args=(world, port, job), nprocs=world, join=True, start_method=START_METHOD)
-    return [json.loads((Path(job["out"]) / f"rank{r}.json").read_text()) for r in range(world)]
+    ctx = mp.start_processes(rank_main, args=(world, port, job), nprocs=world, join=False, start_method=START_METHOD)
+    for p in ctx.processes:
+        p.join(timeout=300)
+    codes = [p.exitcode for p in ctx.processes]
+    records = []
+    for r in range(world):
+        path = Path(job["out"]) / f"rank{r}.json"
+        records.append({**(json.loads(path.read_text()) if path.exists() else {}), "exitcode": codes[r]})
+    return records

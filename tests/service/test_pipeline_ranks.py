@@ -94,3 +94,15 @@ def test_a_rank_that_planned_differently_is_refused(tiny_llama, tmp_path):
     records = run_ranks(2, job, _port())
     for r in records:
         assert "rank 1 was started with a different plan" in r["error"]
+
+
+def test_a_killed_rank_fails_generation_and_rank_0_exits_non_zero_quickly(tiny_llama, tmp_path):
+    """Rank 1 dies mid-generation: rank 0's next receive fails (connection closed, or the group timeout for a hung
+    rank), it names the rank, and exits non-zero well within 30 s."""
+    job = {"model": str(tiny_llama), "prompts": PROMPTS, "max_new_tokens": 400, "out": str(tmp_path)}
+    job.update(delay_s=0.02, kill_rank=1, kill_after_s=3.0, timeout_s=20)
+    records = run_ranks(2, job, _port())
+    assert records[1]["exitcode"] == 9
+    assert records[0]["exitcode"] not in (0, None)
+    assert "pipeline rank 1 stopped answering" in records[0]["broken"]
+    assert records[0]["seconds"] < 30
