@@ -27,9 +27,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from loaders.checkpoint_layout import to_torch_index
 from loaders.errors import CheckpointError
 from loaders.model_tensors import init_non_persistent_buffers, non_persistent_buffers, set_tensor
 from loaders.safetensors_index import CheckpointIndex
+from planner.checkpoint_keys import tensor_source
 from planner.cluster import ClusterPlan, Stage
 from planner.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
 
@@ -160,22 +162,32 @@ def load_stage(checkpoint: str | Path, plan: ClusterPlan, index: int) -> StageMo
         n for n, _ in model.named_buffers() if n not in non_persistent_buffers(model)
     }
     base = getattr(model, "base_model_prefix", "")
+    shapes = {n: tuple(t.shape) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     for name in sorted(persistent):
         plain = name.replace(".real.", ".")
         ckpt_name = _checkpoint_name(plain, rename)
-        key = ckpt_name if ckpt_name in ckpt else ckpt_name.removeprefix(base + ".")
-        if key not in ckpt:
+        source = tensor_source(ckpt_name, shapes[name], ckpt, base)  # identity, no base prefix, or fused experts
+        if source is None:
             if plain in tied:
                 continue
             raise CheckpointError(f"stage {index}: tensor {ckpt_name} is not in the checkpoint {root}")
-        entry = ckpt[key]
-        with open(entry.file, "rb") as f:
-            f.seek(entry.start)
-            raw = bytearray(f.read(entry.end - entry.start))
-        t = torch.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape) if raw else torch.empty(entry.shape)
-        set_tensor(model, name, t.to(dtype) if t.is_floating_point() else t)
-        keys_read.append(key)
-        bytes_read += entry.end - entry.start
+        value = None
+        for piece in source.pieces:
+            entry = ckpt[piece.key]
+            with open(entry.file, "rb") as f:
+                f.seek(entry.start)
+                raw = bytearray(f.read(entry.end - entry.start))
+            t = torch.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape) if raw else torch.empty(entry.shape)
+            t = t.to(dtype) if t.is_floating_point() else t
+            if source.is_plain:
+                value = t
+            else:
+                value = torch.empty(shapes[name], dtype=t.dtype) if value is None else value
+                value[to_torch_index(piece.index)] = t
+            keys_read.append(piece.key)
+            bytes_read += entry.end - entry.start
+        assert value is not None
+        set_tensor(model, name, value)
     init_non_persistent_buffers(model, {})
     if index == 0:
         _tie(model)

@@ -42,7 +42,7 @@ def _reference(model_dir, prompts, n):
     return out
 
 
-@pytest.mark.parametrize(("fixture", "world"), [("tiny_llama", 2), ("tiny_gpt2", 3)])
+@pytest.mark.parametrize(("fixture", "world"), [("tiny_llama", 2), ("tiny_gpt2", 3), ("tiny_moe", 2)])
 def test_greedy_tokens_equal_transformers_and_each_rank_reads_only_its_stage(request, tmp_path, fixture, world):
     model_dir = request.getfixturevalue(fixture)
     job = {"model": str(model_dir), "prompts": PROMPTS, "max_new_tokens": 6, "out": str(tmp_path), "micro_batches": 2}
