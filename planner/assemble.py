@@ -13,7 +13,7 @@ from planner.cost_model import compute_dtype, predict
 from planner.device_map import merge_device_map
 from planner.devices import device_label
 from planner.solve import Solution
-from planner.strategies import compute_loads
+from planner.strategies import Problem, compute_loads
 from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
 from planner.units import format_bytes
 
@@ -37,6 +37,17 @@ def runs_of(assignment: list[DeviceId]) -> list[Run]:
     return runs
 
 
+def _device_map(skeleton: Skeleton, problem: Problem, placement: dict[str, DeviceId]) -> dict[str, DeviceId]:
+    """The merged device map of the blocks, plus a nested entry for each item split off a block (a MoE layer's
+    routed experts) that lives elsewhere than the rest of its block: transformers' most-specific-key rule."""
+    blocks = {b.name for b in skeleton.blocks}
+    merged = merge_device_map(skeleton, {n: d for n, d in placement.items() if n in blocks})
+    for it in problem.items:
+        if it.name not in blocks and placement[it.name] != placement[skeleton.blocks[it.block].name]:
+            merged[it.name] = placement[it.name]
+    return merged
+
+
 def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
     """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
     problem, assignment, strategy_name = solution.problem, solution.fill.assignment, solution.strategy
@@ -44,7 +55,8 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         raise ValueError("assemble() needs a solution that fits; explain the others with planner.advice")
     hw = problem.hardware
     loads = solution.fill.loads or compute_loads(problem, assignment)
-    placement = {b.name: dev for b, dev in zip(skeleton.blocks, assignment)}
+    names = [it.name for it in problem.items]  # the skeleton's blocks, MoE layers' routed experts split off
+    placement = dict(zip(names, assignment))
     budgets = []
     for d in hw.devices:
         budgets.append(
@@ -55,31 +67,41 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
                 kv_cache=loads.kv.get(d.id, 0),
                 activations=loads.activations.get(d.id, 0),
                 reserve=loads.reserve.get(d.id, 0),
-                blocks=[b.name for b, dev in zip(skeleton.blocks, assignment) if dev == d.id],
+                blocks=[n for n, dev in zip(names, assignment) if dev == d.id],
             )
         )
     prediction = predict(problem, assignment, loads, workload.batch_size, compute_dtype(workload))
-    offloaded = sum(it.weight for it, dev in zip(problem.items, assignment) if problem.computes_on(dev) != dev)
+    streamed = [problem.item_runs_on(i, dev) != dev for i, dev in enumerate(assignment)]
+    offloaded = sum(it.weight for it, s in zip(problem.items, streamed) if s)
     reasons = list(hw.notes) + list(solution.reasons)
-    for run in runs_of(assignment):
-        dev, first = run.device, skeleton.blocks[run.first].name
-        n = run.last - run.first + 1
-        span = first if n == 1 else f"{first} .. {skeleton.blocks[run.last].name} ({n} blocks)"
+    in_place = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
+    if in_place:  # routed experts split off their layers: one line for all, the layers' runs read as if whole
+        n_exp = len(in_place)
+        span = names[in_place[0]] if n_exp == 1 else f"{names[in_place[0]]} .. {names[in_place[-1]]} ({n_exp} blocks)"
+        reasons.append(
+            f"cpu <- routed experts {span} (computed on the CPU, reading only the experts each step routes to)"
+        )
+    kept = [i for i in range(len(assignment)) if i not in set(in_place)]
+    for kept_run in runs_of([assignment[i] for i in kept]):
+        run = Run(kept_run.device, kept[kept_run.first], kept[kept_run.last])
+        dev, first = run.device, names[run.first]
+        n = kept_run.last - kept_run.first + 1
+        span = first if n == 1 else f"{first} .. {names[run.last]} ({n} blocks)"
         cap = hw.get(dev).capacity  # type: ignore[union-attr]
         util = f", {loads.total(dev) / cap:.0%} of {format_bytes(cap)}" if cap else ""
         why = ""
         if run.first in problem.follows:
-            why = f" (tied to {skeleton.blocks[problem.follows[run.first]].name})"
-        elif run.first in problem.pinned and strategy_name.endswith("embeddings_on_cpu"):
+            why = f" (tied to {names[problem.follows[run.first]]})"
+        elif problem.items[run.first].is_embedding and run.first in problem.pinned and "_on_cpu" in strategy_name:
             why = " (input embeddings: decode reads one row per token, so they are offloaded first)"
         elif run.first in problem.pinned:
             why = " (as the custom map says)"
-        elif problem.computes_on(dev) != dev:
+        elif streamed[run.first]:
             why = " (offloaded: did not fit on faster devices)"
         reasons.append(f"{device_label(dev)} <- {span}{why}{util}")
     warnings = []
     if offloaded:
-        where = sorted({device_label(dev) for dev in assignment if problem.computes_on(dev) != dev})
+        where = sorted({device_label(dev) for dev, s in zip(assignment, streamed) if s})
         warnings.append(
             f"{format_bytes(offloaded)} of weights offloaded to {', '.join(where)}; they are streamed to "
             f"{device_label(problem.computes_on('cpu'))} for every token, which bounds decode speed"
@@ -92,7 +114,7 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     for i, anchor in problem.follows.items():
         if i > 0 and assignment[i] != assignment[i - 1]:
             warnings.append(
-                f"{skeleton.blocks[i].name} shares weights with {skeleton.blocks[anchor].name} and runs on "
+                f"{names[i]} shares weights with {names[anchor]} and runs on "
                 f"{device_label(assignment[i])}: one extra device hop per token"
             )
     return Plan(
@@ -100,7 +122,7 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         architecture=skeleton.architecture,
         strategy=strategy_name,
         workload=workload,
-        device_map=merge_device_map(skeleton, placement),
+        device_map=_device_map(skeleton, problem, placement),
         budgets=budgets,
         offloaded_bytes=offloaded,
         prediction=prediction,

@@ -113,8 +113,8 @@ def kv_geometry(cfg: Any, num_layers: int | None = None) -> KVGeometry | None:
 
 
 def model_sizes(cfg: Any) -> dict[str, int]:
-    """vocab/hidden/intermediate/heads. For MoE, ``intermediate_size`` is what one token activates:
-    ``num_experts_per_tok x per-expert size`` plus any shared expert(s)."""
+    """vocab/hidden/intermediate/heads/experts per token. For MoE, ``intermediate_size`` is what one token
+    activates: ``num_experts_per_tok x per-expert size`` plus any shared expert(s)."""
     cfg = text_config(cfg)
     hidden = int(config_value(cfg, "hidden_size", "n_embd", "d_model") or 0)
     inter = config_value(cfg, "intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
@@ -133,4 +133,5 @@ def model_sizes(cfg: Any) -> dict[str, int]:
         "hidden_size": hidden,
         "intermediate_size": int(inter or 0),
         "num_attention_heads": int(config_value(cfg, "num_attention_heads", "n_head", "num_heads") or 0),
+        "experts_per_token": int(top_k) if n_experts and top_k else 0,
     }

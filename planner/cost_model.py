@@ -27,11 +27,17 @@ from __future__ import annotations
 from planner.calibration import Calibration, calibration_path, load_calibration
 from planner.devices import device_key
 from planner.hardware import DEFAULT_BANDWIDTHS
+from planner.sizing import SizedBlock
 from planner.strategies import Loads, Problem
-from planner.types import DeviceId, Hardware, Prediction, Workload
+from planner.types import Device, DeviceId, Hardware, Prediction, Workload
+
+#: Per MoE layer whose routed experts compute on the CPU while GPUs compute the rest: the hidden states go to the
+#: host and back (two small copies and a synchronisation).
+CPU_EXPERT_HOP_SECONDS = 5e-5
 
 COST_MODEL = (
     "decode step = sum over blocks of bytes read per token / bandwidth of where they are read from "
+    "(routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute; whole blocks when streamed) "
     "(GPU memory; host link for cpu-offloaded blocks; RAM or disk read for disk blocks, warm if the disk share fits "
     "in free RAM) + KV cache / bandwidth of its device; tokens/s = batch / step; "
     "load = non-disk bytes / storage read + GPU bytes / host link"
@@ -84,6 +90,33 @@ def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calib
     return seconds
 
 
+def block_read_seconds(
+    item: SizedBlock, device: DeviceId, runs_on: DeviceId, rate: float, cpu_compute_rate: float | None
+) -> float:
+    """Seconds one decode step spends reading ``item`` placed on ``device`` (sparsity-aware).
+
+    A block that computes where it lives reads ``read_per_token`` (routed experts: only those the batch touches,
+    :mod:`planner.moe`) at ``rate``; routed experts kept on the CPU while GPUs compute read at the CPU's own memory
+    rate (``cpu_compute_rate``, None without GPUs) and pay a hop of the hidden states to the host and back. A
+    streamed block copies ``streamed`` bytes
+    (every tensor of it, touched or not) over the link.
+    """
+    if runs_on != device:
+        return item.streamed / rate
+    if item.in_place and device == "cpu" and cpu_compute_rate is not None:
+        return item.read_per_token / cpu_compute_rate + CPU_EXPERT_HOP_SECONDS
+    return item.read_per_token / rate
+
+
+def _cpu_compute_rate(cpu: Device | None, cal: Calibration | None, dtype: str | None) -> float:
+    """The rate the CPU reads weights it computes with itself: the calibrated kernel rate, else its bandwidth."""
+    if cpu is None:
+        return DEFAULT_BANDWIDTHS["cpu"]
+    if cal is not None and _is_default(cpu.bandwidth, "cpu"):
+        return cal.kernel_rate(dtype)
+    return cpu.bandwidth
+
+
 def compute_dtype(workload: Workload) -> str | None:
     """The dtype decode kernels read weights in (None when quantized: the calibrated kernel rates do not apply)."""
     return None if workload.quantization else workload.dtype
@@ -115,8 +148,11 @@ def predict(
         else:
             rate_of[dev_id] = measured.get("disk", dev.bandwidth)
     runs = problem.runs_on
-    for item, dev in zip(problem.items, assignment):
-        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + item.read_per_token / rate_of[dev]
+    cpu_compute_rate = _cpu_compute_rate(cpu, cal, dtype) if has_gpu else None
+    for i, (item, dev) in enumerate(zip(problem.items, assignment)):
+        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + block_read_seconds(
+            item, dev, problem.item_runs_on(i, dev), rate_of[dev], cpu_compute_rate
+        )
         if item.kv:
             runs_on = runs[dev]
             kv_rate = measured["kv"] if runs_on == "cpu" and "kv" in measured else by_id[runs_on].bandwidth

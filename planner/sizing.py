@@ -12,9 +12,10 @@ The byte counts are those bitsandbytes and transformers really allocate (checked
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.errors import PlanError
+from planner.moe import expert_bytes, moe_layers, sparse_read
 from planner.types import DTYPE_BYTES, FLOAT_DTYPES, Block, Skeleton, TensorSpec, Workload
 
 QUANTIZATIONS = ("int8", "nf4", "fp4")
@@ -126,15 +127,32 @@ class SizedBlock:
     is_head: bool
     is_embedding: bool
     is_layer: bool
-    #: Bytes read per decoded token: the whole weight, except an embedding, which reads one row per token.
+    #: Bytes a decode step reads when the block computes where it lives: the whole weight, except an embedding
+    #: (one row per sequence) and routed experts (only those the batch's tokens are sent to: :mod:`planner.moe`).
     read_per_token: int
+    #: Bytes a decode step copies when the block is streamed to the GPU: the whole block (the streamer copies every
+    #: tensor of it, touched or not), except an embedding's rows. Defaults to ``read_per_token``.
+    stream_per_token: int = -1
+    #: Bytes of routed experts inside this block.
+    expert_weight: int = 0
+    #: Computes on the device it is placed on even while GPUs compute the rest (routed experts kept on the CPU),
+    #: instead of being streamed to the first GPU.
+    in_place: bool = False
+    #: Index of the skeleton block this item is (part of).
+    block: int = -1
+
+    @property
+    def streamed(self) -> int:
+        return self.read_per_token if self.stream_per_token < 0 else self.stream_per_token
 
 
 def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
+    """One item per skeleton block. A MoE layer reads its routed experts sparsely when it computes in place."""
     kv_layer = kv_bytes_per_layer(skeleton, workload)
     out = []
     sized: dict[tuple, int] = {}  # (shape, dtype, kind, quantizable) -> bytes: layers repeat the same tensors
-    for b in skeleton.blocks:
+    experts = {m.layer: m for m in moe_layers(skeleton)}
+    for i, b in enumerate(skeleton.blocks):
         w = 0
         for t in b.tensors:
             key = t[1:]
@@ -147,6 +165,11 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
             read = int(w / rows) * workload.batch_size
         else:
             read = w
+        stream, expert_w = read, 0
+        moe = experts.get(b.name)
+        if moe is not None:
+            expert_w = expert_bytes(moe, lambda t: tensor_bytes(t, workload))[0]
+            read = w - expert_w + sparse_read(expert_w, moe, workload.batch_size)
         out.append(
             SizedBlock(
                 name=b.name,
@@ -156,6 +179,43 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
                 is_embedding=b.is_embedding,
                 is_layer=b.layer_index is not None,
                 read_per_token=read,
+                stream_per_token=stream,
+                expert_weight=expert_w,
+                block=i,
+            )
+        )
+    return out
+
+
+def split_experts(skeleton: Skeleton, items: list[SizedBlock], first: int = 0) -> list[SizedBlock]:
+    """The items with every MoE layer cut in two: the layer without its routed experts (attention, norms, router,
+    shared experts: read whole every step), then the routed experts as their own item, which computes where it is
+    placed (``in_place``) and reads only the experts a step touches. The device map names the second part by its
+    module path (``model.layers.N.mlp.experts``), as transformers' format allows. Layers before layer index
+    ``first`` stay whole."""
+    experts = {m.layer: m for m in moe_layers(skeleton) if m.layer_index >= first}
+    out: list[SizedBlock] = []
+    for it in items:
+        moe = experts.get(it.name)
+        if moe is None or it.expert_weight <= 0:
+            out.append(it)
+            continue
+        rest = it.weight - it.expert_weight
+        sparse = it.read_per_token - rest
+        out.append(replace(it, weight=rest, read_per_token=rest, stream_per_token=rest, expert_weight=0))
+        out.append(
+            SizedBlock(
+                name=moe.experts,
+                weight=it.expert_weight,
+                kv=0,
+                is_head=False,
+                is_embedding=False,
+                is_layer=False,
+                read_per_token=sparse,
+                stream_per_token=it.expert_weight,
+                expert_weight=it.expert_weight,
+                in_place=True,
+                block=it.block,
             )
         )
     return out

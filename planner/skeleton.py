@@ -558,6 +558,7 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
         hidden_size=skel.hidden_size,
         intermediate_size=skel.intermediate_size,
         num_attention_heads=skel.num_attention_heads,
+        experts_per_token=skel.experts_per_token,
         default_dtype=skel.default_dtype,
         checkpoint_keys=ckpt_keys,
     )

@@ -19,6 +19,7 @@ from planner.errors import PlanError
 from planner.inputs import ResolvedInputs, Strategy
 from planner.sizing import activation_bytes, logits_bytes, size_blocks
 from planner.strategies import STRATEGIES, FillResult, Problem, compute_loads, sequential
+from planner.sub_layer import experts_on_cpu_candidates, experts_on_cpu_reason
 from planner.types import DeviceId, Hardware, Skeleton, Workload
 
 STRATEGY_NAMES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -156,6 +157,12 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
         pinned_problem = replace(problem, pinned=_embedding_pins(skeleton, problem))
         if pinned_problem.pinned:
             tried.append(("sequential+embeddings_on_cpu", pinned_problem, sequential(pinned_problem)))
+    if (
+        problem.gpus
+        and problem.hardware.get("cpu")
+        and (seq.assignment is None or not all(map(is_gpu, seq.assignment)))
+    ):
+        tried += experts_on_cpu_candidates(skeleton, problem)
     candidates: list[Candidate] = []
     for name, p, r in tried:
         if r.assignment is None:
@@ -174,7 +181,10 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
     others = "; ".join(f"{c.name}: {c.summary()}" for c in candidates if c.name != chosen.name)
     if others:
         why += f" (vs {others})"
-    return Solution(chosen.problem, chosen.fill, f"auto:{chosen.name}", (why,))
+    reasons = (why,)
+    if any(it.in_place for it in chosen.problem.items):
+        reasons += (experts_on_cpu_reason(skeleton, chosen.problem, chosen.fill.assignment or [], workload),)
+    return Solution(chosen.problem, chosen.fill, f"auto:{chosen.name}", reasons)
 
 
 def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strategy: str) -> Solution:

@@ -83,6 +83,11 @@ class Problem:
         gpus = self.gpus
         return gpus[0].id if gpus else None
 
+    def item_runs_on(self, i: int, device: DeviceId) -> DeviceId:
+        """Where item ``i`` placed on ``device`` computes: in place for routed experts kept on the CPU
+        (:attr:`~planner.sizing.SizedBlock.in_place`), else as :meth:`computes_on` says."""
+        return device if self.items[i].in_place else self.runs_on[device]
+
     def computes_on(self, device: DeviceId) -> DeviceId:
         """Where a block placed on ``device`` runs: GPUs run their own; offloaded blocks run on the first GPU,
         or on the CPU when there is no GPU."""
@@ -121,7 +126,7 @@ def compute_loads(problem: Problem, assignment: list[DeviceId]) -> Loads:
     for i, dev in enumerate(assignment):
         w = weight[i]
         weights[dev] = weights.get(dev, 0) + w
-        runs_on = runs[dev]
+        runs_on = dev if problem.items[i].in_place else runs[dev]
         used_compute.add(runs_on)
         kv = problem.items[i].kv
         if kv:

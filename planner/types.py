@@ -95,6 +95,8 @@ class Skeleton:
     hidden_size: int = 0
     intermediate_size: int = 0
     num_attention_heads: int = 0
+    #: Routed experts each token is sent to (``num_experts_per_tok``); 0 for dense models.
+    experts_per_token: int = 0
     default_dtype: str = "float32"
     #: Tensor names as stored in the checkpoint when they differ from the module tree (fused MoE experts):
     #: block name -> checkpoint keys. Empty when names are identical.

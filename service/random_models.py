@@ -60,6 +60,19 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
         num_experts_per_tok=2,
         max_position_embeddings=1024,
     ),
+    ("qwen2_moe", "tiny"): dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=1024,
+    ),
 }
 
 # How many shards a default build aims for: even tiny models must exercise the sharded-index path.
@@ -81,7 +94,7 @@ def _torch_dtype(dtype: str):
 
 def make_config(kind: str, spec: dict[str, Any], tokenizer, dtype: str):
     """The transformers config for ``kind`` with vocab and special-token ids taken from the tokenizer."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     ids = dict(
         bos_token_id=tokenizer.bos_token_id,
@@ -95,6 +108,8 @@ def make_config(kind: str, spec: dict[str, Any], tokenizer, dtype: str):
         cfg = GPT2Config(vocab_size=vocab, tie_word_embeddings=True, **ids, **spec)
     elif kind == "mixtral":
         cfg = MixtralConfig(vocab_size=vocab, tie_word_embeddings=False, **ids, **spec)
+    elif kind == "qwen2_moe":
+        cfg = Qwen2MoeConfig(vocab_size=vocab, tie_word_embeddings=False, **ids, **spec)
     else:  # pragma: no cover - callers validate kind first
         raise ValueError(kind)
     cfg.dtype = dtype
@@ -201,7 +216,7 @@ def build_model(
     seed: int = 0,
     max_shard_size: str | int | None = None,
 ) -> Path:
-    """Build a random-weight model of ``kind`` ("llama", "gpt2", "mixtral") into ``out_dir`` and return it.
+    """Build a random-weight model of ``kind`` ("llama", "gpt2", "mixtral", "qwen2_moe") into ``out_dir`` and return it.
 
     The folder holds sharded safetensors with ``model.safetensors.index.json``, ``config.json``,
     ``generation_config.json`` and the tokenizer, loadable by plain ``from_pretrained``. The same

@@ -47,6 +47,11 @@ def tiny_moe() -> Path:
     return models.tiny_moe_dir()
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_moe() -> Path:
+    return models.tiny_qwen_moe_dir()
+
+
 def _starts_something(func: object, seen: set[object]) -> bool:
     """Whether ``func``'s source, or that of a same-module function it names, starts a process or a server."""
     func = inspect.unwrap(func)  # type: ignore[arg-type]

@@ -39,6 +39,11 @@ def tiny_moe_dir() -> Path:
     return build_model("mixtral", cache_dir() / "tiny-mixtral", size="tiny")
 
 
+def tiny_qwen_moe_dir() -> Path:
+    """Qwen2-MoE, 4 layers, 8 routed experts with top-2 routing and a gated shared expert; fp32, sharded."""
+    return build_model("qwen2_moe", cache_dir() / "tiny-qwen-moe", size="tiny")
+
+
 def llama_100m_dir(dtype: str = "float32") -> Path:
     """Llama with ~105M parameters (benchmarks only; a few seconds to build, ~420 MB in fp32)."""
     return build_model("llama", cache_dir() / f"llama-100m-{dtype}", size="100m", dtype=dtype)

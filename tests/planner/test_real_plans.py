@@ -45,12 +45,15 @@ def test_plan_weights_are_exact_and_plan_valid(real, hw_name, max_memory):
     assert sum(b.weights for b in p.budgets) == _exact_bytes(model)
     for b in p.budgets:
         assert b.total <= b.capacity, (name, hw_name, b.device)
-    # every tensor is covered by exactly one most-specific device map key, on its block's device
+    # every tensor is covered by exactly one most-specific device map key, on its block's device (or, for a MoE
+    # layer's routed experts split off their layer, on the device of that part: its most specific placement name)
     keys = sorted(p.device_map, key=len, reverse=True)
     owner = skel.block_of_tensor()
-    for tname, block in owner.items():
+    parts = sorted(p.placement, key=len, reverse=True)
+    for tname in owner:
         match = next(k for k in keys if k == "" or tname == k or tname.startswith(k + "."))
-        assert p.device_map[match] == p.placement[block]
+        part = next(n for n in parts if tname == n or tname.startswith(n + "."))
+        assert p.device_map[match] == p.placement[part]
     for group in skel.tied_groups:
         devs = {p.placement[owner[t]] for t in group if t in owner}
         head = [b.name for b in skel.blocks if b.is_head]
