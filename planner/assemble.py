@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from planner.cost_model import compute_dtype, predict
 from planner.device_map import merge_device_map
 from planner.devices import device_label
+from planner.moe import unquantized_experts_warning
+from planner.sizing import kv_explanation, tensor_bytes
 from planner.solve import Solution
 from planner.strategies import Problem, compute_loads
 from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
@@ -74,6 +76,9 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     streamed = [problem.item_runs_on(i, dev) != dev for i, dev in enumerate(assignment)]
     offloaded = sum(it.weight for it, s in zip(problem.items, streamed) if s)
     reasons = list(hw.notes) + list(solution.reasons)
+    kv_note = kv_explanation(skeleton, workload)
+    if kv_note:
+        reasons.append(kv_note)
     in_place = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
     if in_place:  # routed experts split off their layers: one line for all, the layers' runs read as if whole
         n_exp = len(in_place)
@@ -106,6 +111,9 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
             f"{format_bytes(offloaded)} of weights offloaded to {', '.join(where)}; they are streamed to "
             f"{device_label(problem.computes_on('cpu'))} for every token, which bounds decode speed"
         )
+    experts_note = unquantized_experts_warning(skeleton, workload, lambda t: tensor_bytes(t, workload))
+    if experts_note:
+        warnings.append(experts_note)
     for d in hw.gpus:
         if d.id not in set(assignment):
             warnings.append(f"{device_label(d.id)} holds nothing under this plan")

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.config_values import CONFIG_NAME, default_dtype, dtype_name, kv_geometry, model_sizes
+from planner.config_values import (
+    CONFIG_NAME,
+    SLIDING_DEFAULTS,
+    default_dtype,
+    dtype_name,
+    kv_geometry,
+    model_sizes,
+)
 from planner.types import Block, Skeleton, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -601,6 +608,9 @@ def _dtype_of(raw: Mapping[str, Any]) -> str | None:
     return default_dtype(value)
 
 
+_SLIDING_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "sliding_window_pattern", "max_window_layers")
+
+
 def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Skeleton | None:
     """The Skeleton of the causal LM ``config`` describes, or None when this family or config is not modelled here.
 
@@ -664,6 +674,10 @@ def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Sk
     geometry = dict(c.values)
     if gpt2:
         geometry.pop("head_dim", None)
+    # what the KV cache keeps per layer follows the raw config (and the class's default window), as the walk sees it
+    geometry.update({k: config[k] for k in _SLIDING_KEYS if k in config})
+    geometry.setdefault("sliding_window", SLIDING_DEFAULTS.get(family.model_type))
+    geometry["model_type"] = family.model_type
     return Skeleton(
         name=name,
         architecture=family.architecture,

@@ -109,7 +109,85 @@ def kv_geometry(cfg: Any, num_layers: int | None = None) -> KVGeometry | None:
         if not hidden:
             return None
         head_dim = int(hidden) // int(heads)
-    return KVGeometry(num_layers=int(layers), num_kv_heads=int(kv_heads), head_dim=int(head_dim))
+    values, layout = _latent_kv(cfg)
+    sliding, window = _sliding_layers(cfg, int(layers))
+    return KVGeometry(
+        num_layers=int(layers),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        values_per_token=values,
+        sliding_layers=sliding,
+        sliding_window=window,
+        layout=layout,
+    )
+
+
+def _latent_kv(cfg: Any) -> tuple[int, str]:
+    """Multi-head latent attention (DeepSeek-V2/V3, ``kv_lora_rank``): transformers 5's attention caches the
+    compressed latent (``kv_lora_rank``) and the shared rotary key (``qk_rope_head_dim``) once per token, not K and
+    V per head (tests/planner check this against the cache a small DeepSeek-V3 really fills)."""
+    rank, rope = config_value(cfg, "kv_lora_rank"), config_value(cfg, "qk_rope_head_dim")
+    if not isinstance(rank, int) or not isinstance(rope, int) or rank <= 0:
+        return 0, ""
+    heads = config_value(cfg, "num_attention_heads") or 0
+    nope, v = config_value(cfg, "qk_nope_head_dim") or 0, config_value(cfg, "v_head_dim") or 0
+    expanded = int(heads) * (int(nope) + int(rope) + int(v))
+    return rank + rope, (
+        f"multi-head latent attention: the KV cache holds the compressed latent (kv_lora_rank {rank} + "
+        f"qk_rope_head_dim {rope} = {rank + rope} values per token per layer), as transformers' implementation "
+        f"stores it, not per-head K and V ({expanded} values)"
+    )
+
+
+def _sliding_layers(cfg: Any, layers: int) -> tuple[tuple[int, ...], int]:
+    """(layers attending within a sliding window, the window), as transformers' caches decide: ``layer_types``
+    where the config has them; else every layer when ``sliding_window`` is set (Mistral-style) and not switched
+    off by ``use_sliding_window``. A config dict without ``layer_types`` whose family derives them (Gemma-2's
+    alternation) gets the family's derived pattern."""
+    window = config_value(cfg, "sliding_window")
+    use = config_value(cfg, "use_sliding_window")
+    if not isinstance(window, int) or window <= 0 or use is False:
+        return (), 0
+    if not use and str(config_value(cfg, "model_type")) in _SLIDING_FROM:  # Qwen: off unless switched on
+        return (), 0
+    types = config_value(cfg, "layer_types")
+    if types is None and isinstance(cfg, Mapping) and cfg.get("model_type"):
+        types = _derived_layer_types(dict(cfg))
+    if isinstance(types, (list, tuple)) and len(types) == layers:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention"), int(window)
+    return tuple(range(layers)), int(window)
+
+
+#: Families whose config classes derive ``layer_types`` when a config leaves them out: sliding every layer whose
+#: ``(i + 1) % pattern`` is not 0 (pattern: the ``sliding_window_pattern`` key, else the default).
+_SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}
+#: Families that slide from layer ``max_window_layers`` on when ``use_sliding_window`` is set.
+_SLIDING_FROM = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+#: ``sliding_window`` of the config classes that set one when a config leaves it out.
+SLIDING_DEFAULTS = {
+    "mistral": 4096,
+    "gemma2": 4096,
+    "gemma3_text": 4096,
+    "gemma3": 4096,
+    **dict.fromkeys(_SLIDING_FROM, 4096),  # used only where use_sliding_window switches it on
+}
+
+
+def _derived_layer_types(doc: dict) -> list[str] | None:
+    """``layer_types`` as the family's transformers config class derives them (None when it keeps all sliding).
+    Plain data: the planner core imports no transformers; tests/planner compare with the real caches."""
+    model_type = str(doc.get("model_type"))
+    n = int(doc.get("num_hidden_layers") or 0)
+    if model_type in _SLIDING_FROM:
+        first = doc.get("max_window_layers")
+        first = first if isinstance(first, int) else 0
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    pattern = _SLIDING_PATTERNS.get(model_type)
+    if pattern is None:
+        return None
+    if model_type != "gemma2":
+        pattern = doc.get("sliding_window_pattern", pattern)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
 
 
 def model_sizes(cfg: Any) -> dict[str, int]:

@@ -112,6 +112,31 @@ def sparse_read(total_expert_bytes: int, layer: MoELayer, batch: int) -> int:
     return int(math.ceil(total_expert_bytes * touched_fraction(layer.num_experts, layer.top_k, batch)))
 
 
+def unquantized_experts_warning(skeleton, workload, tensor_bytes) -> str | None:
+    """The plan's warning when ``workload.quantization`` (bitsandbytes) cannot apply to the routed experts.
+
+    bitsandbytes replaces ``nn.Linear`` modules; transformers 5 keeps each MoE layer's experts as fused 3-D
+    parameters, which it leaves in the compute dtype. The planner sizes them so (they are not ``quantizable``);
+    this says which they are and what they cost, so a user who asked for 4-bit knows most bytes are not.
+    """
+    if not workload.quantization:
+        return None
+    layers = moe_layers(skeleton)
+    fused = [t for m in layers for t in m.expert_tensors if len(t.shape) == 3 and not t.quantizable]
+    if not fused:
+        return None
+    total = sum(tensor_bytes(t) for t in fused)
+    leaves = sorted({t.name.rpartition(".")[2] for t in fused})
+    example = f"{layers[0].experts}.{{{','.join(leaves)}}}"
+    return (
+        f"--quantization {workload.quantization} (bitsandbytes) does not quantize fused 3-D expert parameters: the "
+        f"routed experts of {len(layers)} MoE layers ({example} and the like, {total:,} B = "
+        f"{total / 2**30:.1f} GiB) stay in {workload.dtype} and are sized so. What would shrink them: a smaller "
+        "--dtype, a checkpoint stored pre-quantized in a format transformers computes from (e.g. GPT-OSS's MXFP4, "
+        "DeepSeek-V3's FP8), or keeping them in host RAM where the CPU computes them (the experts_on_cpu plan)"
+    )
+
+
 __all__ = [
     "MoELayer",
     "expected_experts_touched",
@@ -120,4 +145,5 @@ __all__ = [
     "moe_layers_of",
     "sparse_read",
     "touched_fraction",
+    "unquantized_experts_warning",
 ]

@@ -90,12 +90,35 @@ def block_bytes(block: Block, workload: Workload) -> int:
     return sum([tensor_bytes(t, workload) for t in block.tensors])
 
 
-def kv_bytes_per_layer(skeleton: Skeleton, workload: Workload) -> int:
-    """K and V for ``batch_size × context`` tokens of one layer, in the compute dtype."""
+def kv_bytes_per_layer(skeleton: Skeleton, workload: Workload, layer: int | None = None) -> int:
+    """K and V for ``batch_size × context`` tokens of one layer (``layer``: its index, for a sliding-window layer,
+    which keeps at most its window), in the compute dtype. Latent caches (MLA) store what
+    :class:`~planner.types.KVGeometry` says they store."""
     if skeleton.kv is None:
         return 0
-    per_token = 2 * skeleton.kv.num_kv_heads * skeleton.kv.head_dim * DTYPE_BYTES[workload.dtype]
-    return int(per_token * workload.batch_size * workload.context)
+    per_token = skeleton.kv.per_token * DTYPE_BYTES[workload.dtype]
+    tokens = workload.context if layer is None else skeleton.kv.tokens_kept(layer, workload.context)
+    return int(per_token * workload.batch_size * tokens)
+
+
+def kv_explanation(skeleton: Skeleton, workload: Workload) -> str | None:
+    """The plan's sentence on how the KV cache was sized, when it is not plain per-head K and V at full context."""
+    kv = skeleton.kv
+    if kv is None or not (kv.layout or kv.sliding_layers):
+        return None
+    per_layer = kv_bytes_per_layer(skeleton, workload)
+    parts = [
+        f"KV cache for batch {workload.batch_size} x context {workload.context}: "
+        f"{kv.per_token} values per token per layer ({per_layer:,} B per full layer)"
+    ]
+    if kv.layout:
+        parts.append(kv.layout)
+    if kv.sliding_layers:
+        parts.append(
+            f"{len(kv.sliding_layers)} of {kv.num_layers} layers attend within a sliding window of {kv.sliding_window} "
+            f"tokens and are sized at min(context, window) = {min(workload.context, kv.sliding_window)} tokens"
+        )
+    return "; ".join(parts)
 
 
 def activation_bytes(skeleton: Skeleton, workload: Workload) -> int:
@@ -107,7 +130,7 @@ def activation_bytes(skeleton: Skeleton, workload: Workload) -> int:
     transformers uses by default on GPUs.
     """
     hidden = skeleton.hidden_size
-    kv_width = 2 * skeleton.kv.num_kv_heads * skeleton.kv.head_dim if skeleton.kv else 2 * hidden
+    kv_width = skeleton.kv.per_token if skeleton.kv else 2 * hidden
     per_token = 4 * hidden + kv_width + 2 * max(skeleton.intermediate_size, 0)
     return int(per_token * workload.batch_size * workload.context * DTYPE_BYTES[workload.dtype])
 
@@ -152,6 +175,7 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
     out = []
     sized: dict[tuple, int] = {}  # (shape, dtype, kind, quantizable) -> bytes: layers repeat the same tensors
     experts = {m.layer: m for m in moe_layers(skeleton)}
+    sliding = set(skeleton.kv.sliding_layers) if skeleton.kv is not None and skeleton.kv.sliding_window else set()
     for i, b in enumerate(skeleton.blocks):
         w = 0
         for t in b.tensors:
@@ -174,7 +198,9 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
             SizedBlock(
                 name=b.name,
                 weight=w,
-                kv=kv_layer if b.layer_index is not None else 0,
+                kv=(kv_layer if b.layer_index not in sliding else kv_bytes_per_layer(skeleton, workload, b.layer_index))
+                if b.layer_index is not None
+                else 0,
                 is_head=b.is_head,
                 is_embedding=b.is_embedding,
                 is_layer=b.layer_index is not None,

@@ -73,11 +73,31 @@ class Block:
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What one token costs in the KV cache: per layer, K and V of ``num_kv_heads × head_dim`` each."""
+    """What one token costs in the KV cache: per layer, K and V of ``num_kv_heads × head_dim`` each, unless the
+    attention caches something else (``values_per_token``: DeepSeek's multi-head latent attention caches the
+    compressed latent). Sliding-window layers keep at most ``sliding_window`` tokens."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    #: Elements one token stores per layer when that is not ``2 × num_kv_heads × head_dim`` (0: it is).
+    values_per_token: int = 0
+    #: Indices of the layers that attend within a sliding window of ``sliding_window`` tokens.
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
+    #: What the cache holds, in words, when it is not plain per-head K and V (the plan's reasons quote it).
+    layout: str = ""
+
+    @property
+    def per_token(self) -> int:
+        """Elements one token stores in one (full-attention) layer's cache."""
+        return self.values_per_token or 2 * self.num_kv_heads * self.head_dim
+
+    def tokens_kept(self, layer: int, context: int) -> int:
+        """Tokens layer ``layer`` keeps for a sequence of ``context`` tokens."""
+        if self.sliding_window and layer in self.sliding_layers:
+            return min(context, self.sliding_window)
+        return context
 
 
 @dataclass(frozen=True)

@@ -122,3 +122,64 @@ def test_mixtral_on_one_24gib_gpu_keeps_attention_on_gpu_and_experts_on_cpu():
     why = " ".join(auto.reasons)
     assert "compute on the CPU" in why and "2 of 8 experts" in why
     assert auto.offloaded_bytes < 2**30  # nothing but the input embeddings is streamed
+
+
+def test_nf4_on_a_moe_config_warns_about_the_experts_and_sizes_them_truthfully():
+    """bitsandbytes leaves transformers 5's fused 3-D expert parameters in the compute dtype: the plan sizes them in
+    bf16 and its warning names them and their bytes."""
+    from planner.sizing import tensor_bytes
+
+    cfg = str(CONFIGS / "mixtral-8x7b.json")
+    skel = load_skeleton(cfg)
+    nf4 = plan(cfg, quantization="nf4", max_memory={"cpu": "256GiB"})
+    experts = [t for m in moe_layers(skel) for t in m.expert_tensors]
+    bf16_bytes = sum(t.numel * 2 for t in experts)
+    assert sum(tensor_bytes(t, nf4.workload) for t in experts) == bf16_bytes
+    warning = next(w for w in nf4.warnings if "does not quantize fused 3-D expert parameters" in w)
+    assert f"{bf16_bytes:,} B" in warning and "model.layers.0.mlp.experts" in warning
+    # the rest (attention, router, head excluded) is 4-bit: total weights are the bf16 experts plus much less
+    assert bf16_bytes < sum(b.weights for b in nf4.budgets) < bf16_bytes * 1.05
+    assert not any("does not quantize" in w for w in plan(cfg, max_memory={"cpu": "256GiB"}).warnings)
+
+
+NEW_CONFIGS = {
+    "qwen3-moe-30b-a3b": ("Qwen3MoeConfig", dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)),
+    "gpt-oss-20b": ("GptOssConfig", dict(num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24)),
+    "gpt-oss-120b": ("GptOssConfig", dict(num_local_experts=128, num_experts_per_tok=4, num_hidden_layers=36)),
+    "deepseek-v3": ("DeepseekV3Config", dict(n_routed_experts=256, num_experts_per_tok=8, kv_lora_rank=512)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_CONFIGS))
+def test_published_moe_configs_are_valid_and_plan(name):
+    """The example configs are read by transformers' own config classes (with the published values), and plan on
+    one 24 GiB GPU with the experts that do not fit computing on the CPU."""
+    import json
+
+    import transformers
+
+    from planner.skeleton import config_from_dict
+
+    doc = json.loads((CONFIGS / f"{name}.json").read_text())
+    cls_name, expected = NEW_CONFIGS[name]
+    cfg = config_from_dict(doc)
+    assert isinstance(cfg, getattr(transformers, cls_name))
+    for key, value in expected.items():
+        assert getattr(cfg, key) == value, key
+    skel = load_skeleton(str(CONFIGS / f"{name}.json"))
+    assert moe_layers(skel) and skel.experts_per_token == expected["num_experts_per_tok"]
+    p = plan(skel, gpus="1x24GiB", max_memory={"cpu": "2TiB"})
+    assert "experts_on_cpu" in p.strategy and p.prediction.decode_tokens_per_s > 0
+
+
+def test_deepseek_v3_on_eight_80gb_gpus_leaves_no_gpu_empty():
+    """Issue 15 acceptance: --gpus 8x80GB --max-memory cpu=2TiB at batch 4 x 8192. One MoE layer (~21 GiB) plus the
+    double buffer streaming needs do not fit a GPU's spare room, so layer-wise offload left every GPU empty; now the
+    GPUs hold whole layers and every layer's attention, and no GPU is empty."""
+    p = plan(str(CONFIGS / "deepseek-v3.json"), gpus="8x80GB", max_memory={"cpu": "2TiB"}, batch_size=4, context=8192)
+    used = set(p.placement.values())
+    assert set(range(8)) <= used
+    assert not any("holds nothing" in w for w in p.warnings)
+    assert all(b.total <= b.capacity for b in p.budgets)
+    for i in range(61):
+        assert isinstance(p.placement[f"model.layers.{i}"], int)  # attention and the dense/shared parts on GPUs
