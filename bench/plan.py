@@ -10,7 +10,8 @@ synthetic MoE with over 150k tensors, it measures, in one run:
   exceeds the device.
 
 The real architectures are the published configs in ``examples/configs``. Prints a table and writes JSON (``--out``).
-Run from the repository root: ``.venv/bin/python -m bench.plan``.
+Run from the repository root: ``.venv/bin/python -m bench.plan``. ``--moe`` prints the mixture-of-experts table
+instead: predicted tokens/s of layer-wise offload against the sparsity-aware ``auto`` (issue 15, docs/moe.md).
 """
 
 from __future__ import annotations
@@ -270,6 +271,70 @@ def scaling(points: tuple[int, ...] = (1_000, 10_000, 100_000), repeats: int = 3
     return rows
 
 
+#: The MoE table: (config stem, GPUs, cpu RAM) with layer-wise offload against the sparsity-aware plan (issue 15).
+MOE_CASES = [
+    ("mixtral-8x7b", "1x24GiB", "256GiB"),
+    ("mixtral-8x7b", "8x80GB", "2TiB"),
+    ("qwen3-moe-30b-a3b", "1x24GiB", "256GiB"),
+    ("qwen3-moe-30b-a3b", "8x80GB", "2TiB"),
+    ("gpt-oss-120b", "1x24GiB", "256GiB"),
+    ("gpt-oss-120b", "8x80GB", "2TiB"),
+    ("deepseek-v3", "1x80GB", "2TiB"),
+    ("deepseek-v3", "8x80GB", "2TiB"),
+]
+MOE_BATCHES = (1, 4)
+MOE_CONTEXT = 4096
+
+
+def moe_table() -> list[dict[str, Any]]:
+    """Predicted decode tokens/s of the layer-wise plans (best of sequential and balanced: whole layers on the
+    GPUs, the rest streamed) against ``auto``, which may keep routed experts on the CPU; both under the
+    sparsity-aware cost model, bf16, on declared hardware (no machine needed)."""
+    rows = []
+    for stem, gpus, cpu in MOE_CASES:
+        path = str(CONFIGS / f"{stem}.json")
+        for batch in MOE_BATCHES:
+            kw = dict(gpus=gpus, max_memory={"cpu": cpu}, dtype="bf16", batch_size=batch, context=MOE_CONTEXT)
+            layer_wise = max(
+                (plan(path, strategy=s, **kw) for s in ("sequential", "balanced")),
+                key=lambda p: p.prediction.decode_tokens_per_s,
+            )
+            auto = plan(path, **kw)
+            gpus_used = len({d for d in auto.placement.values() if isinstance(d, int)})
+            rows.append(
+                {
+                    "model": stem,
+                    "gpus": gpus,
+                    "cpu": cpu,
+                    "batch": batch,
+                    "layer_wise_strategy": layer_wise.strategy,
+                    "layer_wise_tokens_per_s": layer_wise.prediction.decode_tokens_per_s,
+                    "layer_wise_streamed": layer_wise.offloaded_bytes,
+                    "auto_strategy": auto.strategy,
+                    "auto_tokens_per_s": auto.prediction.decode_tokens_per_s,
+                    "auto_streamed": auto.offloaded_bytes,
+                    "auto_gpus_used": gpus_used,
+                    "ratio": auto.prediction.decode_tokens_per_s / layer_wise.prediction.decode_tokens_per_s,
+                }
+            )
+    return rows
+
+
+def print_moe_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\nMoE: layer-wise offload against auto (sparsity-aware), bf16, context {MOE_CONTEXT}, predicted tok/s")
+    print(
+        f"{'model':<18} {'hardware':<17} {'batch':>5} {'layer-wise':>10} {'streamed':>9} {'auto':>9} "
+        f"{'streamed':>9} {'ratio':>6} {'GPUs':>4}  auto strategy"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:<18} {r['gpus'] + ' + ' + r['cpu']:<17} {r['batch']:>5} "
+            f"{r['layer_wise_tokens_per_s']:>10.3g} {format_bytes(r['layer_wise_streamed']):>9} "
+            f"{r['auto_tokens_per_s']:>9.3g} {format_bytes(r['auto_streamed']):>9} {r['ratio']:>5.1f}x "
+            f"{r['auto_gpus_used']:>4}  {r['auto_strategy']}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan.json"))
@@ -277,9 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(sorted(real_configs()) + ["synthetic-moe"]))
     ap.add_argument("--moe-layers", type=int, default=40)
     ap.add_argument("--moe-experts", type=int, default=1280)
+    ap.add_argument("--moe", action="store_true", help="print only the MoE table (layer-wise against sparsity-aware)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.moe:
+        rows = moe_table()
+        print_moe_table(rows)
+        out = Path(args.out).with_name("plan_moe.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"context": MOE_CONTEXT, "rows": rows}, indent=2))
+        print(f"\nwrote {out}")
+        return 0
     max_memory: dict[Any, str] = {i: GPU_SIZE for i in range(GPUS)}
     max_memory["cpu"] = CPU_SIZE
     results = []
