@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from loaders.streaming import move_to
+from loaders.streaming import install_gpu_execution, move_to
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -63,4 +63,21 @@ def install_cpu_experts(model: torch.nn.Module, keys: list[str]) -> list[torch.u
     return handles
 
 
-__all__ = ["cpu_expert_entries", "install_cpu_experts"]
+def install_gpu_execution_with_cpu_experts(
+    model: torch.nn.Module,
+    device_map: Mapping[str, DeviceId],
+    placement: Mapping[str, DeviceId],
+    exec_device: torch.device,
+    **kwargs,
+):
+    """:func:`loaders.streaming.install_gpu_execution` for a map whose routed experts may sit on the CPU: those
+    compute there (:func:`install_cpu_experts`) and are left out of the map the GPU wiring sees, so they are neither
+    aligned to the GPU nor streamed (their layer's entry, on a GPU, covers them there). ``kwargs``: backend and
+    gpu_device stand-ins, as install_gpu_execution takes them. Returns its streamer."""
+    experts = cpu_expert_entries(model, device_map)
+    install_cpu_experts(model, experts)
+    rest = {k: v for k, v in device_map.items() if k not in experts}
+    return install_gpu_execution(model, rest, placement, exec_device, **kwargs)
+
+
+__all__ = ["cpu_expert_entries", "install_cpu_experts", "install_gpu_execution_with_cpu_experts"]

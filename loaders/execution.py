@@ -5,8 +5,8 @@
   (:mod:`loaders.cpu_quant`), and small linear products run on the native CPU kernels (:mod:`loaders.fast_linear`)
   where they build.
 * With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
-  the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`). Every block computes on a GPU,
-  so no CPU kernel is switched on.
+  the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`); routed experts the plan puts
+  on the CPU compute there (:mod:`loaders.cpu_experts`). No native CPU kernel is switched on.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loaders.cpu_experts import install_gpu_execution_with_cpu_experts
 from loaders.cpu_quant import QuantizationStats, quantize_cpu_linears
 from loaders.device_map import entry_of, ordered_entries
 from loaders.fast_linear import use_native_linears
 from loaders.placement import PlacedModel
 from loaders.readahead import DiskReadahead, merge_ranges
-from loaders.streaming import install_gpu_execution
 from planner.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def apply_execution(
                 "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
                 "(bitsandbytes) for GPU layers."
             )
-        install_gpu_execution(model, device_map, placed.tensor_devices, placed.execution_device)
+        install_gpu_execution_with_cpu_experts(model, device_map, placed.tensor_devices, placed.execution_device)
         return Execution()
     by_entry: dict[str, list] = OrderedDict()
     for name, rng in placed.disk_ranges.items():

@@ -450,11 +450,7 @@ def install_gpu_execution(
     ``backend`` defaults to CUDA on ``exec_device``; tests pass :class:`CpuBackend` with ``exec_device=cpu`` to
     run this exact wiring on a machine without GPUs, and ``gpu_device`` to stand other devices in for GPU ids.
     """
-    from loaders.cpu_experts import cpu_expert_entries, install_cpu_experts  # it builds on move_to, below
-
-    cpu_experts = cpu_expert_entries(model, device_map)  # computed on the CPU in place: neither aligned nor streamed
-    install_cpu_experts(model, cpu_experts)
-    entries = [k for k in ordered_entries(model, device_map) if k not in cpu_experts]
+    entries = ordered_entries(model, device_map)
     keys = list(device_map)
     for key in entries:
         dev = device_map[key]

@@ -37,10 +37,16 @@ CPU_EXPERT_HOP_SECONDS = 5e-5
 
 COST_MODEL = (
     "decode step = sum over blocks of bytes read per token / bandwidth of where they are read from "
-    "(routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute; whole blocks when streamed) "
     "(GPU memory; host link for cpu-offloaded blocks; RAM or disk read for disk blocks, warm if the disk share fits "
     "in free RAM) + KV cache / bandwidth of its device; tokens/s = batch / step; "
     "load = non-disk bytes / storage read + GPU bytes / host link"
+)
+
+
+#: Appended to the cost-model line for mixture-of-experts models.
+MOE_COST_MODEL = (
+    "; routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute (routed experts kept on the "
+    "cpu compute there at host memory speed, plus a hop of the hidden states), whole blocks when streamed"
 )
 
 
@@ -160,6 +166,8 @@ def predict(
     seconds = {device_key(d): v for d, v in seconds_by_dev.items()}
     step = sum(seconds.values())
     line = COST_MODEL
+    if any(item.expert_weight or item.in_place for item in problem.items):
+        line += MOE_COST_MODEL
     if cal is not None and not has_gpu:
         overhead = calibrated_overhead(problem, assignment, cal, dtype)
         seconds["overhead"] = overhead

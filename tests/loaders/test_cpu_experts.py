@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import loaders
-from loaders.cpu_experts import cpu_expert_entries
-from loaders.streaming import CpuBackend, install_gpu_execution
+from loaders.cpu_experts import cpu_expert_entries, install_gpu_execution_with_cpu_experts
+from loaders.streaming import CpuBackend
 from planner.api import plan
 from tests.loaders.helpers import assert_equivalent
 
@@ -46,7 +46,7 @@ def test_experts_on_cpu_match_transformers(fixture, request):
         assert loaders.device_map.entry_of(f"model.layers.{i}.self_attn.q_proj.weight", dm) in dm
         assert dm[loaders.device_map.entry_of(f"model.layers.{i}.self_attn.q_proj.weight", dm)] == 0
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
-    streamer = install_gpu_execution(
+    streamer = install_gpu_execution_with_cpu_experts(
         model, dm, placement, torch.device("cpu"), backend=CpuBackend(), gpu_device=lambda i: torch.device("cpu")
     )
     streamed = {b.key for b in streamer.blocks} if streamer is not None else set()
@@ -56,22 +56,22 @@ def test_experts_on_cpu_match_transformers(fixture, request):
 
 def test_cpu_experts_receive_host_inputs_and_return_to_the_gpu(tiny_moe):
     """GPU 0 and the execution device are ``meta``: the experts must get their inputs on the CPU (where their
-    weights are) and hand their output back on the GPU; attention must get its inputs on the GPU."""
+    weights are) and hand their output back on the GPU; their layer must get its inputs on the GPU."""
     model = loaders.load_model(tiny_moe, device_map={"": "cpu"}, show_progress=False)
-    dm = {"": 0, "model.layers.1.mlp.experts": "cpu"}
+    dm = {"": 0, "model.layers.1": 0, "model.layers.1.mlp.experts": "cpu"}
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
-    install_gpu_execution(
+    install_gpu_execution_with_cpu_experts(
         model, dm, placement, torch.device("meta"), backend=CpuBackend(), gpu_device=lambda i: torch.device("meta")
     )
     seen = {}
     experts = model.model.layers[1].mlp.experts
     experts.forward = lambda h, idx, w: seen.setdefault("experts", h.device) and h * 2
-    attn = model.model.layers[1].self_attn  # a piece split off the "" entry around the experts: aligned
-    attn.forward = lambda x: seen.setdefault("attn", x.device) and x
+    layer = model.model.layers[1]  # the experts' layer, on GPU 0: aligned there
+    layer.forward = lambda x, *a, **k: seen.setdefault("layer", x.device) and x
     h = torch.ones(3, 64)
     out = experts(h, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
-    attn(h)
-    assert seen == {"experts": torch.device("cpu"), "attn": torch.device("meta")}
+    layer(h)
+    assert seen == {"experts": torch.device("cpu"), "layer": torch.device("meta")}
     assert out.device.type == "cpu"  # called from the CPU, returned to the CPU
     # the output goes back to the device the caller computes on (a meta tensor cannot be copied to the host, so the
     # caller's device is recorded as the pre-hook would for a call from GPU 0)
