@@ -344,12 +344,22 @@ class Validator:
         return self.grammars.compile(spec)
 
     def _response_format(self, fmt: dict[str, Any] | None) -> Any:
-        """OpenAI's ``response_format``, compiled; ``None`` for plain text."""
+        """OpenAI's ``response_format``, compiled; ``None`` for plain text. TGI's chat shape is taken too:
+        ``{"type": "json" | "json_object", "value": <schema>}`` (what huggingface_hub sends for a JSON schema) and
+        ``{"type": "regex", "value": "..."}``."""
         if fmt is None:
             return None
         kind = fmt.get("type")
         if kind == "text":
             return None
+        if kind in ("json", "json_object") and fmt.get("value") is not None:
+            field = "response_format.value"
+            return self.grammars.compile(GrammarSpec("json_schema", schema_text(fmt["value"], field), field))
+        if kind == "regex":
+            value = fmt.get("value")
+            if not isinstance(value, str) or not value:
+                raise RequestValidationError("response_format.value must be a non-empty regex string.")
+            return self.grammars.compile(GrammarSpec("regex", value, "response_format.value"))
         if kind == "json_object":
             return self.grammars.compile(GrammarSpec("json_object", field="response_format"))
         if kind == "json_schema":
@@ -361,7 +371,7 @@ class Validator:
             field = "response_format.json_schema.schema"
             return self.grammars.compile(GrammarSpec("json_schema", schema_text(inner["schema"], field), field))
         raise RequestValidationError(
-            f"response_format.type must be 'text', 'json_object' or 'json_schema' (got {kind!r})."
+            f"response_format.type must be 'text', 'json_object', 'json_schema' or 'regex' (got {kind!r})."
         )
 
     def _openai_common(self, body: CompletionRequest | ChatCompletionRequest) -> int:
