@@ -58,11 +58,13 @@ def _check_model(request: Request, name: str | None) -> str:
     return served
 
 
-async def _start(request: Request, build) -> tuple[list[EngineStream], Any]:
+async def _start(request: Request, build, user: str | None) -> tuple[list[EngineStream], Any]:
     """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     gens = build(validator, request_id_of(request))
+    if user:
+        log.info("request %s: user %r", request_id_of(request), user)
     return open_streams(runtime, engine, gens), validator
 
 
@@ -187,7 +189,7 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
 @router.post("/completions", summary="Text completion (OpenAI shape)")
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid))
+    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user)
     rid = request_id_of(request)
     cid, created = f"cmpl-{rid}", int(time.time())
     n = body.n
@@ -258,7 +260,7 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
 @router.post("/chat/completions", summary="Chat completion (OpenAI shape)")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid))
+    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user)
     rid = request_id_of(request)
     cid, created = f"chatcmpl-{rid}", int(time.time())
 

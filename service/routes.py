@@ -85,6 +85,8 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
 
 @router.post("/generate", tags=["TGI"], summary="Generate text (TGI shape)")
 async def generate(request: Request, body: TGIRequest) -> Response:
+    if body.stream:
+        raise RequestValidationError("stream=true on POST /generate: use POST /generate_stream (or POST /).")
     streams = await _start(request, body, stream=False)
     finals = await wait_all(streams, request)
     if finals is None:

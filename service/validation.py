@@ -106,7 +106,7 @@ class _OpenAIRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    user: str | None = Field(None, description="Recorded in the log line only.")
+    user: str | None = Field(None, description="An end-user id; logged with the request id.")
     response_format: dict[str, Any] | None = Field(
         None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": {...}}}'
     )
@@ -391,6 +391,14 @@ class Validator:
         self.check_penalty(body.presence_penalty, "presence_penalty")
         if body.seed is not None and body.seed < 0:
             raise RequestValidationError(f"seed must be >= 0 (got {body.seed}).")
+        if body.stream_options is not None:
+            if not body.stream:
+                raise RequestValidationError("stream_options is only allowed with stream=true.")
+            unknown = sorted(k for k, v in body.stream_options.items() if k != "include_usage" and _is_set(v))
+            if unknown:
+                raise RequestValidationError(
+                    f"Unsupported parameter(s): {', '.join('stream_options.' + k for k in unknown)}; omit them."
+                )
         return n
 
     @staticmethod

@@ -63,6 +63,11 @@ def test_bad_inputs_are_422(client: httpx.Client, payload, mentions: str) -> Non
     assert r.json()["error_type"] == "validation" and mentions in r.json()["error"]
 
 
+def test_stream_true_on_generate_is_422(client: httpx.Client) -> None:
+    r = client.post("/generate", json={"inputs": "Hi", "stream": True})
+    assert r.status_code == 422 and "/generate_stream" in r.json()["error"]
+
+
 def test_malformed_json_is_422(client: httpx.Client) -> None:
     r = client.post("/generate", content=b'{"inputs": "x",', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
@@ -96,6 +101,12 @@ def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Clie
         ("/v1/completions", {"prompt": [1, 10**9]}, "vocabulary"),
         ("/v1/completions", {"prompt": []}, "empty"),
         ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
+        ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream=true"),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
         ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
         ("/v1/completions", {"prompt": "Hi", "logprobs": 9}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "presence_penalty": -2.5}, "presence_penalty"),
