@@ -169,7 +169,8 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
     """
     rows, vocab = logits.shape
     dev = logits.device
-    scores = logits.detach().to(torch.float32, copy=True)
+    in_place = any(c.constraint is not None or c.params.penalised for c in choosers)
+    scores = logits.detach().to(torch.float32, copy=in_place)  # masks and penalties write into it
     _apply_constraints(scores, choosers)
     _apply_penalties(scores, choosers)
     temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
@@ -240,25 +241,37 @@ def _apply_penalties(scores: torch.Tensor, choosers: Sequence[TokenChooser]) -> 
     scores.index_copy_(0, idx, sub)
 
 
+#: Top-k/top-p look for their cutoff among this many likeliest tokens first (``topk``, far cheaper than sorting a
+#: whole vocabulary); only a row whose top-p nucleus is wider than that sorts everything.
+CANDIDATES = 256
+
+
 def _truncate(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Mask out (with -inf) what top-k, then top-p, then typical-p exclude, row by row settings, batched.
-    Each step sees the distribution the previous one left, renormalised; the most likely token always stays."""
+    """Mask out (with -inf, in place) what top-k, then top-p, then typical-p exclude, each row by its own settings, batched
+    over the rows that use each. Each step sees the distribution the previous one left, renormalised; the most
+    likely token always stays (tokens tied with the last one kept stay too)."""
     vocab = logprobs.shape[1]
     dev = logprobs.device
     ks = [min(int(p.top_k), vocab) if p.top_k else vocab for p in params]
     ps = [p.top_p if p.top_p is not None and p.top_p < 1.0 else 1.0 for p in params]
-    if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
-        sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev).unsqueeze(0)
-        drop = rank >= torch.tensor(ks, device=dev).unsqueeze(1)
-        probs = torch.softmax(sorted_lp.masked_fill(drop, NEG_INF), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-        drop |= before >= torch.tensor(ps, dtype=torch.float32, device=dev).unsqueeze(1)
-        drop[:, 0] = False
-        logprobs = logprobs.scatter(1, order, sorted_lp.masked_fill(drop, NEG_INF))
+    rows = [r for r in range(len(params)) if ks[r] < vocab or ps[r] < 1.0]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        sub = logprobs.index_select(0, idx)
+        k = torch.tensor([ks[r] for r in rows], device=dev)
+        p = torch.tensor([ps[r] for r in rows], dtype=torch.float32, device=dev)
+        width = min(vocab, max([CANDIDATES] + [ks[r] for r in rows if ks[r] < vocab]))
+        cutoff, overflow = _cutoff(sub, k, p, width)
+        if width < vocab and bool(overflow.any()):
+            wide = torch.nonzero(overflow).flatten()
+            cutoff[wide] = _cutoff(sub[wide], k[wide], p[wide], vocab)[0]
+        logprobs.index_copy_(0, idx, sub.masked_fill(sub < cutoff.unsqueeze(1), NEG_INF))
     typical = [p.typical_p if p.typical_p is not None and p.typical_p < 1.0 else 1.0 for p in params]
-    if any(t < 1.0 for t in typical):
-        current = torch.log_softmax(logprobs, dim=-1)
+    rows = [r for r, t in enumerate(typical) if t < 1.0]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        sub = logprobs.index_select(0, idx)
+        current = torch.log_softmax(sub, dim=-1)
         probs = current.exp()
         finite = torch.isfinite(current)
         entropy = -torch.where(finite, probs * current, torch.zeros_like(current)).sum(dim=-1, keepdim=True)
@@ -266,8 +279,29 @@ def _truncate(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         order = torch.argsort(surprise, dim=-1)
         ordered = probs.gather(1, order)
         before = ordered.cumsum(dim=-1) - ordered
-        drop = before >= torch.tensor(typical, dtype=torch.float32, device=dev).unsqueeze(1)
+        drop = before >= torch.tensor([typical[r] for r in rows], dtype=torch.float32, device=dev).unsqueeze(1)
         drop[:, 0] = False
         mask = torch.zeros_like(drop).scatter(1, order, drop)
-        logprobs = logprobs.masked_fill(mask, NEG_INF)
+        logprobs.index_copy_(0, idx, sub.masked_fill(mask, NEG_INF))
     return logprobs
+
+
+def _cutoff(logprobs: torch.Tensor, k: torch.Tensor, p: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest logprob top-k then top-p keep, found among the ``width`` likeliest tokens; and whether
+    that was too narrow to be sure (the nucleus reached ``width`` tokens with no top-k to stop it)."""
+    top = torch.topk(logprobs, width, dim=-1).values  # sorted, likeliest first
+    rank = torch.arange(width, device=logprobs.device).unsqueeze(0)
+    in_k = rank < k.unsqueeze(1)
+    limited = k < width  # rows whose top-k set lies inside ``top``: renormalise over it, else over the whole row
+    norm = torch.where(
+        limited,
+        torch.logsumexp(top.masked_fill(~in_k, NEG_INF), dim=-1),
+        torch.logsumexp(logprobs, dim=-1),
+    )
+    probs = torch.exp(top - norm.unsqueeze(1)).masked_fill(~in_k, 0.0)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    keep = in_k & (before < p.unsqueeze(1))
+    keep[:, 0] = True
+    count = keep.sum(dim=-1)
+    cutoff = top.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
+    return cutoff, (count == width) & ~limited
