@@ -28,7 +28,8 @@ from planner.devices import torch_device_name
 from service.batch import DecodeBatch, prefill, prefill_groups, stackable
 from service.detokenizer import make_detokenizer
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
-from service.sampling import SamplingParams, TokenChooser
+from service.prompt_logprobs import prompt_logprobs
+from service.sampling import Choice, SamplingParams, TokenChooser, choose_batch
 from service.stop_matcher import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     request_id: str = "-"
+    top_n_tokens: int = 0  # alternatives to report with each token (TGI top_n_tokens, OpenAI top_logprobs)
+    prompt_logprobs: bool = False  # report the prompt tokens' logprobs (TGI decoder_input_details, OpenAI echo)
+    grammar: Any = None  # a service.structured_output.CompiledGrammar the output must follow, or None
 
 
 @dataclass
@@ -54,6 +58,18 @@ class TokenEvent:
     logprob: float
     special: bool
     final: FinishEvent | None = None
+    top_tokens: list[TokenEvent] = field(default_factory=list)  # the likeliest tokens at this step, best first
+
+
+@dataclass
+class PrefillToken:
+    """A prompt token with its logprob given the tokens before it (``None`` for the first) and alternatives."""
+
+    id: int
+    text: str
+    logprob: float | None
+    special: bool = False
+    top_tokens: list[TokenEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +86,7 @@ class FinishEvent:
     seed: int | None
     tokens: list[TokenEvent]
     stop_at: int | None = None
+    prefill: list[PrefillToken] = field(default_factory=list)  # only when the request asked for prompt_logprobs
 
 
 @dataclass
@@ -139,7 +156,16 @@ class _Sequence:
         self.sink = sink
         self.cancelled = threading.Event()
         self.done = False
-        self.chooser = TokenChooser.create(request.params)
+        self.tokenizer = tokenizer
+        constraint = None
+        if request.grammar is not None:
+            from service.structured_output import GrammarConstraint
+
+            constraint = GrammarConstraint(request.grammar)
+        self.chooser = TokenChooser.create(
+            request.params, top_n=request.top_n_tokens, constraint=constraint, prompt_ids=request.prompt_ids
+        )
+        self.prefill: list[PrefillToken] | None = None
         self.generated: list[int] = []
         self.tokens: list[TokenEvent] = []
         self.text = ""
@@ -149,21 +175,42 @@ class _Sequence:
         self.detokenizer = make_detokenizer(tokenizer, request.prompt_ids)
         self.stops = StopMatcher(request.stop)
 
-    def history(self) -> torch.Tensor | None:
-        if self.request.params.repetition_penalty in (None, 1.0):
-            return None
-        return torch.tensor(self.request.prompt_ids + self.generated, dtype=torch.long)
+    def token_event(self, token: int, logprob: float, top: Choice | None) -> TokenEvent:
+        """A token's event with ``top``'s alternatives (each decoded on its own)."""
+        alternatives = [
+            TokenEvent(id=a.id, text=self.tokenizer.decode([a.id]), logprob=a.logprob, special=a.id in self.special)
+            for a in (top.top if top is not None else ())
+        ]
+        return TokenEvent(id=token, text="", logprob=logprob, special=token in self.special, top_tokens=alternatives)
+
+    def set_prompt_logprobs(self, choices: list[Choice | None]) -> None:
+        ids = self.request.prompt_ids
+        self.prefill = []
+        for token, choice in zip(ids, choices):
+            ev = self.token_event(token, 0.0, choice)
+            self.prefill.append(
+                PrefillToken(
+                    id=token,
+                    text=self.tokenizer.decode([token]),
+                    logprob=None if choice is None else choice.logprob,
+                    special=ev.special,
+                    top_tokens=ev.top_tokens,
+                )
+            )
 
     def accept(self, token: int, logprob: float) -> FinishEvent | None:
         """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
         self.generated.append(token)
-        special = token in self.special
-        is_eos = token in self.eos
+        last = self.chooser.last if self.chooser.last is not None and self.chooser.last.token == token else None
+        if not self.chooser.accept(token):
+            raise GenerationError(f"The grammar rejected token {token}; the constrained sequence cannot go on.")
+        is_eos = token in self.eos or (self.chooser.constraint is not None and self.chooser.constraint.terminated)
         n = len(self.generated)
         final = is_eos or n >= self.request.max_new_tokens
         delta = self.detokenizer.push(token, final)
         self.text += delta
-        ev = TokenEvent(id=token, text=delta, logprob=logprob, special=special)
+        ev = self.token_event(token, logprob, last)
+        ev.text = delta
         self.tokens.append(ev)
         finish = None
         match = self.stops.feed(delta)
@@ -188,6 +235,7 @@ class _Sequence:
             seed=self.chooser.seed,
             tokens=self.tokens,
             stop_at=stop_at,
+            prefill=self.prefill or [],
         )
 
     def fail(self, error: ServiceError) -> None:
@@ -409,22 +457,15 @@ class Engine:
         self._groups = [g for g in self._groups if len(g)]
         self.steps += 1
 
-    @staticmethod
-    def _choose_all(logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
-        """Next token of every row. Plain greedy rows are chosen together (one argmax, one host transfer: the
-        per-row argmax is the same as alone); rows that sample or penalise repetition go one by one."""
-        choices: list[tuple[int, float] | None] = [None] * len(seqs)
-        plain = [r for r, s in enumerate(seqs) if s.chooser.plain_greedy]
-        if plain:
-            rows = logits.index_select(0, torch.tensor(plain, device=logits.device)).float()
-            tokens = rows.argmax(dim=-1)
-            logprobs = torch.log_softmax(rows, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-            for r, t, lp in zip(plain, tokens.tolist(), logprobs.tolist()):
-                choices[r] = (int(t), float(lp))
-        for r, seq in enumerate(seqs):
-            if choices[r] is None:
-                choices[r] = seq.chooser.choose(logits[r], seq.history())
-        return choices  # type: ignore[return-value]
+    def _choose_all(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
+        """Next token of every row, in one batched pass (:func:`service.sampling.choose_batch`); each row's
+        alternatives stay on its chooser (``chooser.last``) for ``accept``. A newcomer that asked for its prompt's
+        logprobs gets them here, before its first token."""
+        for seq in seqs:
+            if seq.request.prompt_logprobs and seq.prefill is None:
+                ids = seq.request.prompt_ids
+                seq.set_prompt_logprobs(prompt_logprobs(self.model, self.device, ids, seq.request.top_n_tokens))
+        return [(c.token, c.logprob) for c in choose_batch(logits, [s.chooser for s in seqs])]
 
     def _accept(self, seq: _Sequence, token: int, logprob: float) -> FinishEvent | None:
         """``seq.accept``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""

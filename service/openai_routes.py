@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from service.engine import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from service.engine import ErrorEvent, FinishEvent, TokenEvent
 from service.errors import openai_status
-from service.runtime import EngineStream, request_id_of, runtime_of, sse
+from service.runtime import EngineStream, merged_events, open_streams, request_id_of, runtime_of, sse, wait_all
 from service.stop_matcher import StopHoldback
 from service.validation import ChatCompletionRequest, CompletionRequest
 
@@ -36,12 +37,15 @@ def _final_text(final: FinishEvent) -> str:
     return final.text[: final.stop_at] if final.stop_at is not None else final.text
 
 
-def _usage(final: FinishEvent) -> dict[str, int]:
-    return {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.generated_tokens,
-        "total_tokens": final.prompt_tokens + final.generated_tokens,
-    }
+def _usage(finals: list[FinishEvent], per_prompt: int) -> dict[str, int]:
+    """Token counts: each prompt once (its ``n`` sequences share it), every generated token (best_of's too)."""
+    prompt = sum(f.prompt_tokens for f in finals[::per_prompt])
+    generated = sum(f.generated_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def cumulative_logprob(final: FinishEvent) -> float:
+    return sum(t.logprob for t in final.tokens)
 
 
 def _check_model(request: Request, name: str | None) -> str:
@@ -54,48 +58,51 @@ def _check_model(request: Request, name: str | None) -> str:
     return served
 
 
-async def _start(request: Request, build) -> tuple[EngineStream, GenerationRequest]:
+async def _start(request: Request, build, user: str | None) -> tuple[list[EngineStream], Any]:
+    """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
-    gen = build(validator, request_id_of(request))
-    slot = runtime.acquire()
-    try:
-        return EngineStream(engine, gen, slot), gen
-    except BaseException:
-        slot.release()
-        raise
+    gens = build(validator, request_id_of(request))
+    if user:
+        log.info("request %s: user %r", request_id_of(request), user)
+    return open_streams(runtime, engine, gens), validator
 
 
-async def _final_or_response(stream: EngineStream, request: Request, rid: str) -> tuple[Any, Response | None]:
-    """Wait for a non-streamed request's final event. When there is nothing to build an answer on (the client left,
-    or generation failed), the second item is the response to send instead."""
-    try:
-        final = await stream.wait_final(request)
-    finally:
-        stream.close()
-    if final is None:
-        return None, Response(status_code=499)
-    if isinstance(final, ErrorEvent):
-        log.error("request %s failed: %s", rid, final.message)
-        status = openai_status(final.status_code, final.error_type)
-        return None, JSONResponse(openai_error(final.message, final.error_type), status_code=status)
-    return final, None
+async def _finals_or_response(
+    streams: list[EngineStream], request: Request, rid: str
+) -> tuple[list[FinishEvent], Response | None]:
+    """Wait for every sequence of a non-streamed request. When there is nothing to build an answer on (the client
+    left, or a sequence failed), the second item is the response to send instead."""
+    finals = await wait_all(streams, request)
+    if finals is None:
+        return [], Response(status_code=499)
+    for final in finals:
+        if isinstance(final, ErrorEvent):
+            log.error("request %s failed: %s", rid, final.message)
+            status = openai_status(final.status_code, final.error_type)
+            return [], JSONResponse(openai_error(final.message, final.error_type), status_code=status)
+    return [f for f in finals if isinstance(f, FinishEvent)], None
 
 
 def _stream_response(
-    stream: EngineStream,
-    gen: GenerationRequest,
+    streams: list[EngineStream],
     rid: str,
-    make_chunk,
-    first_chunk: dict[str, Any] | None,
+    make_chunk: Callable[[int, str, str | None, TokenEvent | None], dict[str, Any]],
+    first_chunks: list[dict[str, Any]],
     include_usage: bool,
+    every_token: bool,
+    per_prompt: int,
 ) -> StreamingResponse:
+    """Server-sent chunks for one or more sequences (choice ``i`` is stream ``i``). With ``every_token`` (logprobs
+    asked for) each token gets a chunk even while its text is held back."""
+
     async def events() -> AsyncIterator[bytes]:
-        hold = StopHoldback(gen.stop)
+        holds = [StopHoldback(s.request.stop) for s in streams]
+        finals: dict[int, FinishEvent] = {}
         try:
-            if first_chunk is not None:
-                yield sse(first_chunk, "data: ")
-            async for ev in stream.events():
+            for first in first_chunks:
+                yield sse(first, "data: ")
+            async for i, ev in merged_events(streams):
                 if isinstance(ev, ErrorEvent):
                     log.error("request %s failed mid-stream: %s", rid, ev.message)
                     yield sse(openai_error(ev.message, ev.error_type), "data: ")
@@ -103,110 +110,163 @@ def _stream_response(
                 if not isinstance(ev, TokenEvent):
                     continue
                 if ev.final is None:
-                    piece = hold.push(ev.text)
-                    if piece:
-                        yield sse(make_chunk(piece, None, ev), "data: ")
+                    piece = holds[i].push(ev.text)
+                    if piece or every_token:
+                        yield sse(make_chunk(i, piece, None, ev), "data: ")
                     continue
-                stream.finished = True
-                final = ev.final
-                rest = hold.finish(_final_text(final))
-                yield sse(make_chunk(rest, FINISH[final.reason], ev), "data: ")
-                if include_usage:
-                    last = make_chunk("", None, None)
-                    last["choices"] = []
-                    last["usage"] = _usage(final)
-                    yield sse(last, "data: ")
-                yield b"data: [DONE]\n\n"
-                return
+                finals[i] = ev.final
+                rest = holds[i].finish(_final_text(ev.final))
+                yield sse(make_chunk(i, rest, FINISH[ev.final.reason], ev), "data: ")
+            if include_usage:
+                last = make_chunk(0, "", None, None)
+                last["choices"] = []
+                last["usage"] = _usage([finals[i] for i in sorted(finals)], per_prompt)
+                yield sse(last, "data: ")
+            yield b"data: [DONE]\n\n"
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
 
 
-@router.get("/models", summary="The served model")
-async def models(request: Request) -> dict[str, Any]:
+def _model_card(request: Request) -> dict[str, Any] | None:
     runtime = runtime_of(request)
     loaded = runtime.loaded
-    data = []
-    if loaded is not None:
-        data.append(
-            {
-                "id": loaded.name,
-                "object": "model",
-                "created": int(runtime.host.state.ready_at or time.time()),
-                "owned_by": "loadmaster",
-            }
-        )
-    return {"object": "list", "data": data}
+    if loaded is None:
+        return None
+    return {
+        "id": loaded.name,
+        "object": "model",
+        "created": int(runtime.host.state.ready_at or time.time()),
+        "owned_by": "loadmaster",
+    }
+
+
+@router.get("/models", summary="The served model")
+async def models(request: Request) -> dict[str, Any]:
+    card = _model_card(request)
+    return {"object": "list", "data": [card] if card else []}
+
+
+@router.get("/models/{model_id:path}", summary="One model by id (404 unless it is the served one)")
+async def model(request: Request, model_id: str) -> Response:
+    card = _model_card(request)
+    if card is None or model_id != card["id"]:
+        served = card["id"] if card else "none (still loading)"
+        message = f"The model {model_id!r} does not exist on this server; it serves {served!r} (see GET /v1/models)."
+        return JSONResponse(openai_error(message, "not_found", "model_not_found"), status_code=404)
+    return JSONResponse(card)
+
+
+def _completion_logprobs(tokens: list[Any], top: bool, start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object for completions: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (token text -> logprob, per position) and ``text_offset``. ``tokens`` are prompt then generated tokens."""
+    offsets, pos = [], start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} if t.logprob is not None else None for t in tokens]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
+
+
+def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[list[int]]) -> list[str]:
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if body.prompt and all(isinstance(x, str) for x in body.prompt):
+        return list(body.prompt)  # type: ignore[arg-type]
+    return [validator.tokenizer.decode(ids) for ids in gens_prompts]
 
 
 @router.post("/completions", summary="Text completion (OpenAI shape)")
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    stream, gen = await _start(request, lambda v, rid: v.completion(body, rid))
+    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user)
     rid = request_id_of(request)
     cid, created = f"cmpl-{rid}", int(time.time())
+    n = body.n
+    per = body.best_of or n
+    want_logprobs = body.logprobs is not None
+    top = bool(body.logprobs)
 
     if body.stream:
 
-        def chunk(text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
+        def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
+            lp = _completion_logprobs([ev], top) if want_logprobs and ev is not None else None
             return {
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
                 "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
             }
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(stream, gen, rid, chunk, None, include_usage)
+        return _stream_response(streams, rid, chunk, [], include_usage, want_logprobs, n)
 
-    final, early = await _final_or_response(stream, request, rid)
+    finals, early = await _finals_or_response(streams, request, rid)
     if early is not None:
         return early
-    text = _final_text(final)
-    logprobs = None
-    if body.logprobs is not None:
-        offsets, pos = [], 0
-        for t in final.tokens:
-            offsets.append(pos)
-            pos += len(t.text)
-        logprobs = {
-            "tokens": [t.text for t in final.tokens],
-            "token_logprobs": [t.logprob for t in final.tokens],
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-    if body.echo:
-        text = (body.prompt if isinstance(body.prompt, str) else body.prompt[0]) + text
+    prompts = _prompt_texts(body, validator, [s.request.prompt_ids for s in streams[::per]])
+    choices = []
+    for p, prompt_text in enumerate(prompts):
+        group = finals[p * per : (p + 1) * per]
+        if per > n:
+            group = sorted(group, key=cumulative_logprob, reverse=True)[:n]
+        for j, final in enumerate(group):
+            text = _final_text(final)
+            logprobs = None
+            if want_logprobs:
+                # echoed special tokens (a BOS) add no text, so the tokens still spell the echoed text
+                prompt = [replace(t, text="") if t.special else t for t in final.prefill] if body.echo else []
+                tokens = prompt + list(final.tokens)
+                logprobs = _completion_logprobs(tokens, top)
+            if body.echo:
+                text = prompt_text + text
+            choices.append(
+                {"index": p * n + j, "text": text, "logprobs": logprobs, "finish_reason": FINISH[final.reason]}
+            )
     return JSONResponse(
         {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": name,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH[final.reason]}],
-            "usage": _usage(final),
+            "choices": choices,
+            "usage": _usage(finals, per),
         }
     )
+
+
+def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
+    return {
+        "token": ev.text,
+        "logprob": ev.logprob,
+        "bytes": list(ev.text.encode()),
+        "top_logprobs": [
+            {"token": a.text, "logprob": a.logprob, "bytes": list(a.text.encode())} for a in ev.top_tokens
+        ],
+    }
 
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI shape)")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    stream, gen = await _start(request, lambda v, rid: v.chat(body, rid))
+    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user)
     rid = request_id_of(request)
     cid, created = f"chatcmpl-{rid}", int(time.time())
 
-    def logprob_entry(ev: TokenEvent) -> dict[str, Any]:
-        return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
-
     if body.stream:
 
-        def chunk(text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
+        def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
             delta = {"content": text} if text or finish is None else {}
             return {
                 "id": cid,
@@ -215,20 +275,23 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                 "model": name,
                 "choices": [
                     {
-                        "index": 0,
+                        "index": i,
                         "delta": delta,
-                        "logprobs": {"content": [logprob_entry(ev)]} if body.logprobs and ev is not None else None,
+                        "logprobs": {"content": [_chat_logprob(ev)]} if body.logprobs and ev is not None else None,
                         "finish_reason": finish,
                     }
                 ],
             }
 
-        first = chunk("", None, None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        firsts = []
+        for i in range(len(streams)):
+            first = chunk(i, "", None, None)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            firsts.append(first)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(stream, gen, rid, chunk, first, include_usage)
+        return _stream_response(streams, rid, chunk, firsts, include_usage, body.logprobs, len(streams))
 
-    final, early = await _final_or_response(stream, request, rid)
+    finals, early = await _finals_or_response(streams, request, rid)
     if early is not None:
         return early
     return JSONResponse(
@@ -239,12 +302,13 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             "model": name,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": _final_text(final)},
-                    "logprobs": {"content": [logprob_entry(t) for t in final.tokens]} if body.logprobs else None,
+                    "logprobs": {"content": [_chat_logprob(t) for t in final.tokens]} if body.logprobs else None,
                     "finish_reason": FINISH[final.reason],
                 }
+                for i, final in enumerate(finals)
             ],
-            "usage": _usage(final),
+            "usage": _usage(finals, len(finals)),
         }
     )

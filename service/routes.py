@@ -6,6 +6,7 @@ dispatches on ``"stream"`` as TGI does, which is where huggingface_hub's ``Infer
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,11 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from service.engine import ErrorEvent, TokenEvent
-from service.errors import NotReadyError
+from service.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
+from service.errors import NotReadyError, RequestValidationError
 from service.memory import memory_report
-from service.runtime import EngineStream, request_id_of, runtime_of, sse
-from service.validation import TGIRequest
+from service.runtime import EngineStream, open_streams, request_id_of, runtime_of, sse, wait_all
+from service.validation import TGIRequest, TokenizeRequest, refuse_unknown
 
 log = logging.getLogger(__name__)
 
@@ -35,49 +36,87 @@ def _error_body(ev: ErrorEvent) -> dict[str, Any]:
     return {"error": ev.message, "error_type": ev.error_type}
 
 
-async def _start(request: Request, body: TGIRequest) -> EngineStream:
-    """Validate (before anything streams), take a slot, submit. Raises the service's errors."""
+def _prefill(token: PrefillToken) -> dict[str, Any]:
+    return {"id": token.id, "text": token.text, "logprob": token.logprob}
+
+
+def _sequence_details(final: FinishEvent, body: TGIRequest) -> dict[str, Any]:
+    """What TGI's ``details`` (and each of its ``best_of_sequences``) holds."""
+    p = body.parameters
+    out: dict[str, Any] = {
+        "finish_reason": final.reason,
+        "generated_tokens": final.generated_tokens,
+        "seed": final.seed,
+        "prefill": [_prefill(t) for t in final.prefill] if p.decoder_input_details else [],
+        "tokens": [_token(t) for t in final.tokens],
+    }
+    if p.top_n_tokens:
+        out["top_tokens"] = [[_token(a) for a in t.top_tokens] for t in final.tokens]
+    return out
+
+
+def cumulative_logprob(final: FinishEvent) -> float:
+    """How likely a whole sequence was: the sum of its tokens' logprobs (``best_of`` keeps the highest)."""
+    return sum(t.logprob for t in final.tokens)
+
+
+def _check_tgi(body: TGIRequest, stream: bool) -> None:
+    """What TGI itself refuses per route, so that nothing asked for is silently dropped."""
+    p = body.parameters
+    if stream:
+        if p.best_of not in (None, 1):
+            raise RequestValidationError("best_of > 1 cannot be streamed; use POST /generate or omit best_of.")
+        if p.decoder_input_details:
+            raise RequestValidationError("decoder_input_details cannot be streamed; use POST /generate with details.")
+    elif not p.details and (p.decoder_input_details or p.top_n_tokens or p.best_of not in (None, 1)):
+        raise RequestValidationError(
+            "decoder_input_details, top_n_tokens and best_of are answered in 'details': set details=true."
+        )
+
+
+async def _start(request: Request, body: TGIRequest, stream: bool) -> list[EngineStream]:
+    """Validate (before anything streams), take a slot per sequence, submit. Raises the service's errors."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
-    gen = validator.tgi(body, request_id_of(request))
-    slot = runtime.acquire()
-    try:
-        return EngineStream(engine, gen, slot)
-    except BaseException:
-        slot.release()
-        raise
+    _check_tgi(body, stream)
+    gens = validator.tgi(body, request_id_of(request))
+    return open_streams(runtime, engine, gens)
 
 
 @router.post("/generate", tags=["TGI"], summary="Generate text (TGI shape)")
 async def generate(request: Request, body: TGIRequest) -> Response:
-    stream = await _start(request, body)
-    try:
-        final = await stream.wait_final(request)
-    finally:
-        stream.close()
-    if final is None:
+    if body.stream:
+        raise RequestValidationError("stream=true on POST /generate: use POST /generate_stream (or POST /).")
+    streams = await _start(request, body, stream=False)
+    finals = await wait_all(streams, request)
+    if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    if isinstance(final, ErrorEvent):
-        log.error("request %s failed: %s", request_id_of(request), final.message)
-        return JSONResponse(_error_body(final), status_code=final.status_code)
-    text = (body.inputs + final.text) if body.parameters.return_full_text else final.text
-    out: dict[str, Any] = {"generated_text": text}
+    for final in finals:
+        if isinstance(final, ErrorEvent):
+            log.error("request %s failed: %s", request_id_of(request), final.message)
+            return JSONResponse(_error_body(final), status_code=final.status_code)
+    done = [f for f in finals if isinstance(f, FinishEvent)]
+    best = max(range(len(done)), key=lambda i: cumulative_logprob(done[i]))
+    final = done[best]
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    out: dict[str, Any] = {"generated_text": prefix + final.text}
     if body.parameters.details:
-        out["details"] = {
-            "finish_reason": final.reason,
-            "generated_tokens": final.generated_tokens,
-            "seed": final.seed,
-            "prefill": [],
-            "tokens": [_token(t) for t in final.tokens],
-        }
+        out["details"] = _sequence_details(final, body)
+        if len(done) > 1:
+            out["details"]["best_of_sequences"] = [
+                {"generated_text": prefix + f.text, **_sequence_details(f, body)}
+                for i, f in enumerate(done)
+                if i != best
+            ]
     return JSONResponse(out)
 
 
 @router.post("/generate_stream", tags=["TGI"], summary="Generate text as server-sent events (TGI shape)")
 async def generate_stream(request: Request, body: TGIRequest) -> Response:
-    stream = await _start(request, body)
+    (stream,) = await _start(request, body, stream=True)
     rid = request_id_of(request)
     full_prefix = body.inputs if body.parameters.return_full_text else ""
+    top_n = bool(body.parameters.top_n_tokens)
 
     async def events() -> AsyncIterator[bytes]:
         index = 0
@@ -90,7 +129,7 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
                         "token": _token(ev),
                         "generated_text": None,
                         "details": None,
-                        "top_tokens": None,
+                        "top_tokens": [_token(a) for a in ev.top_tokens] if top_n else None,
                     }
                     if ev.final is not None:
                         stream.finished = True
@@ -127,6 +166,25 @@ async def compat_generate(request: Request, body: TGIRequest) -> Response:
 
         return JSONResponse([json.loads(bytes(response.body))])
     return response
+
+
+@router.post("/tokenize", tags=["TGI"], summary="Tokenize text: each token's id, text and character span")
+async def tokenize(request: Request, body: TokenizeRequest) -> list[dict[str, Any]]:
+    runtime = runtime_of(request)
+    _, validator, _ = runtime.require_ready()
+    refuse_unknown(body)
+    if not body.inputs:
+        raise RequestValidationError("inputs is empty; send the text to tokenize.")
+    return await asyncio.to_thread(token_spans, validator.tokenizer, body.inputs, body.add_special_tokens)
+
+
+def token_spans(tokenizer: Any, text: str, add_special_tokens: bool) -> list[dict[str, Any]]:
+    """TGI's ``/tokenize`` answer: per token its id, its text (the span of the input it covers) and that span."""
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    out = []
+    for token, (start, stop) in zip(enc["input_ids"], enc["offset_mapping"]):
+        out.append({"id": int(token), "text": text[start:stop], "start": int(start), "stop": int(stop)})
+    return out
 
 
 @router.get("/health", tags=["health"], summary="Liveness: the process answers")

@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from service.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest
+from service.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, eos_ids
 from service.errors import NotReadyError, OverloadedError
 from service.metrics import Metrics
 from service.model_loading import LoadedModel, ModelHost
@@ -53,6 +53,8 @@ class Runtime:
             max_input_tokens=min(s.max_input_tokens, max_total - 1),
             max_total_tokens=max_total,
             default_max_new_tokens=s.default_max_new_tokens,
+            vocab_size=_logits_width(loaded.model, loaded.tokenizer),
+            stop_ids=eos_ids(loaded.model, loaded.tokenizer),
         )
         engine = Engine(
             loaded.model,
@@ -177,6 +179,86 @@ class EngineStream:
         log.info("request %s: client disconnected; cancelled", self.request.request_id)
         self.close()
         return None
+
+
+def _logits_width(model: Any, tokenizer: Any) -> int:
+    """The size of the model's logits (its output embeddings), which can exceed the tokenizer's vocabulary."""
+    try:
+        return int(model.get_output_embeddings().weight.shape[0])
+    except (AttributeError, NotImplementedError, TypeError):
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+        return int(size) if isinstance(size, int) else len(tokenizer)
+
+
+def open_streams(runtime: Runtime, engine: Engine, requests: list[GenerationRequest]) -> list[EngineStream]:
+    """Submit every sequence of one HTTP request (``n``, ``best_of``, several prompts), each holding a slot of the
+    concurrency limit; if one cannot be admitted, those already submitted are cancelled and the error raised."""
+    streams: list[EngineStream] = []
+    try:
+        for gen in requests:
+            slot = runtime.acquire()
+            try:
+                streams.append(EngineStream(engine, gen, slot))
+            except BaseException:
+                slot.release()
+                raise
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+async def wait_all(streams: list[EngineStream], request: Request) -> list[FinishEvent | ErrorEvent] | None:
+    """The final event of every stream, in order; ``None`` (all cancelled) if the client went away first."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                return
+
+    async def final(stream: EngineStream) -> FinishEvent | ErrorEvent:
+        while True:
+            event = await stream.queue.get()
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                stream.finished = True
+                return event
+
+    finals = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({finals, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finals, gone):
+            if not task.done():
+                task.cancel()
+        for stream in streams:
+            stream.close()
+    if finals.done() and not finals.cancelled():
+        return list(finals.result())
+    log.info("request %s: client disconnected; cancelled", streams[0].request.request_id)
+    return None
+
+
+async def merged_events(streams: list[EngineStream]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of several streams as they come, each with its stream's index; ends when all have ended."""
+    getters: dict[int, asyncio.Future[Event]] = {}
+    try:
+        for i, stream in enumerate(streams):
+            getters[i] = asyncio.ensure_future(stream.queue.get())
+        while getters:
+            await asyncio.wait(set(getters.values()), return_when=asyncio.FIRST_COMPLETED)
+            for i in sorted(i for i, g in getters.items() if g.done()):
+                event = getters.pop(i).result()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    streams[i].finished = True
+                else:
+                    getters[i] = asyncio.ensure_future(streams[i].queue.get())
+                yield i, event
+    finally:
+        for g in getters.values():
+            g.cancel()
 
 
 def runtime_of(request: Request) -> Runtime:

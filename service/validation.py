@@ -8,6 +8,8 @@ the tokenizer and the server's limits (token counts, ``max_new_tokens``), and bu
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,14 +17,33 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from service.engine import GenerationRequest
 from service.errors import RequestValidationError
 from service.sampling import SamplingParams
+from service.structured_output import GrammarCompiler, GrammarSpec, schema_text
 
 MAX_STOP_SEQUENCES = 8
+#: Most alternatives per token (TGI ``top_n_tokens``, OpenAI ``top_logprobs``; OpenAI's own limit is 20).
+MAX_TOP_TOKENS = 20
+#: Most sequences one request may ask for (``n``, ``best_of``, or prompts x n for a list of prompts).
+MAX_CHOICES = 16
+
+
+def _is_set(value: Any) -> bool:
+    """Whether a client asked for something: anything but ``None``, ``False`` and empty containers/strings."""
+    return value is not None and value is not False and value != [] and value != {} and value != ""
+
+
+def refuse_unknown(body: BaseModel, where: str = "") -> None:
+    """A 422 naming each field this server does not know that the request sets (never accepted and ignored)."""
+    extra = {k: v for k, v in (body.model_extra or {}).items() if _is_set(v)}
+    if extra:
+        names = ", ".join(f"{where}{k}" for k in sorted(extra))
+        raise RequestValidationError(f"Unsupported parameter(s): {names}. This server does not implement them; omit.")
 
 
 class TGIParameters(BaseModel):
-    """TGI's ``parameters``. Unknown keys are ignored; TGI features we do not implement are refused when set."""
+    """TGI's ``parameters``. Keys this server does not implement (``watermark``, ``adapter_id``, unknown keys)
+    are refused when set."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     max_new_tokens: int | None = Field(None, description="Tokens to generate (default: the server's).")
     temperature: float | None = None
@@ -53,17 +74,26 @@ class TGIParameters(BaseModel):
 class TGIRequest(BaseModel):
     """``POST /generate`` and ``/generate_stream``: ``{"inputs": "...", "parameters": {...}}``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
 
 
-class _OpenAIRequest(BaseModel):
-    """Fields both OpenAI routes take (the ones we honour; others are accepted and ignored)."""
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: the text, and whether to add the tokenizer's special tokens (as generation does)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    inputs: str
+    add_special_tokens: bool = True
+
+
+class _OpenAIRequest(BaseModel):
+    """Fields both OpenAI routes take. A field not listed here is refused when set (see :func:`refuse_unknown`)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -76,19 +106,27 @@ class _OpenAIRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="An end-user id; logged with the request id.")
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": {...}}}'
+    )
+    top_k: int | None = Field(None, description="vLLM's extension: sample among the k likeliest tokens.")
+    repetition_penalty: float | None = Field(None, description="vLLM's extension (transformers' semantics).")
 
 
 class CompletionRequest(_OpenAIRequest):
-    """OpenAI ``POST /v1/completions`` (the fields we honour; others are accepted and ignored)."""
+    """OpenAI ``POST /v1/completions``."""
 
-    prompt: str | list[str]
+    prompt: str | list[int] | list[list[int]] | list[str]
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One chat message. Other message fields (``name``, ``tool_calls``...) are refused when set."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -100,6 +138,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 def new_request_id() -> str:
@@ -107,7 +146,7 @@ def new_request_id() -> str:
 
 
 class Validator:
-    """Checks requests against the tokenizer and the limits; builds engine requests."""
+    """Checks requests against the tokenizer and the limits; builds engine requests (one per sequence asked for)."""
 
     def __init__(
         self,
@@ -116,11 +155,15 @@ class Validator:
         max_input_tokens: int,
         max_total_tokens: int,
         default_max_new_tokens: int,
+        vocab_size: int | None = None,
+        stop_ids: Iterable[int] = (),
     ):
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.max_total_tokens = max_total_tokens
         self.default_max_new_tokens = default_max_new_tokens
+        self.vocab_size = int(vocab_size or len(tokenizer))
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)
 
     # -- shared checks -------------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -129,12 +172,26 @@ class Validator:
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestValidationError("The input encodes to no tokens; send a non-empty prompt.")
+        return self._fits(list(ids))
+
+    def token_ids(self, ids: list[int], name: str = "prompt") -> list[int]:
+        """A prompt given as token ids: non-empty, every id in the vocabulary, within the input limit."""
+        if not ids:
+            raise RequestValidationError(f"{name} is an empty list of token ids; send at least one token.")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise RequestValidationError(
+                f"{name} holds token id {bad[0]}, outside this model's vocabulary (0..{self.vocab_size - 1})."
+            )
+        return self._fits(list(ids))
+
+    def _fits(self, ids: list[int]) -> list[int]:
         if len(ids) > self.max_input_tokens:
             raise RequestValidationError(
                 f"The input is {len(ids)} tokens long; this server accepts at most {self.max_input_tokens} "
                 "(max_input_tokens). Shorten the prompt."
             )
-        return list(ids)
+        return ids
 
     def new_tokens(self, requested: int | None, prompt_len: int, name: str) -> int:
         room = self.max_total_tokens - prompt_len
@@ -184,17 +241,44 @@ class Validator:
         if repetition_penalty is not None and repetition_penalty <= 0:
             raise RequestValidationError(f"repetition_penalty must be > 0 (got {repetition_penalty}).")
 
+    @staticmethod
+    def check_penalty(value: float | None, name: str) -> None:
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise RequestValidationError(f"{name} must be in [-2, 2] (got {value}).")
+
+    @staticmethod
+    def check_count(value: int | None, name: str, low: int, high: int) -> int:
+        if value is None:
+            return low
+        if not low <= value <= high:
+            raise RequestValidationError(f"{name} must be in [{low}, {high}] (got {value}).")
+        return value
+
+    @staticmethod
+    def replicas(request: GenerationRequest, count: int) -> list[GenerationRequest]:
+        """``count`` sequences of one prompt. A seeded request's i-th copy uses seed + i, so copies differ and each
+        is reproducible."""
+        seed = request.params.seed
+        if count == 1:
+            return [request]
+        out = []
+        for i in range(count):
+            params = request.params if seed is None else replace(request.params, seed=(seed + i) % 2**64)
+            out.append(replace(request, params=params))
+        return out
+
     # -- per API -------------------------------------------------------------------------------------------------
-    def tgi(self, body: TGIRequest, request_id: str) -> GenerationRequest:
+    def tgi(self, body: TGIRequest, request_id: str) -> list[GenerationRequest]:
+        """One request per sequence: ``best_of`` of them (1 unless asked)."""
         p = body.parameters
-        if p.best_of not in (None, 1):
-            raise RequestValidationError("best_of > 1 is not supported by this server; omit it.")
-        if p.grammar is not None:
-            raise RequestValidationError("grammar-constrained generation is not supported by this server; omit it.")
+        refuse_unknown(body)
+        refuse_unknown(p, "parameters.")
         if p.watermark:
-            raise RequestValidationError("watermark is not supported by this server; omit it.")
-        if p.top_n_tokens:
-            raise RequestValidationError("top_n_tokens is not supported by this server; omit it.")
+            raise RequestValidationError("parameters.watermark is not supported by this server; omit it.")
+        if p.adapter_id:
+            raise RequestValidationError(
+                "parameters.adapter_id is not supported: this server has no adapters; omit it."
+            )
         self.check_sampling(
             temperature=p.temperature,
             top_p=p.top_p,
@@ -202,70 +286,204 @@ class Validator:
             typical_p=p.typical_p,
             repetition_penalty=p.repetition_penalty,
         )
+        self.check_penalty(p.frequency_penalty, "frequency_penalty")
         if p.seed is not None and p.seed < 0:
             raise RequestValidationError(f"seed must be >= 0 (got {p.seed}).")
+        top_n = self.check_count(p.top_n_tokens, "top_n_tokens", 0, MAX_TOP_TOKENS)
+        best_of = self.check_count(p.best_of, "best_of", 1, MAX_CHOICES)
+        params = SamplingParams(
+            do_sample=p.do_sample,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            typical_p=p.typical_p,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=p.seed,
+        )
+        if best_of > 1 and not params.sampling:
+            raise RequestValidationError(
+                "best_of > 1 needs sampling: set do_sample=true (or a temperature, top_k, top_p or typical_p)."
+            )
         ids = self.tokenize(body.inputs)
         if p.truncate is not None:
             if p.truncate < 1:
                 raise RequestValidationError(f"truncate must be a positive integer (got {p.truncate}).")
             ids = ids[-p.truncate :]
-        return GenerationRequest(
+        request = GenerationRequest(
             prompt_ids=ids,
             max_new_tokens=self.new_tokens(p.max_new_tokens, len(ids), "max_new_tokens"),
-            params=SamplingParams(
-                do_sample=p.do_sample,
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                typical_p=p.typical_p,
-                repetition_penalty=p.repetition_penalty,
-                seed=p.seed,
-            ),
+            params=params,
             stop=self.stops(p.stop),
             request_id=request_id,
+            top_n_tokens=top_n,
+            prompt_logprobs=p.decoder_input_details,
+            grammar=self._tgi_grammar(p.grammar),
+        )
+        return self.replicas(request, best_of)
+
+    def _tgi_grammar(self, grammar: Any) -> Any:
+        """TGI's ``{"type": "json" | "regex", "value": ...}``, compiled; ``None`` when not asked for."""
+        if grammar is None:
+            return None
+        if not isinstance(grammar, dict) or "type" not in grammar or "value" not in grammar:
+            raise RequestValidationError(
+                'parameters.grammar must be {"type": "json", "value": <JSON schema>} or {"type": "regex", "value": "..."}.'
+            )
+        kind, value = grammar["type"], grammar["value"]
+        if kind in ("json", "json_object"):
+            spec = GrammarSpec(
+                "json_schema", schema_text(value, "parameters.grammar.value"), "parameters.grammar.value"
+            )
+        elif kind == "regex":
+            if not isinstance(value, str) or not value:
+                raise RequestValidationError("parameters.grammar.value must be a non-empty regex string.")
+            spec = GrammarSpec("regex", value, "parameters.grammar.value")
+        else:
+            raise RequestValidationError(f"parameters.grammar.type must be 'json' or 'regex' (got {kind!r}).")
+        return self.grammars.compile(spec)
+
+    def _response_format(self, fmt: dict[str, Any] | None) -> Any:
+        """OpenAI's ``response_format``, compiled; ``None`` for plain text. TGI's chat shape is taken too:
+        ``{"type": "json" | "json_object", "value": <schema>}`` (what huggingface_hub sends for a JSON schema) and
+        ``{"type": "regex", "value": "..."}``."""
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind in ("json", "json_object") and fmt.get("value") is not None:
+            field = "response_format.value"
+            return self.grammars.compile(GrammarSpec("json_schema", schema_text(fmt["value"], field), field))
+        if kind == "regex":
+            value = fmt.get("value")
+            if not isinstance(value, str) or not value:
+                raise RequestValidationError("response_format.value must be a non-empty regex string.")
+            return self.grammars.compile(GrammarSpec("regex", value, "response_format.value"))
+        if kind == "json_object":
+            return self.grammars.compile(GrammarSpec("json_object", field="response_format"))
+        if kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or "schema" not in inner:
+                raise RequestValidationError(
+                    'response_format.json_schema must be {"name": ..., "schema": {<JSON schema>}}; the schema is missing.'
+                )
+            field = "response_format.json_schema.schema"
+            return self.grammars.compile(GrammarSpec("json_schema", schema_text(inner["schema"], field), field))
+        raise RequestValidationError(
+            f"response_format.type must be 'text', 'json_object', 'json_schema' or 'regex' (got {kind!r})."
         )
 
-    def _openai_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.n != 1:
-            raise RequestValidationError("Only n=1 is supported by this server.")
+    def _openai_common(self, body: CompletionRequest | ChatCompletionRequest) -> int:
+        """Checks both OpenAI routes share; returns ``n``."""
+        refuse_unknown(body)
+        n = self.check_count(body.n, "n", 1, MAX_CHOICES)
         if body.temperature is not None and body.temperature > 2:
             raise RequestValidationError(f"temperature must be in [0, 2] (got {body.temperature}).")
-        self.check_sampling(temperature=body.temperature, top_p=body.top_p, allow_zero_temperature=True)
+        self.check_sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            repetition_penalty=body.repetition_penalty,
+            allow_zero_temperature=True,
+        )
+        self.check_penalty(body.frequency_penalty, "frequency_penalty")
+        self.check_penalty(body.presence_penalty, "presence_penalty")
+        if body.seed is not None and body.seed < 0:
+            raise RequestValidationError(f"seed must be >= 0 (got {body.seed}).")
+        if body.stream_options is not None:
+            if not body.stream:
+                raise RequestValidationError("stream_options is only allowed with stream=true.")
+            unknown = sorted(k for k, v in body.stream_options.items() if k != "include_usage" and _is_set(v))
+            if unknown:
+                raise RequestValidationError(
+                    f"Unsupported parameter(s): {', '.join('stream_options.' + k for k in unknown)}; omit them."
+                )
+        return n
 
     @staticmethod
     def _openai_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-
-    def completion(self, body: CompletionRequest, request_id: str) -> GenerationRequest:
-        self._openai_common(body)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise RequestValidationError("Send exactly one prompt per request (a string or a list of one).")
-            prompt = prompt[0]
-        ids = self.tokenize(prompt)
-        return GenerationRequest(
-            prompt_ids=ids,
-            max_new_tokens=self.new_tokens(body.max_tokens, len(ids), "max_tokens"),
-            params=self._openai_params(body),
-            stop=self.stops(body.stop),
-            request_id=request_id,
+        """OpenAI's defaults: temperature 1 (sampling) when omitted; 0 is greedy."""
+        temperature = 1.0 if body.temperature is None else body.temperature
+        return SamplingParams(
+            do_sample=temperature != 0,
+            temperature=temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            seed=body.seed,
         )
 
-    def chat(self, body: ChatCompletionRequest, request_id: str) -> GenerationRequest:
-        self._openai_common(body)
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """``prompt`` as a string, a list of strings, a list of token ids or a list of lists of token ids."""
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [self.tokenize(prompt)]
+        if not prompt:
+            raise RequestValidationError("prompt is an empty list; send a string, strings, or token ids.")
+        if all(isinstance(x, int) for x in prompt):
+            return [self.token_ids(prompt)]  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in prompt):
+            return [self.token_ids(x, f"prompt[{i}]") for i, x in enumerate(prompt)]  # type: ignore[arg-type]
+        return [self.tokenize(x) for x in prompt]  # type: ignore[arg-type]
+
+    def completion(self, body: CompletionRequest, request_id: str) -> list[GenerationRequest]:
+        """Prompt-major: for each prompt, ``best_of`` (or ``n``) sequences."""
+        n = self._openai_common(body)
+        best_of = self.check_count(body.best_of, "best_of", 1, MAX_CHOICES) if body.best_of is not None else n
+        if best_of < n:
+            raise RequestValidationError(f"best_of ({best_of}) must be >= n ({n}).")
+        if best_of > n and body.stream:
+            raise RequestValidationError("best_of > n cannot be streamed; set stream=false or best_of=n.")
+        top_n = self.check_count(body.logprobs, "logprobs", 0, 5) if body.logprobs is not None else 0
+        prompts = self.completion_prompts(body)
+        if len(prompts) * best_of > MAX_CHOICES:
+            raise RequestValidationError(
+                f"{len(prompts)} prompt(s) x {best_of} sequence(s) each exceeds {MAX_CHOICES} sequences per request; "
+                "send fewer prompts or a smaller n/best_of."
+            )
+        grammar = self._response_format(body.response_format)
+        params = self._openai_params(body)
+        out: list[GenerationRequest] = []
+        for ids in prompts:
+            request = GenerationRequest(
+                prompt_ids=ids,
+                max_new_tokens=self.new_tokens(body.max_tokens, len(ids), "max_tokens"),
+                params=params,
+                stop=self.stops(body.stop),
+                request_id=request_id,
+                top_n_tokens=top_n,
+                prompt_logprobs=body.echo and body.logprobs is not None,
+                grammar=grammar,
+            )
+            out.extend(self.replicas(request, best_of))
+        return out
+
+    def chat(self, body: ChatCompletionRequest, request_id: str) -> list[GenerationRequest]:
+        n = self._openai_common(body)
         if not body.messages:
             raise RequestValidationError("messages is empty; send at least one message.")
+        for i, message in enumerate(body.messages):
+            refuse_unknown(message, f"messages[{i}].")
+        top_n = self.check_count(body.top_logprobs, "top_logprobs", 0, MAX_TOP_TOKENS)
+        if top_n and not body.logprobs:
+            raise RequestValidationError("top_logprobs needs logprobs=true.")
+        grammar = self._response_format(body.response_format)
         prompt = render_chat(self.tokenizer, body.messages)
         ids = self.tokenize(prompt, add_special_tokens=False)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return GenerationRequest(
+        request = GenerationRequest(
             prompt_ids=ids,
             max_new_tokens=self.new_tokens(requested, len(ids), "max_tokens"),
             params=self._openai_params(body),
             stop=self.stops(body.stop),
             request_id=request_id,
+            top_n_tokens=top_n,
+            grammar=grammar,
         )
+        return self.replicas(request, n)
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:

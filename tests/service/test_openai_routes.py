@@ -32,8 +32,12 @@ def test_completion_equals_tgi_generate(oa, client: httpx.Client) -> None:
 def test_completion_logprobs_and_echo(oa) -> None:
     c = oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=4, temperature=0, logprobs=0, echo=True)
     lp = c.choices[0].logprobs
-    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
-    assert c.choices[0].text.startswith("Hello") and c.choices[0].text == "Hello" + "".join(lp.tokens)
+    prompt_len = c.usage.prompt_tokens
+    # echo: the prompt's tokens come first, the first with no logprob (nothing precedes it), then the 4 generated
+    assert len(lp.tokens) == prompt_len + 4 and len(lp.token_logprobs) == prompt_len + 4
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert c.choices[0].text.startswith("Hello") and c.choices[0].text == "".join(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
 def test_completion_stream_concatenates_to_the_same_text(oa) -> None:

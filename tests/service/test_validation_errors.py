@@ -19,8 +19,17 @@ BAD_PARAMETERS = [
     ({"do_sample": "perhaps"}, "do_sample"),
     ({"stop": "not-a-list"}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"best_of": 2}, "best_of"),
+    ({"best_of": 2}, "best_of"),  # greedy best_of; and never streamed
     ({"seed": -1}, "seed"),
+    ({"watermark": True}, "watermark"),
+    ({"adapter_id": "lora-1"}, "adapter_id"),
+    ({"no_such_knob": 3}, "parameters.no_such_knob"),
+    ({"top_n_tokens": 99}, "top_n_tokens"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"grammar": {"type": "json", "value": {"type": 5}}}, "parameters.grammar.value"),
+    ({"grammar": {"type": "json", "value": "{not json"}}, "parameters.grammar.value"),
+    ({"grammar": {"type": "yaml", "value": "a: b"}}, "grammar.type"),
+    ({"grammar": {"type": "regex", "value": "(unclosed"}}, "regex"),
 ]
 
 
@@ -54,6 +63,11 @@ def test_bad_inputs_are_422(client: httpx.Client, payload, mentions: str) -> Non
     assert r.json()["error_type"] == "validation" and mentions in r.json()["error"]
 
 
+def test_stream_true_on_generate_is_422(client: httpx.Client) -> None:
+    r = client.post("/generate", json={"inputs": "Hi", "stream": True})
+    assert r.status_code == 422 and "/generate_stream" in r.json()["error"]
+
+
 def test_malformed_json_is_422(client: httpx.Client) -> None:
     r = client.post("/generate", content=b'{"inputs": "x",', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
@@ -81,8 +95,55 @@ def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Clie
         ("/v1/completions", {"prompt": "Hi", "temperature": 2.5}, "temperature"),
         ("/v1/completions", {"prompt": "", "max_tokens": 3}, "empty"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 100000}, "max_total_tokens"),
-        ("/v1/completions", {"prompt": "Hi", "n": 2}, "n=1"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+        ("/v1/completions", {"prompt": "Hi", "n": 17}, "n must be"),
+        ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
+        ("/v1/completions", {"prompt": "Hi", "best_of": 3, "stream": True}, "best_of"),
+        ("/v1/completions", {"prompt": [1, 10**9]}, "vocabulary"),
+        ("/v1/completions", {"prompt": []}, "empty"),
+        ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
+        ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream=true"),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 9}, "logprobs"),
+        ("/v1/completions", {"prompt": "Hi", "presence_penalty": -2.5}, "presence_penalty"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "logprobs=true"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 5}}},
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls",
+        ),
         ("/v1/chat/completions", {"messages": []}, "empty"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
