@@ -37,6 +37,7 @@ from service.prefill_groups import prefill_groups
 from service.prefix_cache import SlotContents, common_prefix
 from service.sampling import SamplingParams, TokenChooser
 from service.stop_matcher import StopMatcher
+from service.token_output import ChosenToken, Failure, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,8 @@ class Ticket:
 
 
 class _Sequence:
-    """Engine-side state of one request: its token chooser, detokenizer and stop matcher, and what it has made."""
+    """One request's state: its token chooser, slot and tokens (engine thread), and its detokenizer, stop matcher
+    and events (output thread, :mod:`service.token_output`)."""
 
     def __init__(
         self,
@@ -145,7 +147,8 @@ class _Sequence:
         self.request = request
         self.sink = sink
         self.cancelled = threading.Event()
-        self.done = False
+        self.done = False  # no more tokens wanted: the engine frees its slot (set by either side)
+        self.finished = False  # its last event is sent (output side only)
         self.chooser = TokenChooser.create(request.params)
         self.generated: list[int] = []
         self.tokens: list[TokenEvent] = []
@@ -173,36 +176,47 @@ class _Sequence:
             return None
         return torch.tensor(self.request.prompt_ids + self.generated, dtype=torch.long)
 
-    def accept(self, token: int, logprob: float) -> FinishEvent | None:
-        """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
+    def record(self, token: int) -> str | None:
+        """Engine side: add a chosen token; return why the sequence ends with it ("eos_token", "length"), if it
+        does (then it is ``done``: its slot is freed). Stop sequences are found on the output side."""
         self.generated.append(token)
-        special = token in self.special
-        is_eos = token in self.eos
-        n = len(self.generated)
-        final = is_eos or n >= self.request.max_new_tokens
-        delta = self.detokenizer.push(token, final)
+        reason = None
+        if token in self.eos:
+            reason = "eos_token"
+        elif len(self.generated) >= self.request.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.done = True
+        return reason
+
+    def emit(self, token: int, logprob: float, reason: str | None) -> FinishEvent | None:
+        """Output side: detokenize ``token``, look for stop sequences, send its event; return the finish event if
+        the sequence is complete. A token chosen after the sequence finished (a stop sequence found here while
+        the engine ran on) is dropped."""
+        if self.finished:
+            return None
+        delta = self.detokenizer.push(token, reason is not None)
         self.text += delta
-        ev = TokenEvent(id=token, text=delta, logprob=logprob, special=special)
+        ev = TokenEvent(id=token, text=delta, logprob=logprob, special=token in self.special)
         self.tokens.append(ev)
         finish = None
         match = self.stops.feed(delta)
         if match is not None:
             self.text = self.text[: match.end]
             finish = self._finish("stop_sequence", stop_at=match.at)
-        if finish is None and is_eos:
-            finish = self._finish("eos_token")
-        if finish is None and n >= self.request.max_new_tokens:
-            finish = self._finish("length")
+        elif reason is not None:
+            finish = self._finish(reason)
         ev.final = finish
         self.sink(ev)
         return finish
 
     def _finish(self, reason: str, stop_at: int | None = None) -> FinishEvent:
         self.done = True
+        self.finished = True
         return FinishEvent(
             reason=reason,
             text=self.text,
-            generated_tokens=len(self.generated),
+            generated_tokens=len(self.tokens),
             prompt_tokens=len(self.request.prompt_ids),
             seed=self.chooser.seed,
             tokens=self.tokens,
@@ -210,8 +224,11 @@ class _Sequence:
         )
 
     def fail(self, error: ServiceError) -> None:
+        """Output side: send the error, unless the sequence already finished."""
         self.done = True
-        self.sink(ErrorEvent.of(error))
+        if not self.finished:
+            self.finished = True
+            self.sink(ErrorEvent.of(error))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -292,6 +309,7 @@ class Engine:
         self.cache = SlotKVCache(max_batch_size, self.max_total_tokens)
         self.runner = ModelRunner(model, self.device, self.cache)
         self.contents = SlotContents(max_batch_size)
+        self.output = TokenOutput(self._emit, self._emit_failure)
         self._pending: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._admissions = 0
@@ -305,6 +323,7 @@ class Engine:
 
     # -- caller side -------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.output.start()
         self._thread = threading.Thread(target=self._run, name="loadmaster-engine", daemon=True)
         self._thread.start()
 
@@ -383,14 +402,14 @@ class Engine:
             with self._cv:
                 self._stopping = True  # later submits are refused instead of waiting forever
             self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
+            self.output.close()
             self.metrics.engine_state(0, 0)
 
     def _fail_all(self, error: ServiceError) -> None:
         with self._cv:
             pending, self._pending = list(self._pending), deque()
         for seq in pending + self._running:
-            if not seq.done:
-                seq.fail(error)
+            self._fail(seq, error)
         self._release()
 
     def _admit(self) -> list[_Sequence]:
@@ -503,9 +522,7 @@ class Engine:
             return
         for seq, (token, logprob) in zip(done, choices):
             self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
-            finish = self._accept(seq, token, logprob)
-            if finish is not None:
-                self._finished(seq, finish)
+            self.output.put(ChosenToken(seq, token, logprob, seq.record(token)))
         log.debug("request(s) %s prefilled", ", ".join(s.request.request_id for s in done))
 
     def _decode_step(self) -> None:
@@ -527,12 +544,10 @@ class Engine:
             return
         for seq, row, (token, logprob) in zip(seqs, rows, choices):
             self.contents.tokens[seq.slot].extend(row.tokens)
-            if seq.cancelled.is_set():
+            if seq.cancelled.is_set() or seq.done:
                 seq.done = True
                 continue
-            finish = self._accept(seq, token, logprob)
-            if finish is not None:
-                self._finished(seq, finish)
+            self.output.put(ChosenToken(seq, token, logprob, seq.record(token)))
         self.steps += 1
 
     def _release(self) -> None:
@@ -564,29 +579,34 @@ class Engine:
                 choices[r] = seq.chooser.choose(logits[r], seq.history())
         return choices  # type: ignore[return-value]
 
-    def _accept(self, seq: _Sequence, token: int, logprob: float) -> FinishEvent | None:
-        """``seq.accept``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""
+    def _fail(self, seq: _Sequence, error: ServiceError) -> None:
+        """End ``seq`` now (its slot is freed) and send ``error`` after the tokens already queued for it."""
+        if not seq.done or not seq.finished:
+            seq.done = True
+            self.output.put(Failure(seq, error))
+
+    # -- output thread -----------------------------------------------------------------------------------------
+    def _emit(self, chosen: ChosenToken) -> None:
+        """``seq.emit``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""
+        seq = chosen.seq
         try:
-            return seq.accept(token, logprob)
+            finish = seq.emit(chosen.token, chosen.logprob, chosen.reason)
         except Exception:  # noqa: BLE001
             log.exception(
                 "request %s: handling a generated token failed; dropping the sequence", seq.request.request_id
             )
-            seq.done = True
             try:
-                seq.sink(
-                    ErrorEvent.of(
-                        GenerationError("Generation failed while decoding a token; the server logged the details.")
-                    )
-                )
+                seq.fail(GenerationError("Generation failed while decoding a token; the server logged the details."))
             except Exception:  # noqa: BLE001 - the sink itself is what failed
-                pass
-            return None
+                seq.finished = True
+            return
+        if finish is not None:
+            self.metrics.tokens(finish.prompt_tokens, finish.generated_tokens)
+            seq.sink(finish)
 
-    def _finished(self, seq: _Sequence, finish: FinishEvent) -> None:
-        seq.done = True
-        self.metrics.tokens(finish.prompt_tokens, finish.generated_tokens)
-        seq.sink(finish)
+    @staticmethod
+    def _emit_failure(failure: Failure) -> None:
+        failure.seq.fail(failure.error)
 
     def _step_failed(self, seqs: list[_Sequence], exc: Exception, where: str) -> None:
         ids = ", ".join(s.request.request_id for s in seqs)
@@ -603,7 +623,7 @@ class Engine:
             message = f"Generation failed during the {where}: {type(exc).__name__}. The server logged the details."
         for seq in seqs:
             if not seq.done:
-                seq.fail(GenerationError(message))
+                self._fail(seq, GenerationError(message))
 
 
 def _position_limit(model: torch.nn.Module) -> int | None:

@@ -4,6 +4,7 @@ and a failing step (out of memory, or any error) fails only that step's requests
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,31 @@ def _drain(sink: queue.Queue) -> list:
         events.append(ev)
         if isinstance(ev, (FinishEvent, ErrorEvent)):
             return events
+
+
+def test_a_stop_sequence_found_off_the_decode_loop_ends_the_sequence(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok("Once upon a time")["input_ids"]
+    free = _run_one(model, tok, GenerationRequest(prompt_ids=prompt, max_new_tokens=12))
+    texts = [e.text for e in free if isinstance(e, TokenEvent)]
+    k = next(i for i in range(2, len(texts)) if texts[i].strip() and texts[i] not in "".join(texts[:i]))
+    stopped = _run_one(model, tok, GenerationRequest(prompt_ids=prompt, max_new_tokens=12, stop=(texts[k],)))
+    final = stopped[-1]
+    assert isinstance(final, FinishEvent) and final.reason == "stop_sequence"
+    assert final.generated_tokens == k + 1 == len([e for e in stopped if isinstance(e, TokenEvent)])
+    assert final.text == "".join(texts[: k + 1])
+
+
+def _run_one(model, tok, request: GenerationRequest) -> list:
+    engine = Engine(model, tok, max_batch_size=2, max_queue=4)
+    engine.start()
+    try:
+        events = _run(engine, [request])[0]
+        deadline = time.monotonic() + 30
+        while engine.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.active == 0
+    finally:
+        engine.stop()
+    return events
