@@ -341,3 +341,34 @@ def _run_one(model, tok, request: GenerationRequest) -> list:
     finally:
         engine.stop()
     return events
+
+
+def test_half_on_disk_with_native_kernels_decodes_the_batch_as_plain_transformers(tiny_llama: Path, tmp_path) -> None:
+    """The slot cache under the loader's execution: layers streamed from disk through hooks, native CPU kernels."""
+    from loaders.load import load_model
+
+    device_map = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+    model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
+    assert "disk" in set(model.hf_device_map.values())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8)
+    engine.start()
+    try:
+        reqs = [GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=8) for p in PROMPTS[:4]]
+        results = _run(engine, reqs)
+    finally:
+        engine.stop()
+    assert engine.peak_batch >= 2
+    for req, events in zip(reqs, results):
+        got = [e.id for e in events if isinstance(e, TokenEvent)]
+        ids = torch.tensor([req.prompt_ids])
+        ref = plain.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=list(engine.eos) or None,
+        )
+        assert got == ref[0, len(req.prompt_ids) :].tolist()
