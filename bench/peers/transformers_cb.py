@@ -28,16 +28,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip", default="", help="comma-separated contenders to skip: batched,cb,lone")
+    p.add_argument("--model", default=None, help="model directory (default: the benchmark Llama of --size)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--worker", default=None, help="JSON spec from bench.serve (model, dtype, texts, ...)")
     args = p.parse_args(argv)
+    texts_given: list[str] | None = None
+    if args.worker:
+        spec = json.loads(args.worker)
+        args.model, args.dtype, texts_given = spec["model"], spec["dtype"], spec["texts"]
+        args.max_new_tokens, args.repeats, args.threads = spec["max_new_tokens"], spec["repeats"], spec["threads"]
+        args.clients = len(texts_given)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model_dir = llama_dir(args.size, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or llama_dir(args.size, args.dtype)
     dtype = getattr(torch, args.dtype)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = prompts(args.clients)
+    texts = texts_given or prompts(args.clients)
     ids = [tok(t)["input_ids"] for t in texts]
     skip = set(args.skip.split(","))
     out: dict[str, float] = {}
