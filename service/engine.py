@@ -1,14 +1,19 @@
-"""The engine: the one owner of the model, running continuous batching on a thread of its own.
+"""The engine: the one owner of the model and of its KV cache, running continuous batching on a thread of its own.
 
-Requests arrive through :meth:`Engine.submit` into a bounded queue. The engine thread loops:
+Requests arrive through :meth:`Engine.submit` into a bounded queue. Each sequence holds one slot of the engine's
+preallocated :class:`~service.kv_cache.SlotKVCache` from admission to its end. The engine thread loops:
 
-1. admit waiting requests while the batch has room: prefill those that arrived together in batches of similar
-   length, choose each one's first token, merge their caches into the running batch (:mod:`service.batch`);
-2. run one decode step for every active sequence together, choose each sequence's next token on its own row;
-3. drop sequences that finished, were cancelled by their client, or failed.
+1. admit waiting requests while a slot is free and the KV budget (tokens: prompt + max new tokens of every
+   admitted sequence) has room; a prompt that starts like the tokens a slot still holds reuses them
+   (:mod:`service.prefix_cache`);
+2. prefill: feed up to :data:`PREFILL_CHUNK` prompt tokens in all, taken from the sequences still being prefilled,
+   so a long prompt is prefilled over several iterations while the running streams keep decoding; a sequence whose
+   prompt is complete chooses its first token;
+3. decode: one forward for every running sequence together, one token each, at each one's own position;
+4. free the slots of sequences that finished, were cancelled by their client, or failed.
 
 Events (:class:`TokenEvent`, then :class:`FinishEvent` or :class:`ErrorEvent`) go to each request's ``sink``,
-which the HTTP side turns into responses. An out-of-memory error in a step fails that step's sequences only.
+which the HTTP side turns into responses. An out-of-memory error in a forward fails that forward's sequences only.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from planner.devices import torch_device_name
-from service.batch import DecodeBatch, prefill, prefill_groups, stackable
 from service.detokenizer import make_detokenizer
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
+from service.kv_cache import SlotKVCache
+from service.model_runner import ModelRunner, Row, supports_slot_cache
+from service.prefill_groups import prefill_groups
+from service.prefix_cache import SlotContents, common_prefix
 from service.prompt_logprobs import prompt_logprobs
 from service.sampling import Choice, SamplingParams, TokenChooser, choose_batch
 from service.stop_matcher import StopMatcher
+from service.token_output import ChosenToken, Failure, TokenOutput
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +150,8 @@ class Ticket:
 
 
 class _Sequence:
-    """Engine-side state of one request: its token chooser, detokenizer and stop matcher, and what it has made."""
+    """One request's state: its token chooser, slot and tokens (engine thread), and its detokenizer, stop matcher
+    and events (output thread, :mod:`service.token_output`)."""
 
     def __init__(
         self,
@@ -155,7 +164,8 @@ class _Sequence:
         self.request = request
         self.sink = sink
         self.cancelled = threading.Event()
-        self.done = False
+        self.done = False  # no more tokens wanted: the engine frees its slot (set by either side)
+        self.finished = False  # its last event is sent (output side only)
         self.tokenizer = tokenizer
         constraint = None
         if request.grammar is not None:
@@ -174,6 +184,18 @@ class _Sequence:
         self.enqueued_at = time.perf_counter()
         self.detokenizer = make_detokenizer(tokenizer, request.prompt_ids)
         self.stops = StopMatcher(request.stop)
+        self.slot: int | None = None  # its KV cache slot, from admission to its end
+        self.prefilled = 0  # prompt tokens whose KV is in the slot
+        self.admitted_at = 0  # admission order: a later prompt may wait for an earlier one's shared prefix
+
+    @property
+    def reserved(self) -> int:
+        """KV cache tokens this sequence may come to hold: its prompt and every token it may generate."""
+        return len(self.request.prompt_ids) + self.request.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_ids)
 
     def token_event(self, token: int, logprob: float, top: Choice | None) -> TokenEvent:
         """A token's event with ``top``'s alternatives (each decoded on its own)."""
@@ -198,18 +220,36 @@ class _Sequence:
                 )
             )
 
-    def accept(self, token: int, logprob: float) -> FinishEvent | None:
-        """Record a chosen token, emit its event, and return the finish event if the sequence is complete."""
+    def record(self, token: int) -> str | None:
+        """Engine side: add a chosen token; return why the sequence ends with it ("eos_token", "length"), if it
+        does (then it is ``done``: its slot is freed). Stop sequences are found on the output side."""
         self.generated.append(token)
-        last = self.chooser.last if self.chooser.last is not None and self.chooser.last.token == token else None
         if not self.chooser.accept(token):
             raise GenerationError(f"The grammar rejected token {token}; the constrained sequence cannot go on.")
-        is_eos = token in self.eos or (self.chooser.constraint is not None and self.chooser.constraint.terminated)
-        n = len(self.generated)
-        final = is_eos or n >= self.request.max_new_tokens
-        delta = self.detokenizer.push(token, final)
+        reason = None
+        if token in self.eos or (self.chooser.constraint is not None and self.chooser.constraint.terminated):
+            reason = "eos_token"
+        elif len(self.generated) >= self.request.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.done = True
+        return reason
+
+    def alternatives(self, token: int) -> Choice | None:
+        """The chooser's record of the choice that gave ``token`` (its alternatives), taken on the engine thread
+        before the next choice replaces it."""
+        last = self.chooser.last
+        return last if last is not None and last.token == token else None
+
+    def emit(self, token: int, logprob: float, reason: str | None, top: Choice | None = None) -> FinishEvent | None:
+        """Output side: detokenize ``token``, look for stop sequences, send its event; return the finish event if
+        the sequence is complete. A token chosen after the sequence finished (a stop sequence found here while
+        the engine ran on) is dropped."""
+        if self.finished:
+            return None
+        delta = self.detokenizer.push(token, reason is not None)
         self.text += delta
-        ev = self.token_event(token, logprob, last)
+        ev = self.token_event(token, logprob, top)
         ev.text = delta
         self.tokens.append(ev)
         finish = None
@@ -217,20 +257,19 @@ class _Sequence:
         if match is not None:
             self.text = self.text[: match.end]
             finish = self._finish("stop_sequence", stop_at=match.at)
-        if finish is None and is_eos:
-            finish = self._finish("eos_token")
-        if finish is None and n >= self.request.max_new_tokens:
-            finish = self._finish("length")
+        elif reason is not None:
+            finish = self._finish(reason)
         ev.final = finish
         self.sink(ev)
         return finish
 
     def _finish(self, reason: str, stop_at: int | None = None) -> FinishEvent:
         self.done = True
+        self.finished = True
         return FinishEvent(
             reason=reason,
             text=self.text,
-            generated_tokens=len(self.generated),
+            generated_tokens=len(self.tokens),
             prompt_tokens=len(self.request.prompt_ids),
             seed=self.chooser.seed,
             tokens=self.tokens,
@@ -239,8 +278,11 @@ class _Sequence:
         )
 
     def fail(self, error: ServiceError) -> None:
+        """Output side: send the error, unless the sequence already finished."""
         self.done = True
-        self.sink(ErrorEvent.of(error))
+        if not self.finished:
+            self.finished = True
+            self.sink(ErrorEvent.of(error))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -277,17 +319,20 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _stacks_caches(model: torch.nn.Module) -> bool:
-    """Whether the model's KV caches can be stacked across sequences, so that prompts may be prefilled together
-    (a sliding-window or otherwise special cache keeps each sequence in a batch of its own, prefilled alone)."""
-    try:
-        return stackable(DynamicCache(config=model.config))
-    except Exception:  # noqa: BLE001 - a config the cache cannot read: fall back to one prompt at a time
-        return False
+#: Most prompt tokens (padding included) one engine iteration prefills: bounds how long a long prompt's arrival
+#: delays the running streams' next token (it is prefilled over several iterations) and a prefill's activations.
+PREFILL_CHUNK = 256
+#: Shortest shared prefix worth holding a prompt back an iteration for (a whole identical prompt always is).
+SHARED_PREFIX_MIN = 16
 
 
 class Engine:
-    """Owns the model; batches the sequences of concurrent requests. Thread-safe ``submit``."""
+    """Owns the model and its KV cache; batches the sequences of concurrent requests. Thread-safe ``submit``.
+
+    ``max_batch_size`` is the number of cache slots (sequences decoded together); ``max_total_tokens`` the
+    longest sequence (prompt + generated) a slot holds; ``kv_budget_tokens`` the most tokens all admitted
+    sequences may reserve together (default: every slot full), which is what admission checks.
+    """
 
     def __init__(
         self,
@@ -296,32 +341,54 @@ class Engine:
         *,
         max_batch_size: int = 32,
         max_queue: int = 128,
+        max_total_tokens: int | None = None,
+        kv_budget_tokens: int | None = None,
         metrics: EngineMetrics | None = None,
     ):
+        if not supports_slot_cache(model):
+            raise GenerationError(
+                f"{type(model).__name__} has attention the engine's slot cache does not run (only full and "
+                "sliding-window attention through transformers' SDPA or eager attention); serve a causal LM."
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.max_total_tokens = max_total_tokens or _position_limit(model) or 4096
+        self.kv_budget_tokens = kv_budget_tokens or max_batch_size * self.max_total_tokens
         self.metrics = metrics or _NoMetrics()
         self.device = input_device(model)
         self.eos = eos_ids(model, tokenizer)
         self.special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
-        self.batch_prefill = _stacks_caches(model)
+        self.cache = SlotKVCache(max_batch_size, self.max_total_tokens)
+        self.runner = ModelRunner(model, self.device, self.cache)
+        self.contents = SlotContents(max_batch_size)
+        self.output = TokenOutput(self._emit, self._emit_failure)
         self._pending: deque[_Sequence] = deque()
-        self._groups: list[DecodeBatch] = []
+        self._running: list[_Sequence] = []
+        self._admissions = 0
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.peak_batch = 0  # most sequences one decode step has served (tests and /info read it)
+        self.prefilled_tokens = 0  # prompt tokens run through the model (a reused prefix is not counted)
+        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
 
     # -- caller side -------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.output.start()
         self._thread = threading.Thread(target=self._run, name="loadmaster-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Ticket:
         seq = _Sequence(request, sink, self.tokenizer, self.eos, self.special)
+        if seq.reserved - 1 > self.max_total_tokens or seq.reserved > self.kv_budget_tokens:
+            raise GenerationError(
+                f"The request needs {seq.reserved} tokens of KV cache (prompt + max_new_tokens); the server holds "
+                f"{min(self.max_total_tokens, self.kv_budget_tokens)} per sequence. Shorten the prompt or lower "
+                "max_new_tokens."
+            )
         with self._cv:
             if self._stopping:
                 raise NotReadyError("The server is shutting down; send the request to another replica.")
@@ -338,11 +405,18 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return sum(len(g) for g in self._groups)
+        """Sequences admitted and not yet ended (one that just finished counts no more, though its slot is freed
+        at the end of the engine's iteration)."""
+        return sum(1 for s in self._running if not s.done)
 
     @property
     def queue_length(self) -> int:
         return len(self._pending)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV budget tokens the admitted sequences hold."""
+        return sum(s.reserved for s in self._running)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still queued or running get a ``not_ready`` error."""
@@ -363,21 +437,18 @@ class Engine:
         try:
             while True:
                 with self._cv:
-                    while not self._stopping and not self._pending and not self._groups:
+                    while not self._stopping and not self._pending and not self._running:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    room = self.max_batch_size - self.active
-                    newcomers = []
-                    while room > 0 and self._pending:
-                        seq = self._pending.popleft()
-                        if seq.cancelled.is_set():
-                            continue
-                        newcomers.append(seq)
-                        room -= 1
+                    newcomers = self._admit()
                 if newcomers:
-                    self._admit(newcomers)
+                    now = time.perf_counter()
+                    for seq in newcomers:
+                        self.metrics.queued(now - seq.enqueued_at)
+                self._prefill_step()
                 self._decode_step()
+                self._release()
                 self.metrics.engine_state(self.active, len(self._pending))
         except Exception:  # pragma: no cover - a bug in the loop itself; never leave clients hanging
             log.exception("engine loop crashed")
@@ -385,77 +456,176 @@ class Engine:
             with self._cv:
                 self._stopping = True  # later submits are refused instead of waiting forever
             self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
+            self.output.close()
             self.metrics.engine_state(0, 0)
 
     def _fail_all(self, error: ServiceError) -> None:
         with self._cv:
             pending, self._pending = list(self._pending), deque()
-        for seq in pending + [s for g in self._groups for s in g.items]:
-            if not seq.done:
-                seq.fail(error)
-        self._groups = []
+        for seq in pending + self._running:
+            self._fail(seq, error)
+        self._release()
 
-    def _admit(self, seqs: list[_Sequence]) -> None:
-        """Prefill newcomers (together where their caches can later be stacked), then merge them into the batch."""
-        now = time.perf_counter()
-        for seq in seqs:
-            self.metrics.queued(now - seq.enqueued_at)
-        if self.batch_prefill:
-            groups = prefill_groups([len(s.request.prompt_ids) for s in seqs])
-        else:
-            groups = [[i] for i in range(len(seqs))]
-        for group in groups:
-            self._prefill([seqs[i] for i in group])
+    def _admit(self) -> list[_Sequence]:
+        """Move waiting requests into slots, first come first served, while a slot is free and the KV budget holds
+        their tokens (caller holds the lock). A slot that still holds the prompt's prefix is preferred."""
+        newcomers = []
+        reserved = self.reserved_tokens
+        while self._pending and self.contents.free:
+            seq = self._pending[0]
+            if seq.cancelled.is_set():
+                self._pending.popleft()
+                continue
+            if reserved + seq.reserved > self.kv_budget_tokens:
+                break
+            self._pending.popleft()
+            prompt = seq.request.prompt_ids
+            seq.slot, seq.prefilled = self.contents.take(prompt, len(prompt) - 1)
+            self.reused_tokens += seq.prefilled
+            self._admissions += 1
+            seq.admitted_at = self._admissions
+            reserved += seq.reserved
+            self._running.append(seq)
+            newcomers.append(seq)
+        return newcomers
 
-    def _prefill(self, seqs: list[_Sequence]) -> None:
-        """Prefill ``seqs`` in one forward, emit each one's first token and add the unfinished ones to a batch."""
+    def _prefill_step(self) -> None:
+        """Prefill up to :data:`PREFILL_CHUNK` prompt tokens of the sequences still prefilling, oldest first.
+
+        A prompt waiting for an earlier one's shared prefix gets a second round in the same iteration, once that
+        prefix is computed, so identical prompts admitted together also start decoding together.
+        """
+        budget = PREFILL_CHUNK
+        while budget > 0:
+            chosen: list[tuple[_Sequence, int]] = []
+            deferred = False
+            for seq in sorted(self._running, key=lambda s: s.admitted_at):
+                if budget <= 0:
+                    break
+                if not seq.prefilling or seq.done or seq.cancelled.is_set():
+                    continue
+                if self._waits_for_shared_prefix(seq):
+                    deferred = True
+                    continue
+                self._reuse_prefix(seq)
+                take = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
+                chosen.append((seq, take))
+                budget -= take
+            if not chosen:
+                return
+            for group in prefill_groups([take for _, take in chosen]):
+                self._prefill([chosen[i] for i in group])
+            if not deferred:
+                return
+
+    def _waits_for_shared_prefix(self, seq: _Sequence) -> bool:
+        """Whether an earlier sequence still prefilling shares more of this prompt than any slot holds now: then
+        this one waits and copies that prefix once computed (identical prompts admitted together prefill once)."""
+        prompt = seq.request.prompt_ids
+        usable = len(prompt) - 1
+        held = max(seq.prefilled, self._best_source_tokens(seq))
+        for other in self._running:
+            if other is seq or other.done or other.admitted_at > seq.admitted_at or not other.prefilling:
+                continue
+            shared = min(common_prefix(prompt, other.request.prompt_ids), usable)
+            if shared > held and shared >= min(SHARED_PREFIX_MIN, usable):
+                return True
+        return False
+
+    def _best_source_tokens(self, seq: _Sequence) -> int:
+        prompt = seq.request.prompt_ids
+        hit = self.contents.best_source(prompt, len(prompt) - 1, exclude=seq.slot)
+        return hit.tokens if hit is not None else 0
+
+    def _reuse_prefix(self, seq: _Sequence) -> None:
+        """Copy the longest prefix of the prompt another slot holds into this sequence's slot, if it is longer
+        than what the slot holds already."""
+        prompt = seq.request.prompt_ids
+        hit = self.contents.best_source(prompt, len(prompt) - 1, exclude=seq.slot)
+        if hit is None or hit.tokens <= seq.prefilled:
+            return
+        self.cache.copy_prefix(hit.slot, seq.slot, seq.prefilled, hit.tokens)
+        self.contents.tokens[seq.slot][seq.prefilled :] = prompt[seq.prefilled : hit.tokens]
+        self.reused_tokens += hit.tokens - seq.prefilled
+        seq.prefilled = hit.tokens
+
+    def _prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
+        """One forward over prompt chunks; a sequence whose prompt is now complete chooses its first token."""
+        seqs = [seq for seq, _ in chunks]
+        rows = [
+            Row(seq.slot, seq.prefilled, seq.request.prompt_ids[seq.prefilled : seq.prefilled + take])
+            for seq, take in chunks
+        ]
         try:
-            logits, cache, mask = prefill(self.model, self.device, [s.request.prompt_ids for s in seqs])
-            choices = self._choose_all(logits, seqs)
+            logits = self.runner.forward(rows)
         except Exception as exc:  # noqa: BLE001 - reported to the clients, logged with their request ids
             self._step_failed(seqs, exc, "prefill")
             return
-        for seq, (token, logprob) in zip(seqs, choices):
+        for seq, row in zip(seqs, rows):
+            self.contents.tokens[seq.slot].extend(row.tokens)
+            seq.prefilled += len(row.tokens)
+            self.prefilled_tokens += len(row.tokens)
+        complete = [r for r, seq in enumerate(seqs) if not seq.prefilling]
+        if not complete:
+            return
+        done = [seqs[r] for r in complete]
+        try:
+            choices = self._choose_all(logits[complete] if len(complete) < len(seqs) else logits, done)
+        except Exception as exc:  # noqa: BLE001
+            self._step_failed(done, exc, "prefill")
+            return
+        for seq, (token, logprob) in zip(done, choices):
             self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
-            finish = self._accept(seq, token, logprob)
-            if finish is not None:
-                self._finished(seq, finish)
-        if all(seq.done for seq in seqs):
-            return  # rows of finished sequences that do join are dropped before the next decode step
-        if stackable(cache) and self._groups and stackable(self._groups[0].cache):
-            self._groups[0].add(seqs, cache, mask)
-        else:
-            group = DecodeBatch(self.model, self.device)
-            group.add(seqs, cache, mask)
-            if stackable(cache):
-                self._groups.insert(0, group)
-            else:
-                self._groups.append(group)
-        log.debug("request(s) %s admitted", ", ".join(s.request.request_id for s in seqs))
+            self._chosen(seq, token, logprob)
+        log.debug("request(s) %s prefilled", ", ".join(s.request.request_id for s in done))
 
     def _decode_step(self) -> None:
-        self.peak_batch = max(self.peak_batch, self.active)
-        for group in self._groups:
-            group.keep([r for r, s in enumerate(group.items) if not s.cancelled.is_set() and not s.done])
-            if not len(group):
+        for seq in self._running:
+            if seq.cancelled.is_set():
+                seq.done = True
+        seqs = sorted(
+            (s for s in self._running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
+        )
+        if not seqs:
+            return
+        self.peak_batch = max(self.peak_batch, len(seqs))
+        rows = [Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]) for s in seqs]
+        try:
+            logits = self.runner.forward(rows)
+            choices = self._choose_all(logits, seqs)
+        except Exception as exc:  # noqa: BLE001
+            self._step_failed(seqs, exc, "decode step")
+            return
+        for seq, row, (token, logprob) in zip(seqs, rows, choices):
+            self.contents.tokens[seq.slot].extend(row.tokens)
+            if seq.cancelled.is_set() or seq.done:
+                seq.done = True
                 continue
-            try:
-                logits = group.step([s.generated[-1] for s in group.items])
-                choices = self._choose_all(logits, group.items)
-            except Exception as exc:  # noqa: BLE001
-                self._step_failed(list(group.items), exc, "decode step")
-                group.keep([])
-                continue
-            for seq, (token, logprob) in zip(group.items, choices):
-                if seq.cancelled.is_set():
-                    seq.done = True
-                    continue
-                finish = self._accept(seq, token, logprob)
-                if finish is not None:
-                    self._finished(seq, finish)
-            group.keep([r for r, s in enumerate(group.items) if not s.done])
-        self._groups = [g for g in self._groups if len(g)]
+            self._chosen(seq, token, logprob)
         self.steps += 1
+
+    def _chosen(self, seq: _Sequence, token: int, logprob: float) -> None:
+        """Record ``token`` for ``seq`` (engine side) and queue it, with its alternatives, for the output thread.
+        A token the grammar refuses ends only that sequence."""
+        top = seq.alternatives(token)
+        try:
+            reason = seq.record(token)
+        except GenerationError as exc:
+            self._fail(seq, exc)
+            return
+        self.output.put(ChosenToken(seq, token, logprob, reason, top))
+
+    def _release(self) -> None:
+        """Free the slots of sequences that ended; what they hold stays as a cached prefix."""
+        keep = []
+        for seq in self._running:
+            if seq.done or seq.cancelled.is_set():
+                seq.done = True
+                if seq.slot is not None:
+                    self.contents.release(seq.slot)
+            else:
+                keep.append(seq)
+        self._running = keep
 
     def _choose_all(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
         """Next token of every row, in one batched pass (:func:`service.sampling.choose_batch`); each row's
@@ -467,29 +637,34 @@ class Engine:
                 seq.set_prompt_logprobs(prompt_logprobs(self.model, self.device, ids, seq.request.top_n_tokens))
         return [(c.token, c.logprob) for c in choose_batch(logits, [s.chooser for s in seqs])]
 
-    def _accept(self, seq: _Sequence, token: int, logprob: float) -> FinishEvent | None:
-        """``seq.accept``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""
+    def _fail(self, seq: _Sequence, error: ServiceError) -> None:
+        """End ``seq`` now (its slot is freed) and send ``error`` after the tokens already queued for it."""
+        if not seq.done or not seq.finished:
+            seq.done = True
+            self.output.put(Failure(seq, error))
+
+    # -- output thread -----------------------------------------------------------------------------------------
+    def _emit(self, chosen: ChosenToken) -> None:
+        """``seq.emit``, isolated: a failure there (a detokenizer error, a broken sink) ends only that sequence."""
+        seq = chosen.seq
         try:
-            return seq.accept(token, logprob)
+            finish = seq.emit(chosen.token, chosen.logprob, chosen.reason, chosen.top)
         except Exception:  # noqa: BLE001
             log.exception(
                 "request %s: handling a generated token failed; dropping the sequence", seq.request.request_id
             )
-            seq.done = True
             try:
-                seq.sink(
-                    ErrorEvent.of(
-                        GenerationError("Generation failed while decoding a token; the server logged the details.")
-                    )
-                )
+                seq.fail(GenerationError("Generation failed while decoding a token; the server logged the details."))
             except Exception:  # noqa: BLE001 - the sink itself is what failed
-                pass
-            return None
+                seq.finished = True
+            return
+        if finish is not None:
+            self.metrics.tokens(finish.prompt_tokens, finish.generated_tokens)
+            seq.sink(finish)
 
-    def _finished(self, seq: _Sequence, finish: FinishEvent) -> None:
-        seq.done = True
-        self.metrics.tokens(finish.prompt_tokens, finish.generated_tokens)
-        seq.sink(finish)
+    @staticmethod
+    def _emit_failure(failure: Failure) -> None:
+        failure.seq.fail(failure.error)
 
     def _step_failed(self, seqs: list[_Sequence], exc: Exception, where: str) -> None:
         ids = ", ".join(s.request.request_id for s in seqs)
@@ -506,4 +681,14 @@ class Engine:
             message = f"Generation failed during the {where}: {type(exc).__name__}. The server logged the details."
         for seq in seqs:
             if not seq.done:
-                seq.fail(GenerationError(message))
+                self._fail(seq, GenerationError(message))
+
+
+def _position_limit(model: torch.nn.Module) -> int | None:
+    """The model's own longest sequence, from its config (the default length of a cache slot)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -61,6 +61,7 @@ class Runtime:
             loaded.tokenizer,
             max_batch_size=s.max_batch_size,
             max_queue=s.max_concurrent_requests,
+            max_total_tokens=max_total,
             metrics=self.metrics,
         )
         engine.start()

@@ -4,6 +4,7 @@ and a failing step (out of memory, or any error) fails only that step's requests
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine import Engine, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from service.errors import GenerationError
 from service.sampling import SamplingParams
 
 PROMPTS = ["Once upon a time", "Hello", "The sea was calm and the night was long", "A", "Rain fell", "Why not"]
@@ -112,8 +114,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_lla
     try:
         ids = tok("Hello")["input_ids"]
         fault.armed = True
+        # distinct prompts: identical ones would be prefilled once and the copy's last token fed alone
         failed = _run(
-            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}") for i in range(2)]
+            engine,
+            [
+                GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=5, request_id=f"r{i}")
+                for i, p in enumerate(["Hello", "Rain fell on the sea"])
+            ],
         )
         for events in failed:
             err = events[-1]
@@ -198,3 +205,170 @@ def test_a_broken_sink_ends_only_its_own_sequence(tiny_llama: Path) -> None:
     finally:
         engine.stop()
     assert not engine.alive
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_identical_prompts_admitted_together_are_prefilled_once(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok("The sea was calm and the night was long, and the ships stayed in the harbor")["input_ids"]
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8)  # not started: all three are admitted together
+    sinks = [queue.Queue() for _ in range(3)]
+    for sink in sinks:
+        engine.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=4), sink.put)
+    engine.start()
+    try:
+        results = [_drain(sink) for sink in sinks]
+    finally:
+        engine.stop()
+    # the first prompt whole; each copy only its last token (its logits are needed), the rest copied
+    assert engine.prefilled_tokens == len(prompt) + 2
+    assert engine.reused_tokens == 2 * (len(prompt) - 1)
+    want = _greedy(model, prompt, 4)
+    for events in results:
+        assert [e.id for e in events if isinstance(e, TokenEvent)] == want
+    assert engine.peak_batch == 3  # the copies started decoding with the first
+
+
+def test_a_prompt_sharing_a_finished_requests_prefix_reuses_its_slot(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    system = tok("You are a helpful assistant who answers briefly and well. Question:")["input_ids"]
+    first, second = system + tok("why", add_special_tokens=False)["input_ids"], system + [5, 6, 7]
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        _run(engine, [GenerationRequest(prompt_ids=first, max_new_tokens=3)])
+        before = engine.prefilled_tokens
+        got = _run(engine, [GenerationRequest(prompt_ids=second, max_new_tokens=5)])[0]
+    finally:
+        engine.stop()
+    assert engine.reused_tokens >= len(system)
+    assert engine.prefilled_tokens - before == len(second) - engine.reused_tokens
+    assert [e.id for e in got if isinstance(e, TokenEvent)] == _greedy(model, second, 5)
+
+
+def test_admission_waits_for_kv_budget_tokens(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tok("Rain fell")["input_ids"]
+    # two slots, but tokens for only one of these requests at a time
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8, kv_budget_tokens=len(ids) + 30)
+    engine.start()
+    try:
+        results = _run(engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=20) for _ in range(2)])
+        with pytest.raises(GenerationError, match="tokens of KV cache"):
+            engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=40), lambda e: None)
+    finally:
+        engine.stop()
+    assert all(isinstance(r[-1], FinishEvent) and r[-1].generated_tokens == 20 for r in results)
+    assert engine.peak_batch == 1
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(tiny_llama: Path, monkeypatch) -> None:
+    monkeypatch.setattr("service.engine.PREFILL_CHUNK", 8)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    long_prompt = tok(" ".join(PROMPTS * 4))["input_ids"]
+    assert len(long_prompt) > 5 * 8
+    order: list[str] = []
+    stream_started = queue.Queue()
+
+    def stream_sink(ev) -> None:
+        order.append("stream")
+        stream_started.put(ev)
+
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        engine.submit(GenerationRequest(prompt_ids=tok("Hello")["input_ids"], max_new_tokens=60), stream_sink)
+        stream_started.get(timeout=60)
+        done = queue.Queue()
+
+        def long_sink(ev) -> None:
+            order.append("long")
+            done.put(ev)
+
+        engine.submit(GenerationRequest(prompt_ids=long_prompt, max_new_tokens=2), long_sink)
+        first = done.get(timeout=60)
+        assert isinstance(first, TokenEvent)
+        want = _greedy(model, long_prompt, 1)[0]
+        assert first.id == want
+    finally:
+        engine.stop()
+    # the long prompt took several iterations to prefill, and the stream got a token in each
+    before_long = order.index("long")
+    assert order[:before_long].count("stream") >= 5
+
+
+def _drain(sink: queue.Queue) -> list:
+    events = []
+    while True:
+        ev = sink.get(timeout=60)
+        events.append(ev)
+        if isinstance(ev, (FinishEvent, ErrorEvent)):
+            return events
+
+
+def test_a_stop_sequence_found_off_the_decode_loop_ends_the_sequence(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok("Once upon a time")["input_ids"]
+    free = _run_one(model, tok, GenerationRequest(prompt_ids=prompt, max_new_tokens=12))
+    texts = [e.text for e in free if isinstance(e, TokenEvent)]
+    k = next(i for i in range(2, len(texts)) if texts[i].strip() and texts[i] not in "".join(texts[:i]))
+    stopped = _run_one(model, tok, GenerationRequest(prompt_ids=prompt, max_new_tokens=12, stop=(texts[k],)))
+    final = stopped[-1]
+    assert isinstance(final, FinishEvent) and final.reason == "stop_sequence"
+    assert final.generated_tokens == k + 1 == len([e for e in stopped if isinstance(e, TokenEvent)])
+    assert final.text == "".join(texts[: k + 1])
+
+
+def _run_one(model, tok, request: GenerationRequest) -> list:
+    engine = Engine(model, tok, max_batch_size=2, max_queue=4)
+    engine.start()
+    try:
+        events = _run(engine, [request])[0]
+        deadline = time.monotonic() + 30
+        while engine.active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.active == 0
+    finally:
+        engine.stop()
+    return events
+
+
+def test_half_on_disk_with_native_kernels_decodes_the_batch_as_plain_transformers(tiny_llama: Path, tmp_path) -> None:
+    """The slot cache under the loader's execution: layers streamed from disk through hooks, native CPU kernels."""
+    from loaders.load import load_model
+
+    device_map = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+    model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
+    assert "disk" in set(model.hf_device_map.values())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    engine = Engine(model, tok, max_batch_size=4, max_queue=8)
+    engine.start()
+    try:
+        reqs = [GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=8) for p in PROMPTS[:4]]
+        results = _run(engine, reqs)
+    finally:
+        engine.stop()
+    assert engine.peak_batch >= 2
+    for req, events in zip(reqs, results):
+        got = [e.id for e in events if isinstance(e, TokenEvent)]
+        ids = torch.tensor([req.prompt_ids])
+        ref = plain.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=list(engine.eos) or None,
+        )
+        assert got == ref[0, len(req.prompt_ids) :].tolist()

@@ -1,0 +1,142 @@
+"""The engine's KV cache: one preallocated slot per running sequence, on the device of each layer.
+
+Each attention layer owns a keys and a values tensor ``[slots, kv_heads, capacity, head_dim]``, created on the first
+write with the device and dtype the layer computes in (so a layer on GPU 0, the CPU or streamed from disk keeps its
+cache where it runs). A sequence holds one slot from admission to its end: joining writes its prompt's KV into
+its slot, leaving frees the slot, and nothing else moves; no cache is concatenated or re-indexed between steps.
+
+The capacity (tokens per slot) grows by doubling when a longer sequence needs it, up to ``max_len``, so memory
+follows the longest sequence actually served rather than the longest allowed; growth copies the cache, which
+happens at most log2(max_len) times in a server's life.
+
+For one forward the runner says which slots take part and where each row's new tokens go (:meth:`SlotKVCache.bind`);
+:meth:`update` (what every transformers attention layer calls) writes the new keys and values there and returns the
+rows' keys and values up to the longest row's length. The attention mask the runner builds hides, per row, what lies
+beyond that row's own length. When the rows are consecutive slots (the usual case: slots are handed out lowest
+first) the returned tensors are views; otherwise they are gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+#: Smallest capacity a layer's storage starts at (tokens per slot).
+MIN_CAPACITY = 64
+
+
+@dataclass
+class _Binding:
+    """The rows of the current forward: their slots, where each row's new tokens start, and the key span."""
+
+    slots: torch.Tensor  # [B] long, on CPU
+    starts: torch.Tensor  # [B] long, on CPU
+    span: int  # keys each row attends over (the longest row's length after this forward)
+    consecutive: slice | None  # slots[0]..slots[-1] when they are consecutive and ascending
+
+
+class SlotKVCache(Cache):
+    """A transformers ``Cache`` over fixed slots. ``update`` writes at each row's position and returns the slots'
+    keys/values up to the bound span (see the module docstring)."""
+
+    def __init__(self, slots: int, max_len: int):
+        super().__init__(layers=[])
+        if slots < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs at least one slot and one token per slot (got {slots}, {max_len})")
+        self.slots = slots
+        self.max_len = max_len
+        self.capacity = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._binding: _Binding | None = None
+        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # -- the runner's side ---------------------------------------------------------------------------------------
+    def bind(self, slots: list[int], starts: list[int], width: int, span: int) -> None:
+        """Set up the next forward: row ``b`` writes ``width`` tokens into slot ``slots[b]`` from ``starts[b]``
+        (rows shorter than ``width`` are padded; their padding lands past their length and is overwritten later)."""
+        need = max(s for s in starts) + width
+        if need > self.max_len:
+            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
+        self._grow(need)
+        lo = slots[0]
+        consecutive = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+        self._binding = _Binding(
+            slots=torch.tensor(slots, dtype=torch.long),
+            starts=torch.tensor(starts, dtype=torch.long),
+            span=span,
+            consecutive=consecutive,
+        )
+        self._indices = {}
+        self._width = width
+
+    def unbind(self) -> None:
+        self._binding = None
+        self._indices = {}
+
+    @torch.inference_mode()
+    def copy_prefix(self, source: int, target: int, start: int, end: int) -> None:
+        """Copy positions ``[start, end)`` of slot ``source`` into slot ``target`` on every layer (prefix reuse)."""
+        if end <= start:
+            return
+        for store in (self.keys, self.values):
+            for t in store.values():
+                t[target, :, start:end].copy_(t[source, :, start:end])
+
+    def _grow(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        capacity = max(MIN_CAPACITY, self.capacity)
+        while capacity < need:
+            capacity *= 2
+        capacity = min(capacity, self.max_len)
+        for store in (self.keys, self.values):
+            for layer, old in store.items():
+                new = old.new_zeros(old.shape[:2] + (capacity, old.shape[3]))
+                new[:, :, : old.shape[2]].copy_(old)
+                store[layer] = new
+        self.capacity = capacity
+
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slot and position indices of every written token ``[B, width]``, and the slots ``[B]``, on ``device``."""
+        if device not in self._indices:
+            b = self._binding
+            positions = b.starts.unsqueeze(1) + torch.arange(self._width).unsqueeze(0)
+            rows = b.slots.unsqueeze(1).expand_as(positions)
+            self._indices[device] = (rows.to(device), positions.to(device), b.slots.to(device))
+        return self._indices[device]
+
+    # -- transformers' side ----------------------------------------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._binding
+        if b is None:
+            raise RuntimeError("SlotKVCache.update called outside a bound forward; call bind() first")
+        if layer_idx not in self.keys:
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        rows, positions, slots = self._index(keys.device)
+        # [B, H, T, D] -> [B, T, H, D]: advanced indices on dims 0 and 2 put the indexed dims first
+        keys[rows, :, positions] = key_states.transpose(1, 2).to(keys.dtype)
+        values[rows, :, positions] = value_states.transpose(1, 2).to(values.dtype)
+        if b.consecutive is not None:
+            return keys[b.consecutive, :, : b.span], values[b.consecutive, :, : b.span]
+        return keys[:, :, : b.span].index_select(0, slots), values[:, :, : b.span].index_select(0, slots)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._binding.span if self._binding is not None else 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
