@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
 from loaders.shard_reader import ShardReader, populate
 from planner.checkpoint_keys import TensorSource, piece_shape
-from planner.devices import parse_device, torch_device_name
+from planner.devices import torch_device_name
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Materializer:
         model_path: Path,
         has_gpu: bool,
         workers: int | None = None,
+        copies: CudaCopies | None = None,
+        staging_chunk: int = STAGING_CHUNK,
     ):
         self.index = index
         self.run_dtype = run_dtype
@@ -75,7 +78,10 @@ class Materializer:
         self.stats = LoadStats()
         #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
         self.disk_ranges: dict[str, tuple[str, int, int]] = {}
-        self._staging: _PinnedStaging | None = None
+        #: The CUDA calls of GPU loads (a stand-in backend in tests), and one staging pair per target GPU.
+        self.copies = copies if copies is not None else CudaCopies()
+        self.staging_chunk = staging_chunk
+        self._staging: dict[int, _PinnedStaging] = {}
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
@@ -111,7 +117,7 @@ class Materializer:
                 else:
                     to_convert.append((name, src, dtype))
             elif isinstance(dev, int):
-                gpu_jobs.append((name, src, dtype, torch.device("cuda", dev)))
+                gpu_jobs.append((name, src, dtype, dev))
             elif map_resident and src.is_plain and dtype == stored:
                 # CPU-resident without a copy: a view of the shard's map, its pages mapped in below.
                 entry = self.index[src.pieces[0].key]
@@ -138,7 +144,7 @@ class Materializer:
         for name, src, dtype, dev in sorted(gpu_jobs, key=lambda j: self._file_order(j[1])):
             t = self._load_gpu(src, dtype, dev)
             out[name] = t
-            self._count(torch_device_name(parse_device(dev)), t.numel() * t.element_size())
+            self._count(torch_device_name(dev), t.numel() * t.element_size())
         if to_convert:
             self._serve_from_offload_folder(to_convert, out)
         self.reader.close_files()
@@ -163,22 +169,23 @@ class Materializer:
         return dest
 
     # -- GPU -----------------------------------------------------------------------------------------------
-    def _load_gpu(self, src: TensorSource, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = _PinnedStaging(STAGING_CHUNK)
-        dest = torch.empty(src.shape, dtype=dtype, device=device)
+    def _load_gpu(self, src: TensorSource, dtype: torch.dtype, device: int) -> torch.Tensor:
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = _PinnedStaging(self.copies, self.staging_chunk, device)
+        dest = self.copies.empty(src.shape, dtype, device)
         for piece in src.pieces:
             entry = self.index[piece.key]
             view = dest[to_torch_index(piece.index)] if piece.index else dest
             if entry.dtype == dtype and view.is_contiguous():
-                self._staging.upload(self.reader, entry, view)
+                staging.upload(self.reader, entry, view)
             else:
-                tmp = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-                self._staging.upload(self.reader, entry, tmp)
+                tmp = self.copies.empty(entry.shape, entry.dtype, device)
+                staging.upload(self.reader, entry, tmp)
                 view.copy_(tmp.view(view.shape))
             self.stats.bytes_read += entry.nbytes
-            self.reporter.advance(entry.nbytes, torch_device_name(parse_device(device)))
-        self._staging.synchronize()
+            self.reporter.advance(entry.nbytes, torch_device_name(device))
+        staging.synchronize()
         return dest
 
     # -- disk, converted -----------------------------------------------------------------------------------
@@ -220,13 +227,45 @@ def _merge(ranges: list[tuple[str, int, int]], gap: int = 1 << 16) -> list[tuple
     return out
 
 
-class _PinnedStaging:
-    """Two pinned host buffers: chunk k+1 is read from disk while chunk k is copied to the GPU."""
+class CudaCopies:
+    """The CUDA calls a GPU load makes, each naming the GPU it concerns, so that a stand-in backend can record or
+    reorder them on a machine without one (``tests/loaders/gpu_standins.py``).
 
-    def __init__(self, chunk: int):
+    torch's defaults are per *current device*: ``Event.record()`` with no stream records on the current device's
+    stream, while ``copy_`` to ``cuda:k`` runs on GPU k's stream. Every call here therefore takes its stream."""
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=torch.device("cuda", device))
+
+    def stream(self, device: int) -> Any:
+        """GPU ``device``'s current stream: the one its tensors were allocated on and its copies run on."""
+        return torch.cuda.current_stream(torch.device("cuda", device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+
+class _PinnedStaging:
+    """Two pinned host buffers for one GPU: chunk k+1 is read from disk while chunk k is copied to the GPU."""
+
+    def __init__(self, copies: CudaCopies, chunk: int, device: int):
+        self.copies = copies
         self.chunk = chunk
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events = [None, None]
+        self.stream = copies.stream(device)
+        self.bufs = [copies.pinned(chunk) for _ in range(2)]
+        self.events: list[Any] = [None, None]
         self.turn = 0
 
     def upload(self, reader: ShardReader, entry: ShardEntry, dest: torch.Tensor) -> None:
@@ -236,21 +275,19 @@ class _PinnedStaging:
             n = min(self.chunk, entry.nbytes - done)
             i = self.turn
             if self.events[i] is not None:
-                self.events[i].synchronize()  # the copy that last used this buffer has finished
+                self.copies.host_wait(self.events[i])  # the copy that last used this buffer has finished
             buf = self.bufs[i]
             piece = ShardEntry(entry.key, entry.file, torch.uint8, (n,), entry.start + done, entry.start + done + n)
             reader.read_into(piece, buf[:n])
-            dest_bytes[done : done + n].copy_(buf[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[i] = ev
+            self.copies.copy(dest_bytes[done : done + n], buf[:n], self.stream)
+            self.events[i] = self.copies.record(self.stream)  # on the stream the copy runs on, not GPU 0's
             self.turn ^= 1
             done += n
 
     def synchronize(self) -> None:
         for ev in self.events:
             if ev is not None:
-                ev.synchronize()
+                self.copies.host_wait(ev)
 
 
-__all__ = ["Materializer", "default_offload_folder"]
+__all__ = ["CudaCopies", "Materializer", "default_offload_folder"]
