@@ -70,6 +70,9 @@ class CpuBackend:
         self.on_op("copy", stream)
         dst.copy_(src)
 
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.on_op("record_stream", stream)
+
 
 class CudaBackend:
     """The real thing: a side stream for copies, events between streams, pinned host staging."""
@@ -103,6 +106,11 @@ class CudaBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``: once freed, its memory is handed out again
+        only after the work queued on ``stream`` by then has finished (the allocator records the events at free)."""
+        tensor.record_stream(stream)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,6 +188,10 @@ class BlockStreamer:
             _Slot(backend.empty(self.slot_bytes), backend.empty(self.slot_bytes, pinned=True) if need_staging else None)
             for _ in range(n)
         ]
+        for slot in self.slots:
+            # allocated on the compute stream, written on the side stream: when the model is unloaded, the last
+            # prefetch may still be writing, so the allocator must not hand the memory out before it ends
+            backend.record_stream(slot.buffer, backend.side_stream())
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="loadmaster-stage") if need_staging else None
         self.handles: list = []
         #: Observed execution order: block -> the block that ran after it last time. Module order is only the

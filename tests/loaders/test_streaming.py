@@ -8,6 +8,9 @@ caught by the eager backend's check. Both must reproduce transformers' logits ex
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -266,3 +269,62 @@ def test_a_failed_block_frees_its_slot_and_the_next_forward_prefetches_again(tin
             model(ids)
         assert streamer.sync_loads == steady, "a forward after the failure waited for a copy it should have prefetched"
     assert_equivalent(model, tiny_llama)
+
+
+class ArenaBackend(LazyBackend):
+    """``LazyBackend`` whose device buffers come from a stand-in of torch's caching allocator: a freed buffer is
+    handed out again at once (to the stream it was allocated on), unless it was marked as used by another stream
+    (``record_stream``) that still has copies queued, exactly as the CUDA allocator defers such blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.arena = torch.zeros(1 << 22, dtype=torch.uint8)
+        self.top = 0
+        self.free: list[tuple[int, int, int | None]] = []  # (offset, bytes, side copies that must have run first)
+        self.marked: set[int] = set()
+
+    def empty(self, nbytes, pinned=False):
+        if pinned:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        for k, (lo, n, upto) in enumerate(self.free):
+            if n == nbytes and (upto is None or self.flushed >= upto):
+                del self.free[k]
+                return self._hand_out(lo, n)
+        lo, self.top = self.top, self.top + (nbytes + 255) // 256 * 256
+        assert self.top <= self.arena.numel()
+        return self._hand_out(lo, nbytes)
+
+    def _hand_out(self, lo, n):
+        t = self.arena[lo : lo + n]
+        weakref.finalize(t, self._freed, lo, n)
+        return t
+
+    def record_stream(self, tensor, stream):
+        if stream == "side":
+            self.marked.add(tensor.data_ptr() - self.arena.data_ptr())
+
+    def _freed(self, lo, n):
+        upto = len(self.queue) + self.flushed if lo in self.marked else None
+        self.marked.discard(lo)
+        self.free.append((lo, n, upto))
+
+
+def test_freed_slots_are_not_handed_out_while_a_prefetch_still_writes_them(tiny_llama):
+    """Issue 14 item 8: the slots are written on the side stream but allocated on the compute stream. Without
+    ``record_stream``, unloading the model returns them to the allocator while the last prefetch (the next forward's
+    first block) is still queued, the reload gets the same memory, and the late copy overwrites it."""
+    backend = ArenaBackend()
+    model, streamer, _ = _streamed(tiny_llama, LLAMA_MAP, backend)
+    with torch.no_grad():
+        model(prompt(model.config.vocab_size))
+    assert backend.queue, "the next forward's first block should be in flight"
+    slot_bytes = streamer.slot_bytes
+    streamer.remove()
+    del streamer, model
+    gc.collect()
+    assert len(backend.free) == 2, "unloading should free both slots"
+    reloaded = [backend.empty(slot_bytes) for _ in range(2)]
+    for buf in reloaded:
+        buf.zero_()
+    backend._flush(backend.flushed + len(backend.queue))  # the GPU finishes the copies it was given
+    assert all(int(buf.count_nonzero()) == 0 for buf in reloaded), "a late prefetch wrote into reallocated memory"
