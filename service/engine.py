@@ -255,15 +255,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
-    """The device token ids must be on: where the input embeddings live (or the first GPU of the device map)."""
+    """Where compute happens, so token ids start there and logits and sampling stay there: the lowest GPU of the
+    device map when it names one (embeddings offloaded to the host look their rows up there and hand them to that
+    GPU), otherwise where the input embeddings live."""
+    gpus = sorted(d for d in (getattr(model, "hf_device_map", None) or {}).values() if isinstance(d, int))
+    if gpus:
+        return torch.device(torch_device_name(gpus[0]))
     try:
         weight = model.get_input_embeddings().weight
         if weight.device.type != "meta":
             return weight.device
     except (AttributeError, NotImplementedError):
         pass
-    gpus = sorted(d for d in getattr(model, "hf_device_map", {}).values() if isinstance(d, int))
-    return torch.device(torch_device_name(gpus[0]) if gpus else "cpu")
+    return torch.device("cpu")
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -194,11 +194,11 @@ def test_gpu_wiring_runs_with_the_cpu_backend(tiny_gpt2):
     model = loaders.load_model(tiny_gpt2, device_map=dm, show_progress=False)
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
     streamer = install_gpu_execution(model, dm, placement, torch.device("cpu"), backend=LazyBackend())
-    assert streamer is not None and {b.key for b in streamer.blocks} == set(dm)
+    # the token and position embeddings are looked up on the host, everything else is streamed
+    assert streamer is not None and {b.key for b in streamer.blocks} == set(dm) - {"transformer.wte", "transformer.wpe"}
     # the tied head is streamed on its own, from the same host tensor as the embeddings
     head = next(b for b in streamer.blocks if b.key == "lm_head")
-    wte = next(b for b in streamer.blocks if b.key == "transformer.wte")
-    assert head.tensors[0].host.data_ptr() == wte.tensors[0].host.data_ptr()
+    assert head.tensors[0].host.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert_equivalent(model, tiny_gpt2)
 
 
@@ -211,7 +211,7 @@ SPLIT_MAPS = [
 @pytest.mark.parametrize("dm", SPLIT_MAPS)
 def test_pieces_split_off_a_containing_entry_get_their_inputs_aligned(tiny_llama, dm):
     """Two-device stand-in: GPU 0 is the CPU, the execution device is ``meta``. Every streamed piece split off
-    the containing entry (embeddings, later layers, norm, head) must receive its inputs on the execution device;
+    the containing entry (later layers, norm, head) must receive its inputs on the execution device;
     without an alignment hook the CPU tensor a parent hands it arrives as it was (a device mismatch on CUDA)."""
     from loaders.streaming import install_gpu_execution
 
@@ -222,7 +222,8 @@ def test_pieces_split_off_a_containing_entry_get_their_inputs_aligned(tiny_llama
     )
     assert streamer is not None
     keys = {b.key for b in streamer.blocks}
-    assert {"model.embed_tokens", "model.layers.1", "model.norm", "lm_head"} <= keys
+    # the embeddings are looked up on the host (test_a_host_embedding_hands_its_rows_to_the_execution_device)
+    assert {"model.layers.1", "model.norm", "lm_head"} <= keys and "model.embed_tokens" not in keys
     seen: dict[str, torch.device] = {}
     for block in streamer.blocks:
         # the probe replaces only this piece's own computation; its hooks (alignment, streaming) run for real
@@ -328,3 +329,52 @@ def test_freed_slots_are_not_handed_out_while_a_prefetch_still_writes_them(tiny_
         buf.zero_()
     backend._flush(backend.flushed + len(backend.queue))  # the GPU finishes the copies it was given
     assert all(int(buf.count_nonzero()) == 0 for buf in reloaded), "a late prefetch wrote into reallocated memory"
+
+
+class CountingBackend(CpuBackend):
+    """Eager copies, counting the bytes that cross to the execution device."""
+
+    copied = 0
+
+    def copy(self, dst, src, stream):
+        self.copied += dst.numel() * dst.element_size()
+        super().copy(dst, src, stream)
+
+
+def test_offloaded_embeddings_are_looked_up_on_the_host_not_streamed(tiny_llama):
+    """Issue 14 item 3: an embedding offloaded while GPUs compute was streamed whole every forward, although the
+    planner costs it at one row per token. It now runs on the host: a forward copies the other blocks only."""
+    from loaders.streaming import install_gpu_execution
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    backend = CountingBackend()
+    streamer = install_gpu_execution(model, LLAMA_MAP, placement, torch.device("cpu"), backend=backend)
+    assert streamer is not None and "model.embed_tokens" not in {b.key for b in streamer.blocks}
+    ids = prompt(model.config.vocab_size)
+    with torch.no_grad():
+        model(ids)
+        model(ids)  # the order is learned: from here on each forward copies each block once
+        before = backend.copied
+        model(ids)
+    table = model.model.embed_tokens.weight
+    assert backend.copied - before == sum(t.nbytes for b in streamer.blocks for t in b.unique())
+    everything = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
+    assert backend.copied - before <= everything - table.nbytes
+    assert_equivalent(model, tiny_llama)
+
+
+def test_a_host_embedding_hands_its_rows_to_the_execution_device(tiny_llama):
+    """Two-device stand-in (GPU 0 is the CPU, the execution device is ``meta``): the lookup runs where the table
+    is, and what it returns is on the execution device, where the first layer and everything after run."""
+    from loaders.streaming import install_gpu_execution
+
+    dm = {"model.embed_tokens": "cpu", "model.layers.0": 0, "model.layers.1": 0, "": "cpu"}
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    install_gpu_execution(
+        model, dm, placement, torch.device("meta"), backend=CpuBackend(), gpu_device=lambda i: torch.device("cpu")
+    )
+    rows = model.model.embed_tokens(torch.tensor([[1, 2, 3]]))
+    assert rows.device == torch.device("meta") and rows.shape == (1, 3, model.config.hidden_size)
+    assert model.model.embed_tokens.weight.device == torch.device("cpu")

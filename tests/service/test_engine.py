@@ -198,3 +198,15 @@ def test_a_broken_sink_ends_only_its_own_sequence(tiny_llama: Path) -> None:
     finally:
         engine.stop()
     assert not engine.alive
+
+
+def test_compute_starts_on_the_first_gpu_even_with_the_embeddings_on_the_host(tiny_llama: Path) -> None:
+    """Issue 14 item 3: with the embeddings offloaded, the engine put token ids (and so logits and sampling) on the
+    CPU, where the embedding weight lives. The device map's first GPU is where compute happens."""
+    from service.engine import input_device
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": 1, "lm_head": 0, "model.norm": 0}
+    assert input_device(model) == torch.device("cuda", 0)
+    model.hf_device_map = {"": "cpu"}
+    assert input_device(model) == torch.device("cpu")
