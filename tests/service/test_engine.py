@@ -4,6 +4,7 @@ and a failing step (out of memory, or any error) fails only that step's requests
 from __future__ import annotations
 
 import queue
+import weakref
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine import Engine, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from service.errors import NotReadyError
 from service.sampling import SamplingParams
 
 PROMPTS = ["Once upon a time", "Hello", "The sea was calm and the night was long", "A", "Rain fell", "Why not"]
@@ -210,3 +212,75 @@ def test_compute_starts_on_the_first_gpu_even_with_the_embeddings_on_the_host(ti
     assert input_device(model) == torch.device("cuda", 0)
     model.hf_device_map = {"": "cpu"}
     assert input_device(model) == torch.device("cpu")
+
+
+def _illegal_access() -> None:
+    raise RuntimeError(
+        "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported "
+        "at some other API call, so the stacktrace below might be incorrect."
+    )
+
+
+def test_an_unrecoverable_cuda_error_stops_the_engine_and_fails_every_request(tiny_llama: Path) -> None:
+    """Issue 14 item 7: after "an illegal memory access" every later kernel fails; the engine treated it as one
+    request's failure and kept reporting ready. Now it stops: in-flight and queued requests fail saying why and
+    what to do, ``alive`` (which readiness reads) turns false, and new requests are refused with the reason."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    fault = _FailingForward(model, _illegal_access)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        ids = tok("Hello")["input_ids"]
+        fault.armed = True
+        results = _run(
+            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=50, request_id=f"r{i}") for i in range(4)]
+        )
+        for events in results:
+            err = events[-1]
+            assert isinstance(err, ErrorEvent) and err.error_type == "not_ready", err
+            assert "unrecoverable" in err.message and "Restart the server" in err.message
+            assert "illegal memory access" in err.message
+        engine._thread.join(10)
+        assert not engine.alive and engine.dead is not None
+        with pytest.raises(NotReadyError, match="unrecoverable"):
+            engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=1), lambda e: None)
+    finally:
+        engine.stop()
+
+
+def test_the_allocator_cache_is_released_only_once_the_failed_step_is_gone(tiny_llama: Path, monkeypatch) -> None:
+    """Issue 14 item 7: ``empty_cache()`` ran inside the failure handler, while the failed group's KV cache (and the
+    exception's frames) still held the memory it was meant to give back. It now runs after the step."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    caches: list[weakref.ref] = []
+    alive_at_release: list[bool] = []
+
+    class Probe(_FailingForward):
+        def __call__(self, *args, **kwargs):
+            if self.armed and kwargs["input_ids"].shape[1] == 1:
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                caches.append(weakref.ref(cache))
+            return super().__call__(*args, **kwargs)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fault = Probe(model, oom)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the engine's only CUDA question here
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_release.append(caches[-1]() is not None))
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        ids = tok("Hello")["input_ids"]
+        fault.armed = True
+        failed = _run(
+            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}") for i in range(2)]
+        )
+        assert all(isinstance(events[-1], ErrorEvent) for events in failed)
+        ok = _run(engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=3)])[0]
+        assert isinstance(ok[-1], FinishEvent)
+    finally:
+        engine.stop()
+    assert caches and alive_at_release == [False], "empty_cache ran while the failed step's KV cache was referenced"
