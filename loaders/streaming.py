@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from loaders.device_map import entry_of, module_for_entry, ordered_entries
+from loaders.shard_reader import ShardReader
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -176,11 +177,13 @@ class _Slot:
 class BlockStreamer:
     """Streams offloaded blocks into ``n_slots`` device buffers, prefetching the next block while one runs."""
 
-    def __init__(self, blocks: list[StreamedBlock], backend, n_slots: int = 2):
+    def __init__(self, blocks: list[StreamedBlock], backend, n_slots: int = 2, reader: ShardReader | None = None):
         if n_slots < 2:
             raise ValueError("streaming needs at least two slots to overlap copy and compute")
         self.blocks = blocks
         self.backend = backend
+        #: The shards' reader: disk blocks are staged by positioned reads of the files instead of page faults.
+        self.reader = reader
         self.slot_bytes = max((b.layout() for b in blocks), default=0)
         need_staging = any(b.staged for b in blocks)
         n = n_slots if len(blocks) > 1 else 1
@@ -232,8 +235,10 @@ class BlockStreamer:
         def stage_then_copy():
             if slot.staging_free is not None:
                 self.backend.host_wait(slot.staging_free)  # the last H2D copy out of this staging buffer ended
-            for t in block.unique():  # disk -> pinned RAM: page faults on the map happen here, off the GPU's path
-                self._view(slot.staging, t).copy_(t.host)
+            for t in block.unique():  # disk -> pinned RAM, off the GPU's path: preadv, or the map as a fallback
+                dest = self._view(slot.staging, t)
+                if self.reader is None or not self.reader.read_mapped_into(t.host, dest):
+                    dest.copy_(t.host)
             for t in block.unique():
                 self.backend.copy(self._view(slot.buffer, t), self._view(slot.staging, t), side)
             slot.ready = self.backend.record(side)
@@ -513,6 +518,7 @@ def install_gpu_execution(
     exec_device: torch.device,
     backend=None,
     gpu_device: Callable[[int], torch.device] = _cuda_device,
+    reader: ShardReader | None = None,
 ) -> BlockStreamer | None:
     """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
 
@@ -562,7 +568,7 @@ def install_gpu_execution(
         log.info("embeddings looked up on the host: %s", ", ".join(type(m).__name__ for m in lookups))
     if not blocks:
         return None
-    streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device))
+    streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device), reader=reader)
     streamer.install()
     model._loadmaster_streamer = streamer
     log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes, exec_device)

@@ -378,3 +378,34 @@ def test_a_host_embedding_hands_its_rows_to_the_execution_device(tiny_llama):
     rows = model.model.embed_tokens(torch.tensor([[1, 2, 3]]))
     assert rows.device == torch.device("meta") and rows.shape == (1, 3, model.config.hidden_size)
     assert model.model.embed_tokens.weight.device == torch.device("cpu")
+
+
+def test_disk_blocks_are_staged_by_positioned_reads_not_page_faults(tiny_llama, monkeypatch):
+    """Issue 14 item 12: a disk block was staged by copying from its memory map (a page fault per 4 KiB page). The
+    streamer now reads the shard into the pinned staging buffer with ``preadv``: every disk block's bytes, each
+    forward, and the same logits."""
+    from loaders import shard_reader
+
+    read: list[int] = []
+    preadv = shard_reader.os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        n = preadv(fd, buffers, offset)
+        read.append(n)
+        return n
+
+    model = loaders.load_model(tiny_llama, device_map=LLAMA_MAP, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters()}
+    blocks, _ = build_blocks(model, ordered_entries(model, LLAMA_MAP), placement, LLAMA_MAP)
+    streamer = BlockStreamer(blocks, CpuBackend(), reader=model._loadmaster_reader)
+    streamer.install()
+    staged = sum(t.nbytes for b in streamer.blocks if b.staged for t in b.unique())
+    # (on this GPU-less host the "cpu" blocks are shard maps too, not pinned copies: they are staged the same way)
+    assert staged > 0 and {"model.layers.0", "model.layers.2"} <= {b.key for b in streamer.blocks if b.staged}
+    monkeypatch.setattr(shard_reader.os, "preadv", counting_preadv)
+    with torch.no_grad():
+        for _ in range(2):
+            model(prompt(model.config.vocab_size))
+    assert sum(read) >= 2 * staged, f"{sum(read)} bytes read by preadv for {staged} staged bytes per forward"
+    monkeypatch.undo()
+    assert_equivalent(model, tiny_llama)
