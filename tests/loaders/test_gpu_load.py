@@ -106,3 +106,16 @@ def test_each_gpu_is_filled_by_its_own_thread(tiny_llama):
     _, gpus = _load(tiny_llama, lambda i: i % 2)
     assert set(gpus.copy_threads) == {0, 1}
     assert gpus.copy_threads[0].isdisjoint(gpus.copy_threads[1]), "one thread issued the copies for both GPUs"
+
+
+def test_bf16_is_refused_on_gpus_older_than_ampere_with_the_fix():
+    """Issue 14 item 12: no check for bf16 on pre-Ampere GPUs. The check gets each GPU's compute capability."""
+    from loaders.placement import check_bf16_support
+    from planner.errors import PlanError
+
+    caps = {0: (8, 0), 1: (7, 5)}
+    names = {0: "NVIDIA A100", 1: "Tesla T4"}
+    with pytest.raises(PlanError, match=r"GPU 1 \(Tesla T4, compute capability 7\.5\).*--dtype float16"):
+        check_bf16_support([0, 1], torch.bfloat16, caps.__getitem__, names.__getitem__)
+    check_bf16_support([0], torch.bfloat16, caps.__getitem__, names.__getitem__)  # Ampere: fine
+    check_bf16_support([0, 1], torch.float16, caps.__getitem__, names.__getitem__)  # fp16 is native on both
