@@ -4,10 +4,13 @@
 #   docker run --gpus all -p 8080:8080 -v /models:/models:ro -v loadmaster-data:/data \
 #       -e LOADMASTER_MODEL=/models/my-model loadmaster
 #
-# The base is a build argument so the image can be built where registries cannot be reached (tests/docker/smoke.sh
-# builds on a local Debian base). Build-time-only inputs (a CA bundle for pip, a folder of wheels) go in
-# docker/build-extras/ and stay in the build stage: the final image holds only the virtualenv.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# One Dockerfile for both images, so the CPU image's smoke test (tests/docker/smoke.sh: a local Debian base,
+# TORCH_INDEX_URL= for PyPI's CPU torch) runs every install step the CUDA image runs. The CUDA image is the
+# default: an nvidia `-base` image (the driver-facing bits only, ~100 MB), because torch's CUDA wheel brings its
+# own CUDA runtime, cuBLAS and cuDNN as pip packages; a `-runtime` or `-cudnn` base would only duplicate them.
+# See docs/gpu.md. Build-time-only inputs (a CA bundle for pip, a folder of wheels) go in docker/build-extras/
+# and stay in the build stage: the final image holds only the virtualenv.
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC="torch==2.13.0"
@@ -67,13 +70,18 @@ ENV PATH=/opt/loadmaster/bin:${PATH} \
     LOADMASTER_HOME=/data/loadmaster \
     LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels \
     LOADMASTER_HOST=0.0.0.0 \
-    LOADMASTER_PORT=8080
+    LOADMASTER_PORT=8080 \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 VOLUME ["/data"]
 USER loadmaster
 WORKDIR /data
 EXPOSE 8080
-# Healthy once the model is loaded; the start period covers a large load (and the demo model's first build).
-HEALTHCHECK --interval=5s --timeout=3s --start-period=600s --retries=3 \
+# expandable_segments: the KV cache and the streaming slots grow and shrink with the batch; expandable segments
+# map more memory into one segment instead of leaving fragments that an OOM then cannot use.
+# Healthy once the model is loaded. Failed checks during the start period do not count, and the first success
+# ends it, so it is sized for the slowest load: a 70B model in bf16 (141 GB) from network storage at 100 MB/s
+# takes ~24 minutes.
+HEALTHCHECK --interval=5s --timeout=3s --start-period=1800s --retries=3 \
     CMD ["/opt/loadmaster/bin/python", "-c", "import os, sys, urllib.request; port = os.environ.get('LOADMASTER_PORT', '8080'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/health/ready', timeout=2).status == 200 else 1)"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["loadmaster", "serve"]

@@ -57,7 +57,9 @@ def apply_execution(
                 "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
                 "(bitsandbytes) for GPU layers."
             )
-        install_gpu_execution_with_cpu_experts(model, device_map, placed.tensor_devices, placed.execution_device)
+        install_gpu_execution_with_cpu_experts(
+            model, device_map, placed.tensor_devices, placed.execution_device, reader=placed.reader
+        )
         return Execution()
     by_entry: dict[str, list] = OrderedDict()
     for name, rng in placed.disk_ranges.items():

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +34,7 @@ from loaders.progress import LoadStats, ProgressReporter
 from loaders.safetensors_index import CheckpointIndex, ShardEntry
 from loaders.shard_reader import ShardReader, populate
 from planner.checkpoint_keys import TensorSource, piece_shape
-from planner.devices import parse_device, torch_device_name
+from planner.devices import torch_device_name
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class Materializer:
         model_path: Path,
         has_gpu: bool,
         workers: int | None = None,
+        copies: CudaCopies | None = None,
+        staging_chunk: int = STAGING_CHUNK,
     ):
         self.index = index
         self.run_dtype = run_dtype
@@ -75,7 +80,9 @@ class Materializer:
         self.stats = LoadStats()
         #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
         self.disk_ranges: dict[str, tuple[str, int, int]] = {}
-        self._staging: _PinnedStaging | None = None
+        #: The CUDA calls of GPU loads (a stand-in backend in tests); each GPU gets its own staging pair.
+        self.copies = copies if copies is not None else CudaCopies()
+        self.staging_chunk = staging_chunk
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
@@ -111,7 +118,7 @@ class Materializer:
                 else:
                     to_convert.append((name, src, dtype))
             elif isinstance(dev, int):
-                gpu_jobs.append((name, src, dtype, torch.device("cuda", dev)))
+                gpu_jobs.append((name, src, dtype, dev))
             elif map_resident and src.is_plain and dtype == stored:
                 # CPU-resident without a copy: a view of the shard's map, its pages mapped in below.
                 entry = self.index[src.pieces[0].key]
@@ -135,10 +142,8 @@ class Materializer:
                     out[name] = t
                     self._count("cpu", t.numel() * t.element_size())
                     self.stats.bytes_read += sum(self.index[p.key].nbytes for p in src.pieces)
-        for name, src, dtype, dev in sorted(gpu_jobs, key=lambda j: self._file_order(j[1])):
-            t = self._load_gpu(src, dtype, dev)
-            out[name] = t
-            self._count(torch_device_name(parse_device(dev)), t.numel() * t.element_size())
+        if gpu_jobs:
+            out.update(self._load_gpus(gpu_jobs))
         if to_convert:
             self._serve_from_offload_folder(to_convert, out)
         self.reader.close_files()
@@ -163,22 +168,51 @@ class Materializer:
         return dest
 
     # -- GPU -----------------------------------------------------------------------------------------------
-    def _load_gpu(self, src: TensorSource, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = _PinnedStaging(STAGING_CHUNK)
-        dest = torch.empty(src.shape, dtype=dtype, device=device)
+    def _load_gpus(self, jobs: list[tuple[str, TensorSource, torch.dtype, int]]) -> dict[str, torch.Tensor]:
+        """One reader thread per GPU, each with its own staging pair and stream, so several GPUs fill at once
+        (``preadv`` releases the GIL) instead of one thread reading for each in turn."""
+        by_device: dict[int, list[tuple[str, TensorSource, torch.dtype]]] = {}
+        for name, src, dtype, dev in sorted(jobs, key=lambda j: self._file_order(j[1])):
+            by_device.setdefault(dev, []).append((name, src, dtype))
+
+        def fill(device: int) -> dict[str, torch.Tensor]:
+            staging = _PinnedStaging(self.copies, self.staging_chunk, device)
+            loaded = {name: self._load_gpu(src, dtype, device, staging) for name, src, dtype in by_device[device]}
+            staging.synchronize()  # every copy to this GPU has finished before its staging buffers are dropped
+            return loaded
+
+        results: dict[int, Future] = {}
+        threads = []
+        for device in by_device:  # a thread of its own per GPU (a pool may run two GPUs' work on one thread)
+            results[device] = Future()
+            threads.append(threading.Thread(target=_run_into, args=(results[device], fill, device), daemon=True))
+            threads[-1].name = f"loadmaster-gpu{device}"
+            threads[-1].start()
+        for thread in threads:
+            thread.join()
+        out: dict[str, torch.Tensor] = {}
+        for device, future in results.items():
+            loaded = future.result()  # re-raises a reader thread's error here
+            out.update(loaded)
+            self._count(torch_device_name(device), sum(t.numel() * t.element_size() for t in loaded.values()))
+            self.stats.bytes_read += sum(
+                self.index[p.key].nbytes for _, src, _ in by_device[device] for p in src.pieces
+            )
+        return out
+
+    def _load_gpu(self, src: TensorSource, dtype: torch.dtype, device: int, staging: _PinnedStaging) -> torch.Tensor:
+        """Copied into its final memory chunk by chunk. A piece that needs a cast (or lands in a strided slice of a
+        fused tensor) goes through a chunk-sized scratch buffer on the GPU, never a full temporary in the stored
+        dtype: an fp32 128k x 8k embedding would need 4.2 GB next to its bf16 destination."""
+        dest = self.copies.empty(src.shape, dtype, device)
         for piece in src.pieces:
             entry = self.index[piece.key]
             view = dest[to_torch_index(piece.index)] if piece.index else dest
             if entry.dtype == dtype and view.is_contiguous():
-                self._staging.upload(self.reader, entry, view)
+                staging.upload(self.reader, entry, view.reshape(-1).view(torch.uint8))
             else:
-                tmp = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-                self._staging.upload(self.reader, entry, tmp)
-                view.copy_(tmp.view(view.shape))
-            self.stats.bytes_read += entry.nbytes
-            self.reporter.advance(entry.nbytes, torch_device_name(parse_device(device)))
-        self._staging.synchronize()
+                staging.upload_converted(self.reader, entry, view)
+            self.reporter.advance(entry.nbytes, torch_device_name(device))
         return dest
 
     # -- disk, converted -----------------------------------------------------------------------------------
@@ -220,37 +254,94 @@ def _merge(ranges: list[tuple[str, int, int]], gap: int = 1 << 16) -> list[tuple
     return out
 
 
+def _run_into(future: Future, fn: Callable[[int], dict[str, torch.Tensor]], arg: int) -> None:
+    try:
+        future.set_result(fn(arg))
+    except BaseException as exc:  # handed to the joining thread, which raises it
+        future.set_exception(exc)
+
+
+class CudaCopies:
+    """The CUDA calls a GPU load makes, each naming the GPU it concerns, so that a stand-in backend can record or
+    reorder them on a machine without one (``tests/loaders/gpu_standins.py``).
+
+    torch's defaults are per *current device*: ``Event.record()`` with no stream records on the current device's
+    stream, while ``copy_`` to ``cuda:k`` runs on GPU k's stream. Every call here therefore takes its stream."""
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=torch.device("cuda", device))
+
+    def stream(self, device: int) -> Any:
+        """GPU ``device``'s current stream: the one its tensors were allocated on and its copies run on."""
+        return torch.cuda.current_stream(torch.device("cuda", device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+
 class _PinnedStaging:
-    """Two pinned host buffers: chunk k+1 is read from disk while chunk k is copied to the GPU."""
+    """Two pinned host buffers for one GPU: chunk k+1 is read from disk while chunk k is copied to the GPU. Casts
+    go through a GPU scratch buffer of one chunk, converted on the GPU's stream into the destination."""
 
-    def __init__(self, chunk: int):
+    def __init__(self, copies: CudaCopies, chunk: int, device: int):
+        self.copies = copies
         self.chunk = chunk
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events = [None, None]
+        self.device = device
+        self.stream = copies.stream(device)
+        self.bufs = [copies.pinned(chunk) for _ in range(2)]
+        self.events: list[Any] = [None, None]
         self.turn = 0
+        self._scratch: torch.Tensor | None = None
 
-    def upload(self, reader: ShardReader, entry: ShardEntry, dest: torch.Tensor) -> None:
-        dest_bytes = dest.reshape(-1).view(torch.uint8)
+    def upload(self, reader: ShardReader, entry: ShardEntry, dest_bytes: torch.Tensor, start: int = 0) -> None:
+        """Bytes ``[start, start + len(dest_bytes))`` of ``entry`` into ``dest_bytes`` (a flat uint8 GPU view)."""
+        total = dest_bytes.numel()
         done = 0
-        while done < entry.nbytes:
-            n = min(self.chunk, entry.nbytes - done)
+        while done < total:
+            n = min(self.chunk, total - done)
             i = self.turn
             if self.events[i] is not None:
-                self.events[i].synchronize()  # the copy that last used this buffer has finished
+                self.copies.host_wait(self.events[i])  # the copy that last used this buffer has finished
             buf = self.bufs[i]
-            piece = ShardEntry(entry.key, entry.file, torch.uint8, (n,), entry.start + done, entry.start + done + n)
-            reader.read_into(piece, buf[:n])
-            dest_bytes[done : done + n].copy_(buf[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[i] = ev
+            lo = entry.start + start + done
+            reader.read_into(ShardEntry(entry.key, entry.file, torch.uint8, (n,), lo, lo + n), buf[:n])
+            self.copies.copy(dest_bytes[done : done + n], buf[:n], self.stream)
+            self.events[i] = self.copies.record(self.stream)  # on the stream the copy runs on, not GPU 0's
             self.turn ^= 1
             done += n
+
+    def upload_converted(self, reader: ShardReader, entry: ShardEntry, view: torch.Tensor) -> None:
+        """``entry`` into ``view`` (another dtype, or not contiguous), a run of rows at a time through the scratch
+        buffer; the conversion runs on the same stream right after each upload, so the next upload into the
+        scratch waits for it."""
+        rows = view.reshape(-1) if view.is_contiguous() or view.dim() <= 1 else view
+        row_shape = tuple(rows.shape[1:])
+        row_bytes = entry.dtype.itemsize * max(1, math.prod(row_shape))
+        step = max(1, self.chunk // row_bytes)
+        if self._scratch is None or self._scratch.numel() < step * row_bytes:
+            self._scratch = self.copies.empty((max(self.chunk, row_bytes),), torch.uint8, self.device)
+        for r in range(0, rows.shape[0], step):
+            k = min(step, rows.shape[0] - r)
+            raw = self._scratch[: k * row_bytes]
+            self.upload(reader, entry, raw, start=r * row_bytes)
+            self.copies.copy(rows[r : r + k], raw.view(entry.dtype).view((k, *row_shape)), self.stream)
 
     def synchronize(self) -> None:
         for ev in self.events:
             if ev is not None:
-                ev.synchronize()
+                self.copies.host_wait(ev)
 
 
-__all__ = ["Materializer", "default_offload_folder"]
+__all__ = ["CudaCopies", "Materializer", "default_offload_folder"]

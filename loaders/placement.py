@@ -12,7 +12,7 @@ then non-persistent buffers are computed on their devices and tied weights re-ti
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +91,8 @@ def place(
             "The device map places modules on a GPU but torch sees no CUDA device here. "
             "Plan for this machine (device_map='auto') or use 'cpu'/'disk'."
         )
+    if has_gpu:
+        check_bf16_support(sorted({d for d in devices.values() if isinstance(d, int)}), run_dtype)
     exec_dev = execution_device(device_map)
 
     reporter.set_phase("loading")
@@ -112,6 +114,29 @@ def place(
     return PlacedModel(model, dict(device_map), devices, exec_dev, mat.reader, mat.disk_ranges, mat.stats)
 
 
+def check_bf16_support(
+    gpus: list[int],
+    dtype: torch.dtype,
+    capability: Callable[[int], tuple[int, int]] | None = None,
+    name: Callable[[int], str] | None = None,
+) -> None:
+    """Refuse bfloat16 on a GPU older than Ampere (compute capability < 8.0: V100, T4, RTX 20xx). Such GPUs have no
+    bf16 arithmetic; torch emulates some of it and fails on the rest (cuBLAS), so a load would either fail midway
+    or run several times slower. float16 has the same size and is native there."""
+    if dtype != torch.bfloat16 or not gpus:
+        return
+    capability = capability or torch.cuda.get_device_capability
+    name = name or torch.cuda.get_device_name
+    old = [(g, capability(g)) for g in gpus]
+    old = [(g, cc) for g, cc in old if cc < (8, 0)]
+    if old:
+        which = ", ".join(f"GPU {g} ({name(g)}, compute capability {cc[0]}.{cc[1]})" for g, cc in old)
+        raise PlanError(
+            f"bfloat16 needs compute capability 8.0 (Ampere) or newer; {which} lacks it. "
+            "Load in float16 instead (--dtype float16, dtype='float16'): the same memory, native on these GPUs."
+        )
+
+
 def _check_materialized(model: torch.nn.Module) -> None:
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
@@ -121,4 +146,4 @@ def _check_materialized(model: torch.nn.Module) -> None:
         )
 
 
-__all__ = ["PlacedModel", "place"]
+__all__ = ["PlacedModel", "check_bf16_support", "place"]

@@ -121,6 +121,32 @@ class ShardReader:
         t = torch.frombuffer(mm, dtype=entry.dtype, count=entry.numel, offset=entry.start)
         return t.view(entry.shape)
 
+    def read_mapped_into(self, src: torch.Tensor, dest: torch.Tensor) -> bool:
+        """Fill ``dest`` with the bytes of ``src``, a contiguous tensor mapped from one of these shards, by positioned
+        reads of the file rather than by touching the map: no page faults (one per 4 KiB page, each mapping a page
+        into this process), and the reads release the GIL. False, with nothing read, when ``src`` is not such a
+        view or ``dest`` is not a contiguous CPU tensor of the same bytes."""
+        nbytes = src.numel() * src.element_size()
+        if (
+            nbytes == 0
+            or not src.is_contiguous()
+            or not dest.is_contiguous()
+            or dest.device.type != "cpu"
+            or dest.numel() * dest.element_size() != nbytes
+        ):
+            return False
+        ptr = src.data_ptr()
+        with self._lock:
+            maps = list(self._maps.items())
+        for path, mm in maps:
+            base = self._base(path, mm)
+            if base <= ptr and ptr + nbytes <= base + len(mm):
+                start = ptr - base
+                entry = ShardEntry("", path, torch.uint8, (nbytes,), start, start + nbytes)
+                self.read_into(entry, dest.reshape(-1).view(torch.uint8))
+                return True
+        return False
+
     def _base(self, path: str, mm: mmap.mmap) -> int:
         with self._lock:
             base = self._addrs.get(path)

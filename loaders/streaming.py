@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from loaders.device_map import entry_of, module_for_entry, ordered_entries
+from loaders.shard_reader import ShardReader
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class CpuBackend:
         self.on_op("copy", stream)
         dst.copy_(src)
 
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.on_op("record_stream", stream)
+
 
 class CudaBackend:
     """The real thing: a side stream for copies, events between streams, pinned host staging."""
@@ -103,6 +107,11 @@ class CudaBackend:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``: once freed, its memory is handed out again
+        only after the work queued on ``stream`` by then has finished (the allocator records the events at free)."""
+        tensor.record_stream(stream)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,11 +177,13 @@ class _Slot:
 class BlockStreamer:
     """Streams offloaded blocks into ``n_slots`` device buffers, prefetching the next block while one runs."""
 
-    def __init__(self, blocks: list[StreamedBlock], backend, n_slots: int = 2):
+    def __init__(self, blocks: list[StreamedBlock], backend, n_slots: int = 2, reader: ShardReader | None = None):
         if n_slots < 2:
             raise ValueError("streaming needs at least two slots to overlap copy and compute")
         self.blocks = blocks
         self.backend = backend
+        #: The shards' reader: disk blocks are staged by positioned reads of the files instead of page faults.
+        self.reader = reader
         self.slot_bytes = max((b.layout() for b in blocks), default=0)
         need_staging = any(b.staged for b in blocks)
         n = n_slots if len(blocks) > 1 else 1
@@ -180,6 +191,10 @@ class BlockStreamer:
             _Slot(backend.empty(self.slot_bytes), backend.empty(self.slot_bytes, pinned=True) if need_staging else None)
             for _ in range(n)
         ]
+        for slot in self.slots:
+            # allocated on the compute stream, written on the side stream: when the model is unloaded, the last
+            # prefetch may still be writing, so the allocator must not hand the memory out before it ends
+            backend.record_stream(slot.buffer, backend.side_stream())
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="loadmaster-stage") if need_staging else None
         self.handles: list = []
         #: Observed execution order: block -> the block that ran after it last time. Module order is only the
@@ -220,8 +235,10 @@ class BlockStreamer:
         def stage_then_copy():
             if slot.staging_free is not None:
                 self.backend.host_wait(slot.staging_free)  # the last H2D copy out of this staging buffer ended
-            for t in block.unique():  # disk -> pinned RAM: page faults on the map happen here, off the GPU's path
-                self._view(slot.staging, t).copy_(t.host)
+            for t in block.unique():  # disk -> pinned RAM, off the GPU's path: preadv, or the map as a fallback
+                dest = self._view(slot.staging, t)
+                if self.reader is None or not self.reader.read_mapped_into(t.host, dest):
+                    dest.copy_(t.host)
             for t in block.unique():
                 self.backend.copy(self._view(slot.buffer, t), self._view(slot.staging, t), side)
             slot.ready = self.backend.record(side)
@@ -356,13 +373,19 @@ def _units_below(
 
 
 def build_blocks(
-    model: torch.nn.Module, entries: list[str], placement: Mapping[str, DeviceId], device_map: Mapping[str, DeviceId]
+    model: torch.nn.Module,
+    entries: list[str],
+    placement: Mapping[str, DeviceId],
+    device_map: Mapping[str, DeviceId],
+    host_lookups: Collection[torch.nn.Module] = (),
 ) -> tuple[list[StreamedBlock], list[tuple[torch.nn.Module, str]]]:
     """StreamedBlocks for every offloaded entry, in module order, never nested; plus tensors to keep resident.
 
     A tensor belongs to the block of the entry that places it (``placement``); tensors that are already off the
-    CPU (non-persistent buffers built on the execution device) are not streamed.
+    CPU (non-persistent buffers built on the execution device) are not streamed, nor are the embeddings that run
+    on the host (``host_lookups``, see :func:`host_lookup_modules`).
     """
+    skip = {id(m) for m in host_lookups}
     keys = list(device_map)
     blocks: list[StreamedBlock] = []
     resident: list[tuple[torch.nn.Module, str]] = []
@@ -393,6 +416,8 @@ def build_blocks(
             for t in collect(mod_name, model.get_submodule(mod_name), key, recurse=False):
                 resident.append((t.module, t.leaf))
         for unit_name, unit in units:
+            if id(unit) in skip:
+                continue
             tensors = collect(unit_name, unit, key, recurse=True)
             if tensors:
                 staged = any(not t.host.is_pinned() for t in tensors)
@@ -411,9 +436,13 @@ def _submodule_or_none(model: torch.nn.Module, name: str) -> torch.nn.Module | N
 # Device alignment
 # ---------------------------------------------------------------------------------------------------------------
 def move_to(obj, device: torch.device):
-    """Tensors inside args/kwargs/outputs moved to ``device``; caches and other objects untouched."""
+    """Tensors inside args/kwargs/outputs moved to ``device``; caches and other objects untouched.
+
+    Copies to a GPU are asynchronous (ordered on its stream before whatever uses them). Copies to the host are
+    not: a ``non_blocking`` device-to-host copy returns before the bytes arrive, and the host would read them
+    unsynchronised (the ids of a host embedding lookup, or an output handed back without a sync)."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True) if obj.device != device else obj
+        return obj.to(device, non_blocking=device.type != "cpu") if obj.device != device else obj
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(move_to(o, device) for o in obj)
     if isinstance(obj, dict) and type(obj) is dict:
@@ -437,6 +466,51 @@ def alignment_modules(model: torch.nn.Module, key: str, keys: list[str]) -> list
     return [m for m in mods if m is not model]
 
 
+def host_lookup_modules(model: torch.nn.Module, device_map: Mapping[str, DeviceId]) -> list[torch.nn.Module]:
+    """Embeddings placed on ``cpu`` or ``disk`` while GPUs compute, other than the output head: they run on the host.
+
+    A lookup reads one row per token, and that is how the planner costs an offloaded embedding (its
+    ``sequential+embeddings_on_cpu`` candidate against a resident GPU copy). Streaming the table instead copied all
+    of it every forward (~1 GB per token for an 8B model). So the ids go to the host, the rows are gathered there
+    (from pinned memory, or from the memory map for ``disk``: only the rows read are faulted in), and only the
+    looked-up hidden states cross the link to the execution device."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    out = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Embedding) or mod is head or mod is model:
+            continue
+        weight = f"{name}.weight"
+        try:
+            dev = device_map[entry_of(weight, device_map)]
+        except KeyError:
+            continue
+        if dev in ("cpu", "disk") and mod.weight.device.type == "cpu":
+            out.append(mod)
+    return out
+
+
+def _run_on_host(module: torch.nn.Module, exec_device: torch.device) -> None:
+    """Hooks that make ``module`` compute on the CPU, its output handed to ``exec_device``; its non-persistent
+    buffers (Gemma's embedding scale), built on the execution device with the rest of an offloaded entry, come
+    back to the CPU."""
+    cpu = torch.device("cpu")
+    for leaf, buf in list(module._buffers.items()):
+        if buf is not None and buf.device != cpu:
+            module._buffers[leaf] = buf.to(cpu)
+
+    def inputs_to_host(mod, args, kwargs):
+        return move_to(args, cpu), move_to(kwargs, cpu)
+
+    def output_to_device(mod, args, output):
+        return move_to(output, exec_device)
+
+    module.register_forward_pre_hook(inputs_to_host, with_kwargs=True)
+    module.register_forward_hook(output_to_device)
+
+
 def install_gpu_execution(
     model: torch.nn.Module,
     device_map: Mapping[str, DeviceId],
@@ -444,6 +518,7 @@ def install_gpu_execution(
     exec_device: torch.device,
     backend=None,
     gpu_device: Callable[[int], torch.device] = _cuda_device,
+    reader: ShardReader | None = None,
 ) -> BlockStreamer | None:
     """Hooks for a model spread over GPUs (+ offloaded blocks streamed to ``exec_device``).
 
@@ -452,6 +527,8 @@ def install_gpu_execution(
     """
     entries = ordered_entries(model, device_map)
     keys = list(device_map)
+    lookups = host_lookup_modules(model, device_map)
+    on_host = {id(m) for m in lookups}
     for key in entries:
         dev = device_map[key]
         target = gpu_device(dev) if isinstance(dev, int) else exec_device
@@ -460,7 +537,10 @@ def install_gpu_execution(
             return move_to(args, target), move_to(kwargs, target)
 
         for mod in alignment_modules(model, key, keys):
-            mod.register_forward_pre_hook(align, with_kwargs=True)
+            if id(mod) not in on_host:
+                mod.register_forward_pre_hook(align, with_kwargs=True)
+    for mod in lookups:
+        _run_on_host(mod, exec_device)
 
     def root_in(module, args, kwargs):
         first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -476,7 +556,7 @@ def install_gpu_execution(
 
     model.register_forward_pre_hook(root_in, with_kwargs=True)
     model.register_forward_hook(root_out)
-    blocks, resident = build_blocks(model, entries, placement, device_map)
+    blocks, resident = build_blocks(model, entries, placement, device_map, lookups)
     for module, leaf in resident:  # the few tensors owned directly by a module that also contains other entries
         if leaf in module._parameters:
             module._parameters[leaf] = torch.nn.Parameter(
@@ -484,9 +564,11 @@ def install_gpu_execution(
             )
         else:
             module._buffers[leaf] = module._buffers[leaf].to(exec_device)
+    if lookups:
+        log.info("embeddings looked up on the host: %s", ", ".join(type(m).__name__ for m in lookups))
     if not blocks:
         return None
-    streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device))
+    streamer = BlockStreamer(blocks, backend if backend is not None else CudaBackend(exec_device), reader=reader)
     streamer.install()
     model._loadmaster_streamer = streamer
     log.info("streaming %d offloaded blocks through 2 x %d bytes on %s", len(blocks), streamer.slot_bytes, exec_device)

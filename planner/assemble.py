@@ -95,10 +95,16 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         cap = hw.get(dev).capacity  # type: ignore[union-attr]
         util = f", {loads.total(dev) / cap:.0%} of {format_bytes(cap)}" if cap else ""
         why = ""
-        if run.first in problem.follows:
+        anchor = problem.computes_with.get(run.first)
+        if anchor is not None and assignment[run.first] == assignment[anchor]:
+            why = f" (computed once per forward for every layer: placed with {names[anchor]})"
+        elif run.first in problem.follows:
             why = f" (tied to {names[problem.follows[run.first]]})"
         elif problem.items[run.first].is_embedding and run.first in problem.pinned and "_on_cpu" in strategy_name:
-            why = " (input embeddings: decode reads one row per token, so they are offloaded first)"
+            why = (
+                " (input embeddings: decode reads one row per token, so they are offloaded first and looked up on the"
+                " host; the rows, not the table, cross to the GPU)"
+            )
         elif run.first in problem.pinned:
             why = " (as the custom map says)"
         elif streamed[run.first]:

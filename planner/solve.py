@@ -76,17 +76,43 @@ def tied_follows(skeleton: Skeleton) -> dict[int, int]:
     return follows
 
 
+def is_computed_block(block) -> bool:
+    """A block that holds only non-persistent buffers (a rotary embedding's ``inv_freq``): computed, not loaded."""
+    return (
+        bool(block.tensors)
+        and block.layer_index is None
+        and not block.is_head
+        and not block.is_embedding
+        and all(t.kind == "buffer_nonpersistent" for t in block.tensors)
+    )
+
+
+def computed_companions(skeleton: Skeleton) -> dict[int, int]:
+    """Computed blocks -> the first decoder layer, whose computing device they should share. The rotary embedding is
+    registered last, so a sequential fill put it on the last GPU, yet it runs once per forward before the first
+    layer and its cos/sin are handed to every layer: computed with the first layer, they cross no device boundary
+    until the layers do."""
+    first = next((i for i, b in enumerate(skeleton.blocks) if b.layer_index is not None), None)
+    if first is None:
+        return {}
+    return {i: first for i, b in enumerate(skeleton.blocks) if i > first and is_computed_block(b)}
+
+
 def make_problem(
     skeleton: Skeleton, hardware: Hardware, workload: Workload, pinned: Mapping[int, DeviceId] | None = None
 ) -> Problem:
     """Every block sized for the workload, on this hardware: what the strategies fill."""
+    pinned = dict(pinned or {})
+    follows = tied_follows(skeleton)
+    companions = {i: j for i, j in computed_companions(skeleton).items() if i not in pinned and i not in follows}
     return Problem(
         items=tuple(size_blocks(skeleton, workload)),
         hardware=hardware,
         activation=activation_bytes(skeleton, workload),
         logits=logits_bytes(skeleton, workload),
-        follows=tied_follows(skeleton),
-        pinned=dict(pinned or {}),
+        follows=follows,
+        pinned=pinned,
+        computes_with=companions,
     )
 
 
@@ -114,8 +140,10 @@ def _peak_gpu_use(problem: Problem, assignment: list[DeviceId]) -> float:
     return max(utils) if utils else 0.0
 
 
-def _hops(assignment: list[DeviceId]) -> int:
-    return sum(1 for a, b in zip(assignment, assignment[1:]) if a != b)
+def _hops(assignment: list[DeviceId], skeleton: Skeleton) -> int:
+    """Device changes along the blocks in execution order (computed blocks run with the layer they follow)."""
+    order = [d for d, b in zip(assignment, skeleton.blocks) if not is_computed_block(b)]
+    return sum(1 for a, b in zip(order, order[1:]) if a != b)
 
 
 def _embedding_pins(skeleton: Skeleton, problem: Problem) -> dict[int, DeviceId]:
@@ -169,7 +197,7 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
             continue
         r.loads = r.loads or compute_loads(p, r.assignment)
         tps = predict(p, r.assignment, r.loads, workload.batch_size, compute_dtype(workload)).decode_tokens_per_s
-        candidates.append(Candidate(name, p, r, tps, _peak_gpu_use(p, r.assignment), _hops(r.assignment)))
+        candidates.append(Candidate(name, p, r, tps, _peak_gpu_use(p, r.assignment), _hops(r.assignment, skeleton)))
     if not candidates:
         return Solution(problem, seq, "auto")
     best_tps = max(c.tokens_per_s for c in candidates)

@@ -46,6 +46,9 @@ class Problem:
     logits: int  # on the device that computes the head
     follows: dict[int, int] = field(default_factory=dict)  # item -> earlier item it must share a device with
     pinned: dict[int, DeviceId] = field(default_factory=dict)  # item -> device
+    #: item -> earlier item it should compute with: it goes where the fill puts it when that device computes on the
+    #: same device as the earlier item, else on the earlier item's device (a rotary embedding, with the first layer).
+    computes_with: dict[int, int] = field(default_factory=dict)
     #: Devices left out of this plan (a GPU too small to compute on is skipped rather than failing the plan).
     excluded: frozenset[DeviceId] = frozenset()
 
@@ -186,6 +189,16 @@ def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
         return c if started[k] else c + start_cost[k]
 
     for i in range(len(own)):
+        anchor = problem.computes_with.get(i)
+        if anchor is not None and cursor < n_dev:
+            there = placed[anchor]
+            if problem.computes_on(order[cursor]) != problem.computes_on(order[there]):
+                c = cost(i, there)
+                if load[there] + c <= lim[there]:
+                    load[there] += c
+                    started[there] = True
+                    placed.append(there)
+                    continue
         if i in follows or i in pinned:
             dev = order[placed[follows[i]]] if i in follows else pinned[i]
             k = pos.get(dev)

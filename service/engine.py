@@ -296,16 +296,42 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
+#: CUDA errors after which the context is corrupt: every later kernel on the device fails too, so they are the
+#: engine's failure, not one request's (CUDA's own messages for cudaErrorIllegalAddress, cudaErrorAssert,
+#: cudaErrorLaunchFailure, cudaErrorMisalignedAddress, cudaErrorIllegalInstruction, cudaErrorECCUncorrectable,
+#: cudaErrorHardwareStackError, cudaErrorLaunchTimeout).
+UNRECOVERABLE_CUDA_ERRORS = (
+    "an illegal memory access was encountered",
+    "device-side assert triggered",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "uncorrectable ecc error",
+    "hardware stack error",
+    "the launch timed out and was terminated",
+)
+
+
+def is_unrecoverable(exc: BaseException) -> bool:
+    """A CUDA error that leaves the device unusable until the process restarts."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(s in text for s in UNRECOVERABLE_CUDA_ERRORS)
+
+
 def input_device(model: torch.nn.Module) -> torch.device:
-    """The device token ids must be on: where the input embeddings live (or the first GPU of the device map)."""
+    """Where compute happens, so token ids start there and logits and sampling stay there: the lowest GPU of the
+    device map when it names one (embeddings offloaded to the host look their rows up there and hand them to that
+    GPU), otherwise where the input embeddings live."""
+    gpus = sorted(d for d in (getattr(model, "hf_device_map", None) or {}).values() if isinstance(d, int))
+    if gpus:
+        return torch.device(torch_device_name(gpus[0]))
     try:
         weight = model.get_input_embeddings().weight
         if weight.device.type != "meta":
             return weight.device
     except (AttributeError, NotImplementedError):
         pass
-    gpus = sorted(d for d in getattr(model, "hf_device_map", {}).values() if isinstance(d, int))
-    return torch.device(torch_device_name(gpus[0]) if gpus else "cpu")
+    return torch.device("cpu")
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -374,6 +400,9 @@ class Engine:
         self.peak_batch = 0  # most sequences one decode step has served (tests and /info read it)
         self.prefilled_tokens = 0  # prompt tokens run through the model (a reused prefix is not counted)
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
+        #: Why the engine stopped for good (an unrecoverable CUDA error), or None.
+        self.dead: str | None = None
+        self._release_memory = False  # an OOM asked for the allocator's cache back, once the failed step is gone
 
     # -- caller side -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -391,7 +420,7 @@ class Engine:
             )
         with self._cv:
             if self._stopping:
-                raise NotReadyError("The server is shutting down; send the request to another replica.")
+                raise NotReadyError(self.dead or "The server is shutting down; send the request to another replica.")
             if len(self._pending) >= self.max_queue:
                 raise OverloadedError(f"The queue is full ({self.max_queue} waiting); retry shortly.")
             self._pending.append(seq)
@@ -449,6 +478,9 @@ class Engine:
                 self._prefill_step()
                 self._decode_step()
                 self._release()
+                if self._release_memory:  # here no frame or cache of the failed step is referenced any more
+                    self._release_memory = False
+                    torch.cuda.empty_cache()
                 self.metrics.engine_state(self.active, len(self._pending))
         except Exception:  # pragma: no cover - a bug in the loop itself; never leave clients hanging
             log.exception("engine loop crashed")
@@ -668,10 +700,25 @@ class Engine:
 
     def _step_failed(self, seqs: list[_Sequence], exc: Exception, where: str) -> None:
         ids = ", ".join(s.request.request_id for s in seqs)
+        if is_unrecoverable(exc):
+            log.critical("unrecoverable CUDA error in %s; the engine stops", where, exc_info=exc)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.dead = (
+                f"The GPU hit an unrecoverable error during the {where} ({first}); the engine has stopped and "
+                "readiness answers 503. Restart the server; if it recurs, report it with the server log."
+            )
+            with self._cv:
+                self._stopping = True  # the loop ends after this step; submit refuses with the reason
+            for seq in seqs:  # newcomers being prefilled are in no group yet
+                if not seq.done:
+                    seq.fail(NotReadyError(self.dead))
+            self._fail_all(NotReadyError(self.dead))
+            return
         if is_out_of_memory(exc):
             log.error("out of memory in %s; failing request(s) %s", where, ids)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            # the allocator's cache is released by the loop, after this step: the failed group's KV cache and the
+            # exception's frames still hold device memory here
+            self._release_memory = torch.cuda.is_available()
             message = (
                 f"Out of memory during the {where} of a batch of {len(seqs)}; the request was dropped. "
                 "Retry with fewer tokens, or lower --max-batch-size / --max-total-tokens on the server."

@@ -139,6 +139,12 @@ case "$quant" in
     ''|0|*[!0-9]*) say "FAILED: a bitsandbytes nf4 load in the image: $quant"; exit 1 ;;
     *) say "quantized load: $quant nf4 linear layers (accelerate and bitsandbytes work in the image)" ;;
 esac
+# The CUDA settings are the image's, whatever the base: the allocator's expandable segments, a start period that
+# covers a 70B load from network storage.
+alloc="$(docker exec "$NAME" printenv PYTORCH_CUDA_ALLOC_CONF || true)"
+[ "$alloc" = "expandable_segments:True" ] || { say "FAILED: PYTORCH_CUDA_ALLOC_CONF is '$alloc' in the image"; exit 1; }
+start="$(docker inspect -f '{{.Config.Healthcheck.StartPeriod}}' "$IMAGE")"
+[ "$start" -ge 1800000000000 ] || { say "FAILED: HEALTHCHECK start period ${start}ns < 30 min"; exit 1; }
 docker stop -t 30 "$NAME" >/dev/null
 code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME")"
 [ "$code" = 0 ] || { say "FAILED: exit code $code after SIGTERM"; docker logs "$NAME" 2>&1 | tail -n 20; exit 1; }

@@ -8,6 +8,9 @@ caught by the eager backend's check. Both must reproduce transformers' logits ex
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -191,11 +194,11 @@ def test_gpu_wiring_runs_with_the_cpu_backend(tiny_gpt2):
     model = loaders.load_model(tiny_gpt2, device_map=dm, show_progress=False)
     placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
     streamer = install_gpu_execution(model, dm, placement, torch.device("cpu"), backend=LazyBackend())
-    assert streamer is not None and {b.key for b in streamer.blocks} == set(dm)
+    # the token and position embeddings are looked up on the host, everything else is streamed
+    assert streamer is not None and {b.key for b in streamer.blocks} == set(dm) - {"transformer.wte", "transformer.wpe"}
     # the tied head is streamed on its own, from the same host tensor as the embeddings
     head = next(b for b in streamer.blocks if b.key == "lm_head")
-    wte = next(b for b in streamer.blocks if b.key == "transformer.wte")
-    assert head.tensors[0].host.data_ptr() == wte.tensors[0].host.data_ptr()
+    assert head.tensors[0].host.data_ptr() == model.transformer.wte.weight.data_ptr()
     assert_equivalent(model, tiny_gpt2)
 
 
@@ -208,7 +211,7 @@ SPLIT_MAPS = [
 @pytest.mark.parametrize("dm", SPLIT_MAPS)
 def test_pieces_split_off_a_containing_entry_get_their_inputs_aligned(tiny_llama, dm):
     """Two-device stand-in: GPU 0 is the CPU, the execution device is ``meta``. Every streamed piece split off
-    the containing entry (embeddings, later layers, norm, head) must receive its inputs on the execution device;
+    the containing entry (later layers, norm, head) must receive its inputs on the execution device;
     without an alignment hook the CPU tensor a parent hands it arrives as it was (a device mismatch on CUDA)."""
     from loaders.streaming import install_gpu_execution
 
@@ -219,7 +222,8 @@ def test_pieces_split_off_a_containing_entry_get_their_inputs_aligned(tiny_llama
     )
     assert streamer is not None
     keys = {b.key for b in streamer.blocks}
-    assert {"model.embed_tokens", "model.layers.1", "model.norm", "lm_head"} <= keys
+    # the embeddings are looked up on the host (test_a_host_embedding_hands_its_rows_to_the_execution_device)
+    assert {"model.layers.1", "model.norm", "lm_head"} <= keys and "model.embed_tokens" not in keys
     seen: dict[str, torch.device] = {}
     for block in streamer.blocks:
         # the probe replaces only this piece's own computation; its hooks (alignment, streaming) run for real
@@ -265,4 +269,143 @@ def test_a_failed_block_frees_its_slot_and_the_next_forward_prefetches_again(tin
         for _ in range(2):
             model(ids)
         assert streamer.sync_loads == steady, "a forward after the failure waited for a copy it should have prefetched"
+    assert_equivalent(model, tiny_llama)
+
+
+class ArenaBackend(LazyBackend):
+    """``LazyBackend`` whose device buffers come from a stand-in of torch's caching allocator: a freed buffer is
+    handed out again at once (to the stream it was allocated on), unless it was marked as used by another stream
+    (``record_stream``) that still has copies queued, exactly as the CUDA allocator defers such blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.arena = torch.zeros(1 << 22, dtype=torch.uint8)
+        self.top = 0
+        self.free: list[tuple[int, int, int | None]] = []  # (offset, bytes, side copies that must have run first)
+        self.marked: set[int] = set()
+
+    def empty(self, nbytes, pinned=False):
+        if pinned:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        for k, (lo, n, upto) in enumerate(self.free):
+            if n == nbytes and (upto is None or self.flushed >= upto):
+                del self.free[k]
+                return self._hand_out(lo, n)
+        lo, self.top = self.top, self.top + (nbytes + 255) // 256 * 256
+        assert self.top <= self.arena.numel()
+        return self._hand_out(lo, nbytes)
+
+    def _hand_out(self, lo, n):
+        t = self.arena[lo : lo + n]
+        weakref.finalize(t, self._freed, lo, n)
+        return t
+
+    def record_stream(self, tensor, stream):
+        if stream == "side":
+            self.marked.add(tensor.data_ptr() - self.arena.data_ptr())
+
+    def _freed(self, lo, n):
+        upto = len(self.queue) + self.flushed if lo in self.marked else None
+        self.marked.discard(lo)
+        self.free.append((lo, n, upto))
+
+
+def test_freed_slots_are_not_handed_out_while_a_prefetch_still_writes_them(tiny_llama):
+    """Issue 14 item 8: the slots are written on the side stream but allocated on the compute stream. Without
+    ``record_stream``, unloading the model returns them to the allocator while the last prefetch (the next forward's
+    first block) is still queued, the reload gets the same memory, and the late copy overwrites it."""
+    backend = ArenaBackend()
+    model, streamer, _ = _streamed(tiny_llama, LLAMA_MAP, backend)
+    with torch.no_grad():
+        model(prompt(model.config.vocab_size))
+    assert backend.queue, "the next forward's first block should be in flight"
+    slot_bytes = streamer.slot_bytes
+    streamer.remove()
+    del streamer, model
+    gc.collect()
+    assert len(backend.free) == 2, "unloading should free both slots"
+    reloaded = [backend.empty(slot_bytes) for _ in range(2)]
+    for buf in reloaded:
+        buf.zero_()
+    backend._flush(backend.flushed + len(backend.queue))  # the GPU finishes the copies it was given
+    assert all(int(buf.count_nonzero()) == 0 for buf in reloaded), "a late prefetch wrote into reallocated memory"
+
+
+class CountingBackend(CpuBackend):
+    """Eager copies, counting the bytes that cross to the execution device."""
+
+    copied = 0
+
+    def copy(self, dst, src, stream):
+        self.copied += dst.numel() * dst.element_size()
+        super().copy(dst, src, stream)
+
+
+def test_offloaded_embeddings_are_looked_up_on_the_host_not_streamed(tiny_llama):
+    """Issue 14 item 3: an embedding offloaded while GPUs compute was streamed whole every forward, although the
+    planner costs it at one row per token. It now runs on the host: a forward copies the other blocks only."""
+    from loaders.streaming import install_gpu_execution
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    backend = CountingBackend()
+    streamer = install_gpu_execution(model, LLAMA_MAP, placement, torch.device("cpu"), backend=backend)
+    assert streamer is not None and "model.embed_tokens" not in {b.key for b in streamer.blocks}
+    ids = prompt(model.config.vocab_size)
+    with torch.no_grad():
+        model(ids)
+        model(ids)  # the order is learned: from here on each forward copies each block once
+        before = backend.copied
+        model(ids)
+    table = model.model.embed_tokens.weight
+    assert backend.copied - before == sum(t.nbytes for b in streamer.blocks for t in b.unique())
+    everything = sum(t.nbytes for t in list(model.parameters()) + list(model.buffers()))
+    assert backend.copied - before <= everything - table.nbytes
+    assert_equivalent(model, tiny_llama)
+
+
+def test_a_host_embedding_hands_its_rows_to_the_execution_device(tiny_llama):
+    """Two-device stand-in (GPU 0 is the CPU, the execution device is ``meta``): the lookup runs where the table
+    is, and what it returns is on the execution device, where the first layer and everything after run."""
+    from loaders.streaming import install_gpu_execution
+
+    dm = {"model.embed_tokens": "cpu", "model.layers.0": 0, "model.layers.1": 0, "": "cpu"}
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    install_gpu_execution(
+        model, dm, placement, torch.device("meta"), backend=CpuBackend(), gpu_device=lambda i: torch.device("cpu")
+    )
+    rows = model.model.embed_tokens(torch.tensor([[1, 2, 3]]))
+    assert rows.device == torch.device("meta") and rows.shape == (1, 3, model.config.hidden_size)
+    assert model.model.embed_tokens.weight.device == torch.device("cpu")
+
+
+def test_disk_blocks_are_staged_by_positioned_reads_not_page_faults(tiny_llama, monkeypatch):
+    """Issue 14 item 12: a disk block was staged by copying from its memory map (a page fault per 4 KiB page). The
+    streamer now reads the shard into the pinned staging buffer with ``preadv``: every disk block's bytes, each
+    forward, and the same logits."""
+    from loaders import shard_reader
+
+    read: list[int] = []
+    preadv = shard_reader.os.preadv
+
+    def counting_preadv(fd, buffers, offset):
+        n = preadv(fd, buffers, offset)
+        read.append(n)
+        return n
+
+    model = loaders.load_model(tiny_llama, device_map=LLAMA_MAP, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters()}
+    blocks, _ = build_blocks(model, ordered_entries(model, LLAMA_MAP), placement, LLAMA_MAP)
+    streamer = BlockStreamer(blocks, CpuBackend(), reader=model._loadmaster_reader)
+    streamer.install()
+    staged = sum(t.nbytes for b in streamer.blocks if b.staged for t in b.unique())
+    # (on this GPU-less host the "cpu" blocks are shard maps too, not pinned copies: they are staged the same way)
+    assert staged > 0 and {"model.layers.0", "model.layers.2"} <= {b.key for b in streamer.blocks if b.staged}
+    monkeypatch.setattr(shard_reader.os, "preadv", counting_preadv)
+    with torch.no_grad():
+        for _ in range(2):
+            model(prompt(model.config.vocab_size))
+    assert sum(read) >= 2 * staged, f"{sum(read)} bytes read by preadv for {staged} staged bytes per forward"
+    monkeypatch.undo()
     assert_equivalent(model, tiny_llama)

@@ -185,3 +185,30 @@ def test_many_declared_gpus_name_their_runs_once_in_errors():
     with pytest.raises(PlanError) as e:
         plan(SKEL, gpus="512x64KiB", max_memory={"cpu": "1MiB"}, dtype="fp32", context=64)
     assert "GPU 0-511 64.0KiB each" in str(e.value)
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "balanced", "auto"])
+def test_the_rotary_embedding_goes_with_the_first_layer(strategy):
+    """Issue 14 item 12: the rotary embedding is registered last, so a sequential fill put it on the last device,
+    although it runs before the first layer and its cos/sin go to every layer: now it follows the first layer."""
+    mm = {0: 4 * MiB, 1: 4 * MiB, 2: 4 * MiB, "cpu": 64 * MiB}
+    p = plan(SKEL, max_memory=mm, strategy=strategy, gpu_reserve=0, dtype="fp32", context=64)
+    first_layer = p.device_map.get("model.layers.0", next(v for k, v in p.device_map.items() if "layers.0" in k))
+    last = max(d for d in p.device_map.values() if isinstance(d, int))
+    assert last != first_layer, "the plan should spread the layers over several devices"
+    assert p.device_map["model.rotary_emb"] == first_layer
+    assert any("rotary_emb" in r and "placed with model.layers.0" in r for r in p.reasons), p.reasons
+
+
+def test_an_offloaded_rotary_embedding_already_computes_with_the_first_layer():
+    """Offloaded blocks compute on the first GPU: a rotary embedding left on the CPU runs with layer 0 already."""
+    mm = {0: 3 * MiB, "cpu": 64 * MiB}
+    p = plan(SKEL, max_memory=mm, strategy="sequential", gpu_reserve=0, dtype="fp32", context=64)
+    assert p.placement["model.layers.0"] == 0 and p.placement["model.layers.11"] == "cpu"
+    assert p.placement["model.rotary_emb"] == "cpu"
+
+
+def test_a_custom_map_still_places_the_rotary_embedding_where_it_says():
+    dm = {"model.embed_tokens": 0, "model.layers": 0, "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
+    p = plan(SKEL, max_memory={0: 64 * MiB, 1: 64 * MiB}, strategy=dm, gpu_reserve=0, dtype="fp32", context=64)
+    assert p.device_map["model.rotary_emb"] == 1

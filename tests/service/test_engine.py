@@ -4,6 +4,7 @@ and a failing step (out of memory, or any error) fails only that step's requests
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine import Engine, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
-from service.errors import GenerationError
+from service.errors import GenerationError, NotReadyError
 from service.sampling import SamplingParams
 
 PROMPTS = ["Once upon a time", "Hello", "The sea was calm and the night was long", "A", "Rain fell", "Why not"]
@@ -372,3 +373,81 @@ def test_half_on_disk_with_native_kernels_decodes_the_batch_as_plain_transformer
             eos_token_id=list(engine.eos) or None,
         )
         assert got == ref[0, len(req.prompt_ids) :].tolist()
+
+
+def test_compute_starts_on_the_first_gpu_even_with_the_embeddings_on_the_host(tiny_llama: Path) -> None:
+    """Issue 14 item 3: with the embeddings offloaded, the engine put token ids (and so logits and sampling) on the
+    CPU, where the embedding weight lives. The device map's first GPU is where compute happens."""
+    from service.engine import input_device
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": 1, "lm_head": 0, "model.norm": 0}
+    assert input_device(model) == torch.device("cuda", 0)
+    model.hf_device_map = {"": "cpu"}
+    assert input_device(model) == torch.device("cpu")
+
+
+def _illegal_access() -> None:
+    raise RuntimeError(
+        "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported "
+        "at some other API call, so the stacktrace below might be incorrect."
+    )
+
+
+def test_an_unrecoverable_cuda_error_stops_the_engine_and_fails_every_request(tiny_llama: Path) -> None:
+    """Issue 14 item 7: after "an illegal memory access" every later kernel fails; the engine treated it as one
+    request's failure and kept reporting ready. Now it stops: in-flight and queued requests fail saying why and
+    what to do, ``alive`` (which readiness reads) turns false, and new requests are refused with the reason."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    fault = _FailingForward(model, _illegal_access)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        ids = tok("Hello")["input_ids"]
+        fault.armed = True
+        results = _run(
+            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=50, request_id=f"r{i}") for i in range(4)]
+        )
+        for events in results:
+            err = events[-1]
+            assert isinstance(err, ErrorEvent) and err.error_type == "not_ready", err
+            assert "unrecoverable" in err.message and "Restart the server" in err.message
+            assert "illegal memory access" in err.message
+        engine._thread.join(10)
+        assert not engine.alive and engine.dead is not None
+        with pytest.raises(NotReadyError, match="unrecoverable"):
+            engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=1), lambda e: None)
+    finally:
+        engine.stop()
+
+
+def test_the_allocator_cache_is_released_only_once_the_failed_step_is_gone(tiny_llama: Path, monkeypatch) -> None:
+    """Issue 14 item 7: ``empty_cache()`` ran inside the failure handler, while the exception (and the frames of the
+    failed step, with their activations) still held the memory it was meant to give back. It now runs from the
+    loop, after the step. (The slot KV cache is the engine's for its whole life, so it is not what is released.)"""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    handling_at_release: list[bool] = []
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fault = _FailingForward(model, oom)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the engine's only CUDA question here
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: handling_at_release.append(sys.exc_info()[0] is not None))
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine.start()
+    try:
+        prompts = [tok(p)["input_ids"] for p in ("Hello", "Rain fell")]
+        fault.armed = True
+        requests = [
+            GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}") for i, ids in enumerate(prompts)
+        ]
+        failed = _run(engine, requests)
+        assert all(isinstance(events[-1], ErrorEvent) for events in failed)
+        ok = _run(engine, [GenerationRequest(prompt_ids=prompts[0], max_new_tokens=3)])[0]
+        assert isinstance(ok[-1], FinishEvent)
+    finally:
+        engine.stop()
+    assert handling_at_release and not any(handling_at_release), "empty_cache ran while the exception was handled"
