@@ -109,8 +109,11 @@ class _Link:
     def send(self, header: Header, *tensors: torch.Tensor) -> None:
         if len(self.pending) > 64:
             self.flush()
-        for t in (header.tensor(), *tensors):
-            self.pending.append(dist.isend(t.contiguous(), self.next))
+        try:
+            for t in (header.tensor(), *tensors):
+                self.pending.append(dist.isend(t.contiguous(), self.next))
+        except RuntimeError as e:  # a peer already gone can fail the send itself, not only its wait
+            raise PipelineBrokenError(f"pipeline rank {self.next} stopped receiving ({e}); restart the group") from e
 
     def flush(self) -> None:
         try:

@@ -7,6 +7,7 @@ differently is refused with a line naming the difference.
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -104,5 +105,5 @@ def test_a_killed_rank_fails_generation_and_rank_0_exits_non_zero_quickly(tiny_l
     records = run_ranks(2, job, _port())
     assert records[1]["exitcode"] == 9
     assert records[0]["exitcode"] not in (0, None)
-    assert "pipeline rank 1 stopped answering" in records[0]["broken"]
+    assert re.search(r"pipeline rank 1 stopped (answering|receiving)", records[0]["broken"]), records[0]
     assert records[0]["seconds"] < 30
