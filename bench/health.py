@@ -140,7 +140,7 @@ def start_server(
         "--max-body-bytes",
         str(max_body),
         "--max-memory",
-        "cpu=4GiB",
+        "cpu=8GiB",
         "--log-level",
         "warning",
     ]
