@@ -187,9 +187,14 @@ def token_spans(tokenizer: Any, text: str, add_special_tokens: bool) -> list[dic
     return out
 
 
-@router.api_route("/health", methods=["GET", "HEAD"], tags=["health"], summary="Liveness: the process answers")
+@router.get("/health", tags=["health"], summary="Liveness: the process answers")
 async def health() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.head("/health", tags=["health"], summary="Liveness without a body (load balancers' HEAD probes)")
+async def health_head() -> Response:
+    return Response(status_code=200)
 
 
 @router.get("/health/ready", tags=["health"], summary="Readiness: 200 once the model is loaded, else 503 + progress")
