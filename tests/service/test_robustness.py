@@ -404,7 +404,7 @@ def test_poisoned_prefill_batch_is_bisected(tiny_llama: Path, reference) -> None
 
 def test_a_one_off_model_error_in_a_batch_is_retried_apart(tiny_llama: Path, reference) -> None:
     """A model error that does not recur (the step raises once) fails nobody: the batch is retried as halves,
-    each prefilled again from its prompt and generated tokens, and every request ends with plain greedy tokens.
+    each re-run on its slot from where it was, and every request ends with plain greedy tokens.
     (Out of memory is not retried: tests/service/test_engine.py checks that it fails the step's requests.)"""
     from transformers import AutoModelForCausalLM
 
@@ -417,15 +417,20 @@ def test_a_one_off_model_error_in_a_batch_is_retried_apart(tiny_llama: Path, ref
     engine = Engine(model, tok, max_batch_size=4, max_queue=8)
     engine.start()
     try:
-        ids = tok("Hello")["input_ids"]
+        # two different prompts: identical ones would prefill once (the shared-prefix cache), a batch of one
+        prompts = ["Hello", "The weather today"]
         fault.armed = True
         results = _run(
-            engine, [GenerationRequest(prompt_ids=ids, max_new_tokens=5, request_id=f"r{i}") for i in range(2)]
+            engine,
+            [
+                GenerationRequest(prompt_ids=tok(p)["input_ids"], max_new_tokens=5, request_id=f"r{i}")
+                for i, p in enumerate(prompts)
+            ],
         )
         assert not fault.armed  # the fault did fire
-        for events in results:
+        for prompt, events in zip(prompts, results):
             assert isinstance(events[-1], FinishEvent), events[-1]
-            assert [t.id for t in events[-1].tokens] == greedy("Hello", 5)
+            assert [t.id for t in events[-1].tokens] == greedy(prompt, 5)
     finally:
         engine.stop()
 
