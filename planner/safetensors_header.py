@@ -202,6 +202,19 @@ def _parse_entries(path: Path, doc: dict, data_start: int, file_size: int) -> Sa
     return SafetensorsHeader(path, tensors, {str(k): str(v) for k, v in metadata.items()}, data_start, file_size)
 
 
+def _check_shard_inside(directory: Path, index: Path, name: str) -> None:
+    """A shard named by an index must be a file of the checkpoint directory: no absolute path, no ``..``, and once
+    symlinks are resolved it must lie in the directory, or in the Hub cache's ``blobs`` folder of the same
+    repository (where a snapshot's links point). Anything else would read a file the server was not given."""
+    if os.path.isabs(name) or ".." in Path(name).parts or "\x00" in name:
+        raise ModelSourceError(f"{index} names shard {name!r} outside the checkpoint directory; refused")
+    real = (directory / name).resolve()
+    here = directory.resolve()
+    blobs = (directory.parent.parent / "blobs").resolve()
+    if not (real.is_relative_to(here) or (directory.parent.name == "snapshots" and real.is_relative_to(blobs))):
+        raise ModelSourceError(f"{index}: shard {name!r} is a link that leads outside the checkpoint; refused")
+
+
 def find_weight_files(directory: str | os.PathLike) -> tuple[list[Path], dict[str, str]]:
     """The safetensors files of a checkpoint directory, and the index's weight_map (empty without an index).
 
@@ -219,6 +232,8 @@ def find_weight_files(directory: str | os.PathLike) -> tuple[list[Path], dict[st
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelSourceError(f"{index}: has no 'weight_map' object naming the shard of each tensor")
         files = list(dict.fromkeys(str(v) for v in weight_map.values()))
+        for f in files:
+            _check_shard_inside(directory, index, f)
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:
             raise ModelSourceError(
@@ -229,8 +244,11 @@ def find_weight_files(directory: str | os.PathLike) -> tuple[list[Path], dict[st
         return [directory / f for f in files], {str(k): str(v) for k, v in weight_map.items()}
     single = directory / SINGLE_NAME
     if single.is_file():
+        _check_shard_inside(directory, single, SINGLE_NAME)
         return [single], {}
     files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    for f in files:
+        _check_shard_inside(directory, f, f.name)
     if files:
         return files, {}
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)

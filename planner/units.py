@@ -55,7 +55,10 @@ def parse_size(value: int | float | str) -> int:
         raise HardwareSpecError(
             f"unknown unit {m.group(2)!r} in memory size {value!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
-    return int(round(number * factor))
+    total = number * factor
+    if total != total or total == float("inf"):
+        raise HardwareSpecError(f"memory size {value!r} is too large to be a number of bytes; give a real size")
+    return int(round(total))
 
 
 def format_bytes(n: int | float) -> str:

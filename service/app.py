@@ -14,15 +14,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planner.errors import LoadmasterError
-from service import openai_routes, plan_routes, routes, ui_routes
+from service import access_log, openai_routes, plan_routes, request_body, routes, ui_routes
 from service.errors import (
+    NOT_READY_RETRY_AFTER_S,
     GenerationError,
+    NotReadyError,
     OverloadedError,
     RequestValidationError,
     ServiceError,
@@ -56,7 +59,11 @@ def error_response(
 
 
 class GuardMiddleware:
-    """Pure ASGI middleware: request id, API key, body-size limit, and per-route request metrics."""
+    """Pure ASGI middleware: request id, API key, body checks (size 413, type 415, strict JSON 422), the access-log
+    line and per-route request metrics."""
+
+    #: Bodies larger than this are checked on a worker thread, so a 1 MB prompt never holds the event loop.
+    INLINE_CHECK_BYTES = 64 * 1024
 
     def __init__(self, app: Any, settings: ServiceSettings, metrics: Metrics):
         self.app = app
@@ -72,7 +79,8 @@ class GuardMiddleware:
         rid = "".join(ch for ch in rid if ch.isalnum() or ch in "-_.")[:64] or uuid.uuid4().hex[:16]
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
-        started = time.perf_counter()
+        record = access_log.AccessRecord(request_id=rid, method=scope.get("method", ""), path=path)
+        access_log.begin(record)
         status_holder = {"status": 500}
 
         async def send_wrapped(message: dict) -> None:
@@ -98,7 +106,7 @@ class GuardMiddleware:
             limit = self.settings.max_body_bytes
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
-                await reply(self._too_large(path, rid, limit))
+                await reply(self._refuse(path, rid, request_body.too_large(limit)))
                 return
             # Read the whole body first (it is small by construction), so an oversized chunked body is
             # refused here, before the app parses anything.
@@ -110,10 +118,20 @@ class GuardMiddleware:
                     return
                 body += message.get("body", b"")
                 if len(body) > limit:
-                    await reply(self._too_large(path, rid, limit))
+                    await reply(self._refuse(path, rid, request_body.too_large(limit)))
                     return
                 if not message.get("more_body", False):
                     break
+            if body:
+                try:
+                    request_body.check_content_type(headers.get("content-type"))
+                    if len(body) > self.INLINE_CHECK_BYTES:
+                        await anyio.to_thread.run_sync(request_body.check_json, bytes(body))
+                    else:
+                        request_body.check_json(bytes(body))
+                except RequestValidationError as exc:
+                    await reply(self._refuse(path, rid, exc))
+                    return
             replayed = False
 
             async def replay() -> dict:
@@ -127,12 +145,15 @@ class GuardMiddleware:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or ("unmatched" if status_holder["status"] == 404 else path)
-            self.metrics.request_done(label, status_holder["status"], time.perf_counter() - started)
+            record.route = label
+            record.status = record.final_status(status_holder["status"])
+            record.total_s = time.perf_counter() - record.started
+            self.metrics.request_done(label, record.status, record.total_s)
+            access_log.emit(record)
 
     @staticmethod
-    def _too_large(path: str, rid: str, limit: int) -> JSONResponse:
-        log.info("request %s refused: body over %d bytes", rid, limit)
-        exc = RequestValidationError(f"The request body is larger than {limit} bytes; send a smaller one.")
+    def _refuse(path: str, rid: str, exc: RequestValidationError) -> JSONResponse:
+        log.info("request %s refused: %s", rid, exc)
         return error_response(path, exc.status_code, str(exc), exc.error_type)
 
 
@@ -144,7 +165,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(LoadmasterError)  # the service's own errors and the planner's and loader's
     async def loadmaster_error(request: Request, exc: LoadmasterError) -> JSONResponse:
         log.info("request %s: %s (%s)", _rid(request), exc, exc.error_type)
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, OverloadedError) else None
+        headers = None
+        if isinstance(exc, OverloadedError):
+            headers = {"Retry-After": str(exc.retry_after)}
+        elif isinstance(exc, NotReadyError):
+            headers = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
         return error_response(request.url.path, http_status(exc), str(exc), exc.error_type, headers)
 
     @app.exception_handler(FastAPIValidationError)

@@ -14,6 +14,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import LoadmasterError
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
+
+#: Seconds between the end of the grace period (open requests get their error) and uvicorn's hard stop.
+GRACE_MARGIN_S = 2.0
 
 #: Flags of ``serve`` besides the planner's: (flag, type, help). Each is the settings field of the same name.
 SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
@@ -35,7 +39,12 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
-    ("--log-level", str, "debug, info, warning or error (default info)"),
+    ("--plan-max-layers", int, "most layers a model sent to /plan may have (default 1024)"),
+    ("--plan-max-hidden-size", int, "largest hidden/intermediate/vocab size /plan takes (default 131072)"),
+    ("--plan-max-tensors", int, "most tensors a model sent to /plan may have (default 200000)"),
+    ("--plan-timeout", float, "seconds one /plan may compute before it is abandoned (default 30)"),
+    ("--plan-workers", int, "/plan computations at once; more get 429 (default 2)"),
+    ("--log-level", str, "critical, error, warning, info, debug or trace (default info)"),
     ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
     (
         "--cpu-kernels",
@@ -138,15 +147,24 @@ def serve(settings: ServiceSettings) -> int:
 
         torch.set_num_threads(settings.threads)
     check_model_source(settings)  # a missing directory or an unservable Hub id is a usage error now, not later
-    settings.plan_inputs()  # so are unreadable planner flags
+    settings.check_plan_flags()  # so are unreadable planner flags
     app = create_app(settings)
     runtime = app.state.runtime
+    failed_load: list[str] = []
 
     class DrainingServer(uvicorn.Server):
-        """Marks the service as draining the moment a stop signal arrives (readiness 503, no new requests)."""
+        """Marks the service as draining the moment a stop signal arrives (readiness 503, no new requests).
+
+        At the end of the grace period the engine is stopped, which ends every open request with a ``not_ready``
+        error: streams get it as their last event and plain requests as a JSON 503. Uvicorn's own deadline is a
+        little later, so those answers are written before it cancels what is left."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            runtime.draining = True
+            if not runtime.draining:
+                runtime.draining = True
+                timer = threading.Timer(settings.grace_period, runtime.end_grace_period)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
             # uvicorn re-raises captured signals after shutdown; a drained SIGTERM is a clean exit (status 0)
             captured = getattr(self, "_captured_signals", None)
@@ -158,15 +176,23 @@ def serve(settings: ServiceSettings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=settings.grace_period,
+        timeout_graceful_shutdown=settings.grace_period + GRACE_MARGIN_S,
         access_log=False,
     )
+    server = DrainingServer(config)
+
+    def on_failed(message: str) -> None:
+        # As TGI and vLLM do: a server whose model cannot load exits non-zero, so its supervisor sees it.
+        failed_load.append(message)
+        server.should_exit = True
+
+    runtime.host.on_failed(on_failed)
     log.info(
         "listening on http://%s:%d (model loads in the background; GET /health/ready)", settings.host, settings.port
     )
     log.info("try: %s", curl_example(settings))
-    DrainingServer(config).run()
-    return 0
+    server.run()
+    return 1 if failed_load else 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

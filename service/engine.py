@@ -31,6 +31,7 @@ import torch
 from planner.devices import torch_device_name
 from service.detokenizer import make_detokenizer
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
+from service.isolation import isolate_failure
 from service.kv_cache import SlotKVCache
 from service.model_runner import ModelRunner, Row, supports_slot_cache
 from service.prefill_groups import prefill_groups
@@ -55,6 +56,8 @@ class GenerationRequest:
     top_n_tokens: int = 0  # alternatives to report with each token (TGI top_n_tokens, OpenAI top_logprobs)
     prompt_logprobs: bool = False  # report the prompt tokens' logprobs (TGI decoder_input_details, OpenAI echo)
     grammar: Any = None  # a service.structured_output.CompiledGrammar the output must follow, or None
+    #: Seconds the request waited in the queue; set by the engine when it admits the request (the access log).
+    queued_s: float | None = None
 
 
 @dataclass
@@ -474,7 +477,8 @@ class Engine:
                 if newcomers:
                     now = time.perf_counter()
                     for seq in newcomers:
-                        self.metrics.queued(now - seq.enqueued_at)
+                        seq.request.queued_s = now - seq.enqueued_at
+                        self.metrics.queued(seq.request.queued_s)
                 self._prefill_step()
                 self._decode_step()
                 self._release()
@@ -591,7 +595,7 @@ class Engine:
         try:
             logits = self.runner.forward(rows)
         except Exception as exc:  # noqa: BLE001 - reported to the clients, logged with their request ids
-            self._step_failed(seqs, exc, "prefill")
+            self._step_failed(seqs, exc, "prefill", retry=lambda part: self._prefill(_only(chunks, part)))
             return
         for seq, row in zip(seqs, rows):
             self.contents.tokens[seq.slot].extend(row.tokens)
@@ -601,15 +605,21 @@ class Engine:
         if not complete:
             return
         done = [seqs[r] for r in complete]
+        self._first_tokens(logits[complete] if len(complete) < len(seqs) else logits, done)
+
+    def _first_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
+        """Choose the first token of each sequence whose prompt is now in its slot (``logits``: one row each)."""
         try:
-            choices = self._choose_all(logits[complete] if len(complete) < len(seqs) else logits, done)
+            choices = self._choose_all(logits, seqs)
         except Exception as exc:  # noqa: BLE001
-            self._step_failed(done, exc, "prefill")
+            self._step_failed(
+                seqs, exc, "prefill", retry=lambda part: self._first_tokens(logits[_rows(seqs, part)], part)
+            )
             return
-        for seq, (token, logprob) in zip(done, choices):
+        for seq, (token, logprob) in zip(seqs, choices):
             self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
             self._chosen(seq, token, logprob)
-        log.debug("request(s) %s prefilled", ", ".join(s.request.request_id for s in done))
+        log.debug("request(s) %s prefilled", ", ".join(s.request.request_id for s in seqs))
 
     def _decode_step(self) -> None:
         for seq in self._running:
@@ -621,12 +631,17 @@ class Engine:
         if not seqs:
             return
         self.peak_batch = max(self.peak_batch, len(seqs))
+        self._decode(seqs)
+        self.steps += 1
+
+    def _decode(self, seqs: list[_Sequence]) -> None:
+        """One decode forward over ``seqs`` (each feeds its last token at its own position in its slot)."""
         rows = [Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]) for s in seqs]
         try:
             logits = self.runner.forward(rows)
             choices = self._choose_all(logits, seqs)
         except Exception as exc:  # noqa: BLE001
-            self._step_failed(seqs, exc, "decode step")
+            self._step_failed(seqs, exc, "decode step", retry=self._decode)
             return
         for seq, row, (token, logprob) in zip(seqs, rows, choices):
             self.contents.tokens[seq.slot].extend(row.tokens)
@@ -634,7 +649,6 @@ class Engine:
                 seq.done = True
                 continue
             self._chosen(seq, token, logprob)
-        self.steps += 1
 
     def _chosen(self, seq: _Sequence, token: int, logprob: float) -> None:
         """Record ``token`` for ``seq`` (engine side) and queue it, with its alternatives, for the output thread.
@@ -698,7 +712,16 @@ class Engine:
     def _emit_failure(failure: Failure) -> None:
         failure.seq.fail(failure.error)
 
-    def _step_failed(self, seqs: list[_Sequence], exc: Exception, where: str) -> None:
+    def _step_failed(
+        self,
+        seqs: list[_Sequence],
+        exc: Exception,
+        where: str,
+        retry: Callable[[list[_Sequence]], None] | None = None,
+    ) -> None:
+        """A batched step failed: an unrecoverable device error stops the engine; otherwise the batch is retried in
+        halves (``retry``, :func:`service.isolation.isolate_failure`) so only the culprit fails; a batch of one, or
+        out of memory (the batch's size is at fault), fails its requests with the reason."""
         ids = ", ".join(s.request.request_id for s in seqs)
         if is_unrecoverable(exc):
             log.critical("unrecoverable CUDA error in %s; the engine stops", where, exc_info=exc)
@@ -714,6 +737,9 @@ class Engine:
                     seq.fail(NotReadyError(self.dead))
             self._fail_all(NotReadyError(self.dead))
             return
+        if retry is not None and not is_out_of_memory(exc):
+            if isolate_failure(seqs, where, lambda part: None if self.dead else retry(part)):
+                return
         if is_out_of_memory(exc):
             log.error("out of memory in %s; failing request(s) %s", where, ids)
             # the allocator's cache is released by the loop, after this step: the failed group's KV cache and the
@@ -729,6 +755,18 @@ class Engine:
         for seq in seqs:
             if not seq.done:
                 self._fail(seq, GenerationError(message))
+
+
+def _only(chunks: list[tuple[_Sequence, int]], part: list[_Sequence]) -> list[tuple[_Sequence, int]]:
+    """The prompt chunks of the sequences in ``part`` (by identity), in their order."""
+    keep = {id(seq) for seq in part}
+    return [chunk for chunk in chunks if id(chunk[0]) in keep]
+
+
+def _rows(seqs: list[_Sequence], part: list[_Sequence]) -> list[int]:
+    """The row indices in ``seqs`` of the sequences in ``part`` (by identity)."""
+    index = {id(seq): r for r, seq in enumerate(seqs)}
+    return [index[id(seq)] for seq in part]
 
 
 def _position_limit(model: torch.nn.Module) -> int | None:

@@ -37,6 +37,10 @@ class OverloadedError(ServiceError):
         self.retry_after = retry_after
 
 
+#: Seconds a 503 (loading, draining) asks a client to wait before it retries (the ``Retry-After`` header).
+NOT_READY_RETRY_AFTER_S = 5
+
+
 class NotReadyError(ServiceError):
     """The model is still loading (or failed to load, or the server is shutting down)."""
 

@@ -198,9 +198,14 @@ class ModelHost:
         self.loaded: LoadedModel | None = None
         self._thread: threading.Thread | None = None
         self._on_ready: list[Callable[[LoadedModel], None]] = []
+        self._on_failed: list[Callable[[str], None]] = []
 
     def on_ready(self, callback: Callable[[LoadedModel], None]) -> None:
         self._on_ready.append(callback)
+
+    def on_failed(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` when the load fails (``loadmaster serve`` then exits non-zero)."""
+        self._on_failed.append(callback)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._load, name="loadmaster-load", daemon=True)
@@ -231,12 +236,15 @@ class ModelHost:
             self.state.phase = "ready"
             log.info("model %s ready in %.1fs", loaded.name, self.state.ready_at - self.state.started_at)
         except (LoadmasterError, ValueError, OSError) as exc:
-            self.state.error = str(exc)
-            self.state.error_type = getattr(exc, "error_type", "not_ready")
-            self.state.phase = "failed"
-            log.error("loading the model failed: %s", exc)
+            self._failed(" ".join(str(exc).split()), getattr(exc, "error_type", "not_ready"))
         except Exception as exc:  # noqa: BLE001 - a failed load must be reported, not kill the server
-            self.state.error = f"{type(exc).__name__}: {exc}"
-            self.state.error_type = "not_ready"
-            self.state.phase = "failed"
-            log.exception("loading the model failed")
+            log.debug("the load's traceback", exc_info=exc)  # the one error line below is what an operator reads
+            self._failed(f"{type(exc).__name__}: {' '.join(str(exc).split())}", "not_ready")
+
+    def _failed(self, message: str, error_type: str) -> None:
+        self.state.error = message
+        self.state.error_type = error_type
+        self.state.phase = "failed"
+        log.error("loading the model failed: %s", message)
+        for callback in self._on_failed:
+            callback(message)

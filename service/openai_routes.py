@@ -18,7 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, FinishEvent, TokenEvent
 from service.errors import openai_status
-from service.runtime import EngineStream, merged_events, open_streams, request_id_of, runtime_of, sse, wait_all
+from service.runtime import (
+    EngineStream,
+    merged_events,
+    off_loop,
+    open_streams,
+    request_id_of,
+    runtime_of,
+    sse,
+    wait_all,
+)
 from service.stop_matcher import StopHoldback
 from service.validation import ChatCompletionRequest, CompletionRequest
 
@@ -62,7 +71,7 @@ async def _start(request: Request, build, user: str | None) -> tuple[list[Engine
     """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
-    gens = build(validator, request_id_of(request))
+    gens = await off_loop(build, validator, request_id_of(request))
     if user:
         log.info("request %s: user %r", request_id_of(request), user)
     return open_streams(runtime, engine, gens), validator

@@ -8,19 +8,26 @@ or batch that fits on the same hardware.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.advice import largest_batch, largest_context
 from planner.api import plan_inputs
-from planner.errors import PlanError
+from planner.errors import LoadmasterError, PlanError
 from planner.inputs import PlanInputs, resolve_skeleton
+from service.access_log import CLIENT_CLOSED
 from service.errors import RequestValidationError
 from service.model_positions import model_position_limit
-from service.runtime import runtime_of
-from service.security import resolve_under_roots
+from service.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
+from service.runtime import request_id_of, runtime_of
+from service.security import check_path_text, resolve_under_roots
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["plan"])
 
@@ -62,6 +69,7 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
             return str(runtime.settings.model)
         if body.model is None:
             raise RequestValidationError("No model named and none served yet; give model (a directory) or config.")
+    check_path_text(body.model)
     hub = _hub_source(runtime.settings, body.model)
     if hub is not None:
         return hub
@@ -98,9 +106,52 @@ def _hub_source(settings: Any, name: str) -> str | None:
 
 
 @router.post("/plan", summary="Plan a model's device map without loading weights (dry run)")
-def plan_route(request: Request, body: PlanRequest) -> dict[str, Any]:
+async def plan_route(request: Request, body: PlanRequest) -> Response:
+    runtime = runtime_of(request)
+    settings = runtime.settings
     source = _model_source(request, body)
-    skeleton = resolve_skeleton(source)
+    if isinstance(source, dict):
+        check_config(source, settings)
+    elif not str(source).startswith("hf://"):
+        check_model_dir(Path(source), settings)
+    try:
+        answer = await _workers(request).run(
+            lambda: _plan(source, body, settings),
+            timeout=settings.plan_timeout,
+            request=request,
+            abandon=lambda: runtime.draining,
+        )
+    except PlanAbandoned:
+        log.info("request %s: /plan abandoned (client gone or server draining)", request_id_of(request))
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(answer)
+
+
+def _workers(request: Request) -> PlanWorkers:
+    state = request.app.state
+    workers = getattr(state, "plan_workers", None)
+    if workers is None:
+        workers = state.plan_workers = PlanWorkers(runtime_of(request).settings.plan_workers)
+    return workers
+
+
+#: Errors a model description that is not a model raises inside transformers' config and model classes.
+_NOT_A_MODEL = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RuntimeError)
+
+
+def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
+    """The dry run itself (on a plan worker thread): skeleton, limits, plan, what-if."""
+    try:
+        skeleton = resolve_skeleton(source)
+    except LoadmasterError:
+        raise
+    except RecursionError:
+        raise RequestValidationError("The config nests too deeply to be a model config.") from None
+    except _NOT_A_MODEL as exc:
+        raise RequestValidationError(
+            f"This is not a model the planner can read: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        ) from None
+    check_skeleton(skeleton, settings)
     inputs = PlanInputs(
         max_memory=body.max_memory,
         gpus=body.gpus,

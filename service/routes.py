@@ -6,7 +6,6 @@ dispatches on ``"stream"`` as TGI does, which is where huggingface_hub's ``Infer
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,9 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
-from service.errors import NotReadyError, RequestValidationError
+from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.memory import memory_report
-from service.runtime import EngineStream, open_streams, request_id_of, runtime_of, sse, wait_all
+from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.runtime import EngineStream, off_loop, open_streams, request_id_of, runtime_of, sse, wait_all
 from service.validation import TGIRequest, TokenizeRequest, refuse_unknown
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     _check_tgi(body, stream)
-    gens = validator.tgi(body, request_id_of(request))
+    gens = await off_loop(validator.tgi, body, request_id_of(request))
     return open_streams(runtime, engine, gens)
 
 
@@ -175,7 +175,7 @@ async def tokenize(request: Request, body: TokenizeRequest) -> list[dict[str, An
     refuse_unknown(body)
     if not body.inputs:
         raise RequestValidationError("inputs is empty; send the text to tokenize.")
-    return await asyncio.to_thread(token_spans, validator.tokenizer, body.inputs, body.add_special_tokens)
+    return await off_loop(token_spans, validator.tokenizer, body.inputs, body.add_special_tokens)
 
 
 def token_spans(tokenizer: Any, text: str, add_special_tokens: bool) -> list[dict[str, Any]]:
@@ -192,18 +192,24 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.head("/health", tags=["health"], summary="Liveness without a body (load balancers' HEAD probes)")
+async def health_head() -> Response:
+    return Response(status_code=200)
+
+
 @router.get("/health/ready", tags=["health"], summary="Readiness: 200 once the model is loaded, else 503 + progress")
 async def ready(request: Request) -> Response:
     runtime = runtime_of(request)
     state = runtime.host.state.to_dict()
+    retry = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
     if runtime.draining:
         state["status"] = "draining"
-        return JSONResponse(state, status_code=NotReadyError.status_code)
+        return JSONResponse(state, status_code=NotReadyError.status_code, headers=retry)
     if runtime.engine is None or not runtime.host.state.ready:
-        return JSONResponse(state, status_code=NotReadyError.status_code)
+        return JSONResponse(state, status_code=NotReadyError.status_code, headers=retry)
     if not runtime.engine.alive:
         state["status"] = "engine stopped"
-        return JSONResponse(state, status_code=NotReadyError.status_code)
+        return JSONResponse(state, status_code=NotReadyError.status_code, headers=retry)
     return JSONResponse(state)
 
 
@@ -276,4 +282,4 @@ def _plain(value: Any) -> Any:
 @router.get("/metrics", tags=["info"], summary="Prometheus metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     runtime = runtime_of(request)
-    return PlainTextResponse(runtime.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(runtime.metrics.render(), media_type=METRICS_CONTENT_TYPE)

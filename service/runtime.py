@@ -9,12 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
+import anyio.to_thread
+from fastapi.sse import format_sse_event
 from starlette.requests import Request
 
-from service.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, eos_ids
+from service import access_log
+from service.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent, eos_ids
 from service.errors import NotReadyError, OverloadedError
 from service.metrics import Metrics
 from service.model_loading import LoadedModel, ModelHost
@@ -22,6 +27,8 @@ from service.settings import ServiceSettings
 from service.validation import Validator
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Runtime:
@@ -37,6 +44,9 @@ class Runtime:
         self.in_flight = 0
         self.max_total_tokens = settings.max_total_tokens
         self.weight_bytes: dict[str, int] | None = None
+        #: The engine streams whose responses are not over (the end of the grace period ends them).
+        self.streams: set[EngineStream] = set()
+        self._streams_lock = threading.Lock()  # the loop adds and removes; the grace timer's thread reads
         host.on_ready(self._start_engine)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -72,6 +82,21 @@ class Runtime:
         if self.engine is not None:
             self.engine.stop()
 
+    def end_grace_period(self) -> None:
+        """The grace period after SIGTERM is over: end every open request now, each with a ``not_ready`` error
+        (a stream's last event, a plain request's JSON 503), rather than cutting connections without an answer.
+
+        The error goes straight to each open stream (a step in progress may take a while to end); then the engine
+        stops. Called from a timer thread."""
+        with self._streams_lock:
+            streams = list(self.streams)
+        if streams:
+            log.warning("grace period over; ending %d open request(s) with an error", len(streams))
+        error = ErrorEvent.of(NotReadyError("The server is shutting down: its grace period ended before the answer."))
+        for stream in streams:
+            stream.deliver(error)
+        self.shutdown()
+
     @property
     def loaded(self) -> LoadedModel | None:
         return self.host.loaded
@@ -95,14 +120,14 @@ class Runtime:
 
     def acquire(self) -> Slot:
         if self.in_flight >= self.settings.max_concurrent_requests:
-            self.metrics.rejected += 1
+            self.metrics.request_rejected()
             raise OverloadedError(
                 f"The server is at its limit of {self.settings.max_concurrent_requests} concurrent requests; "
                 "retry after the Retry-After delay.",
                 retry_after=1,
             )
         self.in_flight += 1
-        self.metrics.in_flight = self.in_flight
+        self.metrics.set_in_flight(self.in_flight)
         return Slot(self)
 
 
@@ -117,7 +142,7 @@ class Slot:
         if self.held:
             self.held = False
             self.runtime.in_flight -= 1
-            self.runtime.metrics.in_flight = self.runtime.in_flight
+            self.runtime.metrics.set_in_flight(self.runtime.in_flight)
 
 
 class EngineStream:
@@ -129,9 +154,28 @@ class EngineStream:
         self.slot = slot
         self.request = request
         self.finished = False
+        self.record = access_log.current()
+        if self.record is not None:
+            self.record.prompt_tokens = len(request.prompt_ids)
+        self.submitted_at = time.perf_counter()
+        self.generated = 0
         self.ticket = engine.submit(request, self._sink)
+        with slot.runtime._streams_lock:  # noqa: SLF001 - the runtime's own bookkeeping of its streams
+            slot.runtime.streams.add(self)
 
     def _sink(self, event: Event) -> None:
+        # Runs on the engine thread: count the tokens (a cancelled stream's count still) and time the first.
+        if isinstance(event, TokenEvent):
+            self.generated += 1
+            if self.record is not None:
+                if self.record.ttft_s is None:
+                    self.record.ttft_s = time.perf_counter() - self.submitted_at
+                    self.record.queue_s = self.request.queued_s
+                self.record.generated_tokens = self.generated
+        self.deliver(event)
+
+    def deliver(self, event: Event) -> None:
+        """Queue ``event`` for the response (from any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -140,15 +184,22 @@ class EngineStream:
     async def events(self) -> AsyncIterator[Event]:
         while True:
             event = await self.queue.get()
+            last = isinstance(event, (FinishEvent, ErrorEvent))
+            if last:
+                self.finished = True  # before the yield: a caller that returns after the last event ends it
             yield event
-            if isinstance(event, (FinishEvent, ErrorEvent)):
-                self.finished = True
+            if last:
                 return
 
     def close(self) -> None:
         """End of the response: cancel the sequence if it is still running and free the slot at once."""
-        if not self.finished:
+        if not self.finished and self.slot.held:
             self.ticket.cancel()
+            if self.record is not None:
+                self.record.cancelled = True
+            self.slot.runtime.metrics.cancelled(len(self.request.prompt_ids), self.generated)
+        with self.slot.runtime._streams_lock:  # noqa: SLF001
+            self.slot.runtime.streams.discard(self)
         self.slot.release()
 
     async def wait_final(self, request: Request) -> FinishEvent | ErrorEvent | None:
@@ -262,6 +313,12 @@ async def merged_events(streams: list[EngineStream]) -> AsyncIterator[tuple[int,
             g.cancel()
 
 
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on a worker thread: tokenizing or chat-templating a large prompt takes long enough to
+    stall every other route (health included) if it ran on the event loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
 def runtime_of(request: Request) -> Runtime:
     return request.app.state.runtime
 
@@ -270,7 +327,9 @@ def request_id_of(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
 
 
-def sse(data: Any, prefix: str = "data:") -> bytes:
-    """One server-sent event. TGI writes ``data:{json}``; OpenAI writes ``data: {json}`` (``prefix="data: "``)."""
+def sse(data: Any, prefix: str = "data: ") -> bytes:
+    """One server-sent event, framed by FastAPI's SSE encoder (``data: {json}``, which TGI's and OpenAI's clients
+    both read). ``prefix`` is kept for the callers that name it; the framing is the library's."""
+    del prefix
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"{prefix}{payload}\n\n".encode()
+    return format_sse_event(data_str=payload)

@@ -56,6 +56,24 @@ class PathEscapeError(RequestValidationError):
     status_code = 403
 
 
+#: Longest path and path component accepted (Linux's PATH_MAX and NAME_MAX): longer ones cannot name a file.
+MAX_PATH_CHARS = 4096
+MAX_NAME_CHARS = 255
+
+
+def check_path_text(name: str) -> None:
+    """Refuse a path no file system could hold, before any system call sees it (which would fail with OSError)."""
+    if "\x00" in name or not name.strip():
+        raise RequestValidationError("The model path is empty or contains a NUL byte.")
+    if len(name) > MAX_PATH_CHARS or any(
+        len(part.encode("utf-8", "replace")) > MAX_NAME_CHARS for part in name.split("/")
+    ):
+        raise RequestValidationError(
+            f"The model path is longer than the OS allows ({MAX_PATH_CHARS} characters in all, {MAX_NAME_CHARS} "
+            "bytes per component); name a directory under the model roots."
+        )
+
+
 def resolve_under_roots(name: str, roots: Iterable[str]) -> Path:
     """The real directory ``name`` names under one of ``roots``; refuse anything that would leave them."""
     real_roots = [Path(r).expanduser().resolve() for r in roots]
@@ -64,20 +82,22 @@ def resolve_under_roots(name: str, roots: Iterable[str]) -> Path:
             "This server has no model roots configured, so /plan can only plan the served model or an inline "
             "config; start it with --model-root DIR to allow model directories."
         )
-    if "\x00" in name or not name.strip():
-        raise RequestValidationError("The model path is empty or contains a NUL byte.")
+    check_path_text(name)
     path = Path(name)
     if ".." in path.parts:
         raise PathEscapeError(f"The model path {name!r} contains '..'; name a directory under the model roots.")
     candidates = [path] if path.is_absolute() else [root / path for root in real_roots]
     inside_any = False
     for candidate in candidates:
-        real = candidate.resolve()
-        if not any(real == root or real.is_relative_to(root) for root in real_roots):
-            continue
-        inside_any = True
-        if real.is_dir():
-            return real
+        try:
+            real = candidate.resolve()
+            if not any(real == root or real.is_relative_to(root) for root in real_roots):
+                continue
+            inside_any = True
+            if real.is_dir():
+                return real
+        except OSError as exc:  # a loop of symlinks, a component the file system refuses
+            raise RequestValidationError(f"The model path {name!r} cannot be resolved: {exc.strerror}.") from None
     if not inside_any:
         raise PathEscapeError(
             f"The model path {name!r} is outside the configured model roots (absolute path elsewhere, or a "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from planner.inputs import PlanInputs
@@ -51,7 +51,9 @@ class ServiceSettings(BaseSettings):
         False, description="Let /plan read Hub ids (config + shard headers: outbound requests to HF_ENDPOINT)."
     )
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="critical, error, warning, info, debug or trace."
+    )
     threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never."
@@ -71,19 +73,34 @@ class ServiceSettings(BaseSettings):
     default_max_new_tokens: int = Field(100, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
 
+    # Limits of /plan: what one anonymous request may make the planner build and search.
+    plan_max_layers: int = Field(1024, ge=1, description="Most layers (num_hidden_layers and the like) /plan takes.")
+    plan_max_hidden_size: int = Field(1 << 17, ge=1, description="Largest hidden/intermediate/vocab size /plan takes.")
+    plan_max_tensors: int = Field(200_000, ge=1, description="Most tensors in a model /plan takes.")
+    plan_timeout: float = Field(30.0, gt=0, description="Seconds one /plan may compute before it is abandoned (422).")
+    plan_workers: int = Field(2, ge=1, description="/plan computations running at once; more wait for a free one.")
+
     @field_validator("api_key", "model_root", "max_memory", "bandwidth", mode="before")
     @classmethod
-    def _split_commas(cls, value: Any) -> Any:
+    def _split_commas(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None:
             return []
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        if isinstance(value, (list, tuple)):
-            out: list[str] = []
-            for item in value:
-                out.extend(part.strip() for part in str(item).split(",") if part.strip())
-            return out
+        if isinstance(value, (str, list, tuple)):
+            items = [value] if isinstance(value, str) else list(value)
+            parts = [part.strip() for item in items for part in str(item).split(",")]
+            if info.field_name == "api_key" and any(not part for part in parts):
+                # An empty key must never mean "no authentication": that is a typo or an unset secret.
+                raise ValueError(
+                    "an API key is empty or blank; give a real key, or leave --api-key / LOADMASTER_API_KEY unset "
+                    "to serve without authentication"
+                )
+            return [part for part in parts if part]
         return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_limits(self) -> ServiceSettings:
@@ -112,6 +129,27 @@ class ServiceSettings(BaseSettings):
             bandwidth=self.bandwidth or None,
             complete=self.complete,
         )
+
+    def check_plan_flags(self) -> PlanInputs:
+        """The planning settings, every one read now (sizes, strategy, dtype, quantization), so that a bad value
+        stops ``serve`` at start with its message instead of failing the load later."""
+        from planner.sizing import normalize_dtype, normalize_quantization
+        from planner.solve import check_strategy_name
+        from planner.units import parse_size
+
+        inputs = self.plan_inputs()
+        for size in (inputs.max_memory or {}).values():
+            parse_size(size)
+        if self.gpu_reserve is not None:
+            parse_size(self.gpu_reserve)
+        if self.gpus:
+            from planner.hardware import parse_gpus
+
+            parse_gpus(self.gpus)
+        check_strategy_name(inputs.checked_strategy())
+        normalize_dtype(inputs.dtype, "float32")
+        normalize_quantization(inputs.quantization)
+        return inputs
 
     def planned_batch_size(self) -> int:
         return self.batch_size or self.max_batch_size

@@ -24,6 +24,13 @@ MAX_STOP_SEQUENCES = 8
 MAX_TOP_TOKENS = 20
 #: Most sequences one request may ask for (``n``, ``best_of``, or prompts x n for a list of prompts).
 MAX_CHOICES = 16
+#: Seeds are unsigned 64-bit, as in TGI; larger ones cannot seed a torch generator.
+MAX_SEED = 2**64 - 1
+#: Smallest usable temperature and repetition penalty: logits are divided by them, and a denormal divisor turns
+#: them into infinities (NaN probabilities). 0 (greedy) stays allowed where the API allows it.
+MIN_DIVISOR = 1e-4
+#: Largest top_k taken (no vocabulary comes near; a bigger number is a mistake, not a wish).
+MAX_TOP_K = 1 << 24
 
 
 def _is_set(value: Any) -> bool:
@@ -43,7 +50,7 @@ class TGIParameters(BaseModel):
     """TGI's ``parameters``. Keys this server does not implement (``watermark``, ``adapter_id``, unknown keys)
     are refused when set."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     max_new_tokens: int | None = Field(None, description="Tokens to generate (default: the server's).")
     temperature: float | None = None
@@ -52,7 +59,7 @@ class TGIParameters(BaseModel):
     typical_p: float | None = None
     repetition_penalty: float | None = None
     do_sample: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] = Field(default_factory=list)
     return_full_text: bool | None = False
     details: bool = False
@@ -74,7 +81,7 @@ class TGIParameters(BaseModel):
 class TGIRequest(BaseModel):
     """``POST /generate`` and ``/generate_stream``: ``{"inputs": "...", "parameters": {...}}``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
@@ -84,7 +91,7 @@ class TGIRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: the text, and whether to add the tokenizer's special tokens (as generation does)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     inputs: str
     add_special_tokens: bool = True
@@ -93,7 +100,7 @@ class TokenizeRequest(BaseModel):
 class _OpenAIRequest(BaseModel):
     """Fields both OpenAI routes take. A field not listed here is refused when set (see :func:`refuse_unknown`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -102,7 +109,7 @@ class _OpenAIRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -126,7 +133,7 @@ class CompletionRequest(_OpenAIRequest):
 class ChatMessage(BaseModel):
     """One chat message. Other message fields (``name``, ``tool_calls``...) are refused when set."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -139,6 +146,16 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+def token_chars_bound(tokenizer: Any) -> int | None:
+    """The most characters one token of ``tokenizer`` can stand for (its longest vocabulary or added entry), or
+    ``None`` when the vocabulary cannot be read."""
+    try:
+        pieces = list(tokenizer.get_vocab()) + [str(t) for t in getattr(tokenizer, "all_special_tokens", ())]
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: always tokenize
+        return None
+    return max((len(p) for p in pieces), default=0) or None
 
 
 def new_request_id() -> str:
@@ -169,6 +186,7 @@ class Validator:
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise RequestValidationError("The input is empty; send at least one character of prompt.")
+        self.refuse_surely_too_long(text)
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestValidationError("The input encodes to no tokens; send a non-empty prompt.")
@@ -192,6 +210,19 @@ class Validator:
                 "(max_input_tokens). Shorten the prompt."
             )
         return ids
+
+    def refuse_surely_too_long(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit in ``max_input_tokens`` whatever its tokens: no
+        token covers more characters than the longest vocabulary entry, so a text longer than twice that many
+        characters per allowed token cannot fit. Tokenizing a megabyte takes seconds; this takes nothing."""
+        if not hasattr(self, "_token_chars"):
+            self._token_chars = token_chars_bound(self.tokenizer)
+        bound = self._token_chars
+        if bound is not None and len(text) > 2 * bound * self.max_input_tokens:
+            raise RequestValidationError(
+                f"The input is {len(text)} characters long, more than {self.max_input_tokens} tokens "
+                f"(max_input_tokens) can hold with this tokenizer. Shorten the prompt."
+            )
 
     def new_tokens(self, requested: int | None, prompt_len: int, name: str) -> int:
         room = self.max_total_tokens - prompt_len
@@ -232,14 +263,21 @@ class Validator:
                 raise RequestValidationError(
                     f"temperature must be {'>= 0' if allow_zero_temperature else '> 0'} (got {temperature})."
                 )
+            if 0 < temperature < MIN_DIVISOR:
+                zero = " or 0 for greedy decoding" if allow_zero_temperature else ""
+                raise RequestValidationError(
+                    f"temperature must be at least {MIN_DIVISOR}{zero} (got {temperature}): smaller values overflow."
+                )
         if top_p is not None and not 0 < top_p <= 1:
             raise RequestValidationError(f"top_p must be in (0, 1] (got {top_p}).")
-        if top_k is not None and top_k < 1:
-            raise RequestValidationError(f"top_k must be a positive integer (got {top_k}).")
+        if top_k is not None and not 1 <= top_k <= MAX_TOP_K:
+            raise RequestValidationError(f"top_k must be an integer in [1, {MAX_TOP_K}] (got {top_k}).")
         if typical_p is not None and not 0 < typical_p <= 1:
             raise RequestValidationError(f"typical_p must be in (0, 1] (got {typical_p}).")
-        if repetition_penalty is not None and repetition_penalty <= 0:
-            raise RequestValidationError(f"repetition_penalty must be > 0 (got {repetition_penalty}).")
+        if repetition_penalty is not None and repetition_penalty < MIN_DIVISOR:
+            raise RequestValidationError(
+                f"repetition_penalty must be at least {MIN_DIVISOR} (got {repetition_penalty}): 1 means no penalty."
+            )
 
     @staticmethod
     def check_penalty(value: float | None, name: str) -> None:

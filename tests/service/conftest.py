@@ -47,7 +47,7 @@ class LiveServer:
     def runtime(self):
         return self.app.state.runtime
 
-    def start(self, wait_ready: bool = True, timeout: float = 60.0) -> LiveServer:
+    def start(self, wait_ready: bool = True, timeout: float = 300.0) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
         (["serve", "{model}"], {"LOADMASTER_MAX_BATCH_SIZE": "many"}, "max_batch_size"),
         (["serve", "{model}", "--max-input-tokens", "4096", "--max-total-tokens", "100"], {}, "max_input_tokens"),
         (["serve", "{model}", "--cpu-quantization", "int3"], {}, "cpu_quantization"),
+        (["serve", "{model}", "--strategy", "fastest"], {}, "unknown strategy 'fastest'"),
+        (["serve", "{model}", "--api-key", ""], {}, "API key is empty or blank"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], env: dict, mentions: str) -> None:
@@ -75,6 +78,42 @@ def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], en
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("loadmaster: error:") and mentions in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "args,env,mentions",
+    [
+        (["--max-memory", "cpu=lots"], {}, "'lots'"),
+        (["--max-memory", "cpu=1e400GiB"], {}, "too large"),
+        (["--strategy", "fastest"], {}, "unknown strategy 'fastest'"),
+        (["--dtype", "fp8"], {}, "unknown dtype 'fp8'"),
+        (["--quantization", "int2"], {}, "unknown quantization 'int2'"),
+        (["--gpus", "lots"], {}, "GPU declaration"),
+        (["--log-level", "verbose"], {}, "log_level"),
+        (["--api-key", "good", "--api-key", "  "], {}, "API key is empty or blank"),
+        ([], {"LOADMASTER_API_KEY": "a,,b"}, "API key is empty or blank"),
+        ([], {"LOADMASTER_API_KEY": ""}, "API key is empty or blank"),
+    ],
+)
+def test_invalid_flag_values_exit_2_before_serving(
+    tiny_llama: Path,
+    args: list[str],
+    env: dict,
+    mentions: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """The same check in-process (the subprocess cases above prove the real process): the value is refused by
+    ``main`` at start, before a server exists, with exit status 2 and one line naming it."""
+    from service.cli import main
+
+    for key in [k for k in os.environ if k.startswith("LOADMASTER_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", str(tiny_llama), "--port", "1", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("loadmaster: error:") and mentions in err[0], err
 
 
 def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> None:
@@ -137,6 +176,94 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> No
         assert len(events) == n
         assert events[-1]["details"]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_model_that_fails_to_load_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    """As TGI and vLLM do: the load fails (a config, no weights), one error line is logged, the process exits 1."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    p = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", str(tmp_path), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,  # a slow, busy machine: the process imports torch and transformers before it fails
+        cwd=REPO,
+    )
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "loading the model failed" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_grace_period_end_gives_streams_an_error_event_and_requests_a_json_503(tmp_path: Path) -> None:
+    """SIGTERM with requests far from done: at the end of the grace period the stream's last event is a
+    ``not_ready`` error and the plain request is answered with a JSON 503, not a cut connection; then the process
+    exits."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "serve",
+                str(llama_100m_dir()),
+                "--port",
+                str(port),
+                "--max-memory",
+                "cpu=8GiB",
+                "--grace-period",
+                "1",
+                "--max-total-tokens",
+                "1024",
+                "--threads",
+                "1",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+        body = {"inputs": "Long ago", "parameters": {"max_new_tokens": 900}}
+        plain: dict = {}
+
+        def post_plain() -> None:
+            plain["response"] = httpx.post(url + "/generate", json=body, timeout=300)
+
+        with httpx.Client(timeout=300) as c, c.stream("POST", url + "/generate_stream", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            waiter = threading.Thread(target=post_plain)
+            waiter.start()
+            time.sleep(1.0)  # the plain request is admitted and generating
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+            waiter.join(300)
+        events = [json.loads(x[len("data:") :]) for x in [first, *rest]]
+        assert events[-1].get("error_type") == "not_ready" and "shutting down" in events[-1]["error"], events[-1]
+        assert 1 <= len(events) - 1 < 900
+        resp = plain["response"]
+        assert resp.status_code == 503 and resp.headers["content-type"].startswith("application/json")
+        assert resp.json()["error_type"] == "not_ready"
+        assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -73,10 +73,11 @@ def test_malformed_json_is_422(client: httpx.Client) -> None:
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
 
 
-def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Client, server) -> None:
+def test_body_too_large_is_413_with_or_without_content_length(client: httpx.Client, server) -> None:
     big = {"inputs": "x" * (server.settings.max_body_bytes + 10)}
     r = client.post("/generate", json=big)
-    assert r.status_code == 422 and "larger than" in r.json()["error"]
+    assert r.status_code == 413 and "larger than" in r.json()["error"]
+    assert r.json()["error_type"] == "payload_too_large"
 
     def chunks():
         yield b'{"inputs": "'
@@ -85,7 +86,7 @@ def test_body_too_large_is_422_with_or_without_content_length(client: httpx.Clie
         yield b'"}'
 
     r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
-    assert r.status_code == 422 and "larger than" in r.json()["error"]
+    assert r.status_code == 413 and "larger than" in r.json()["error"]
 
 
 @pytest.mark.parametrize(
