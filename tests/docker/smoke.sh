@@ -143,7 +143,7 @@ esac
 # covers a 70B load from network storage.
 alloc="$(docker exec "$NAME" printenv PYTORCH_CUDA_ALLOC_CONF || true)"
 [ "$alloc" = "expandable_segments:True" ] || { say "FAILED: PYTORCH_CUDA_ALLOC_CONF is '$alloc' in the image"; exit 1; }
-start="$(docker inspect -f '{{.Config.Healthcheck.StartPeriod}}' "$IMAGE")"
+start="$(docker inspect -f '{{json .Config.Healthcheck.StartPeriod}}' "$IMAGE")"  # nanoseconds (the plain template prints 30m0s)
 [ "$start" -ge 1800000000000 ] || { say "FAILED: HEALTHCHECK start period ${start}ns < 30 min"; exit 1; }
 docker stop -t 30 "$NAME" >/dev/null
 code="$(docker inspect -f '{{.State.ExitCode}}' "$NAME")"
