@@ -279,3 +279,24 @@ def machine() -> dict:
         "torch": torch.__version__,
         "load_average": os.getloadavg(),
     }
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Wait until a benchmark's ``loadmaster serve`` answers ``/health/ready`` with 200; fail early when it exits or
+    reports a failed load."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            r = httpx.get(url + "/health/ready", timeout=5)
+            if r.status_code == 200:
+                return
+            if r.json().get("status") == "failed":
+                raise RuntimeError(f"server failed to load: {r.json().get('error')}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready in time")

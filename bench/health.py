@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import wait_ready
+
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_INTERVAL_S = 0.02
 TARGET_P99_S = 0.100
@@ -151,22 +153,6 @@ def start_server(
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health/ready", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server not ready in time")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the ~100M Llama benchmark model)")
@@ -194,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = start_server(model_dir, port, args.prompt_bytes + 4096, log_path, args.threads, args.max_input_tokens)
     rounds = []
     try:
-        wait_ready(url, proc)
+        wait_ready(url, proc, timeout=300)
         prompt = big_prompt(args.prompt_bytes)
         for i in range(args.rounds):
             r = measure(url, args.seconds, prompt, args.senders)

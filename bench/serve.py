@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import wait_ready
+
 ROOT = Path(__file__).resolve().parent.parent
 
 WORDS = (
@@ -134,25 +136,6 @@ def start_server(
         device_map, _ = half_on_disk_map(model_dir)
         cmd += ["--strategy", json.dumps(device_map), "--offload-folder", str(log_path.parent / "offload")]
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            r = httpx.get(url + "/health/ready", timeout=5)
-            if r.status_code == 200:
-                return
-            if r.json().get("status") == "failed":
-                raise RuntimeError(f"server failed to load: {r.json().get('error')}")
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server not ready in time")
 
 
 def run_clients(url: str, texts: list[str], clients: int, max_new_tokens: int) -> dict[str, Any]:
