@@ -28,6 +28,20 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float, poll: float) -> None:
+    """Wait for ``/health/ready`` to answer 200; the server's log is the message when it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(poll)
+
+
 def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
     monkeypatch.setenv("LOADMASTER_MODEL", str(tiny_llama))
     monkeypatch.setenv("LOADMASTER_MAX_BATCH_SIZE", "7")
@@ -143,16 +157,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> No
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        _wait_ready(url, proc, log, timeout=120, poll=0.1)
 
         n = 40
         with (
@@ -231,16 +236,7 @@ def test_grace_period_end_gives_streams_an_error_event_and_requests_a_json_503(t
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        _wait_ready(url, proc, log, timeout=600, poll=0.2)
 
         body = {"inputs": "Long ago", "parameters": {"max_new_tokens": 900}}
         plain: dict = {}
