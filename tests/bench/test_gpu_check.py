@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 import loaders
 from bench import gpu_check
+
+
+def _cpu_argv(model_dir: Path, work_dir: Path, out: Path) -> list[str]:
+    """gpu_check's arguments for a short run with the CPU standing in for the GPU."""
+    return ["--cpu", "--model-dir", str(model_dir), "--new-tokens", "8", "--work-dir", str(work_dir), "--out", str(out)]
 
 
 def test_gpu_check_script_parses():
@@ -19,17 +25,7 @@ def test_gpu_check_script_parses():
 @pytest.mark.slow
 def test_the_cpu_run_passes_on_a_correct_loader(tiny_llama, tmp_path):
     out = tmp_path / "checks.json"
-    argv = [
-        "--cpu",
-        "--model-dir",
-        str(tiny_llama),
-        "--new-tokens",
-        "8",
-        "--work-dir",
-        str(tmp_path),
-        "--out",
-        str(out),
-    ]
+    argv = _cpu_argv(tiny_llama, tmp_path, out)
     assert gpu_check.main(argv) == 0
     checks = json.loads(out.read_text())["checks"]
     names = [c["name"] for c in checks]
@@ -50,17 +46,7 @@ def test_a_wrong_weight_fails_the_check(tiny_llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(loaders, "load_model", off_by_a_little)
     out = tmp_path / "checks.json"
-    argv = [
-        "--cpu",
-        "--model-dir",
-        str(tiny_llama),
-        "--new-tokens",
-        "8",
-        "--work-dir",
-        str(tmp_path),
-        "--out",
-        str(out),
-    ]
+    argv = _cpu_argv(tiny_llama, tmp_path, out)
     assert gpu_check.main(argv) == 1
     checks = json.loads(out.read_text())["checks"]
     assert [c["ok"] for c in checks if "byte-exact" in c["name"]] == [False]
