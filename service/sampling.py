@@ -108,11 +108,6 @@ class TokenChooser:
     _counts: torch.Tensor | None = field(default=None, repr=False)  # [V] float: occurrences in the output
     _early: list[int] = field(default_factory=list, repr=False)  # accepted before the counts existed
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing that depends on the sequence's history or a grammar."""
-        return not self.params.sampling and not self.params.penalised and self.constraint is None
-
     @classmethod
     def create(
         cls,
