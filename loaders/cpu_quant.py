@@ -169,11 +169,17 @@ def quantize_int8_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scales
 
 
+_F16_MAX_BITS = 0x7BFF  # the bits of float16's largest finite magnitude: a scale there is never stepped to inf
+
+
 def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed uint8 [N, G*32], scales float16 [N, G])`` of a float weight ``[N, K]``, in torch operations.
 
     Per group of 64 inputs, the value of largest magnitude maps to code 0 (``-8 * scale``), so the whole range
     -8..7 is used; the scale is rounded to float16 before the codes are chosen, so they match the stored scale.
+    Where rounding to nearest would shrink the scale, it is stepped one float16 ulp away from zero instead: a
+    value of the opposite sign and the same magnitude clamps at code 15, and with a shrunk scale it would land
+    more than one step from its code.
     """
     n, k = weight.shape
     g = _groups(k)
@@ -186,7 +192,11 @@ def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
             w = torch.nn.functional.pad(w, (0, g * GROUP - k))
         w = w.view(rows, g, GROUP)
         idx = w.abs().argmax(dim=2, keepdim=True)
-        d = (torch.gather(w, 2, idx) / -8.0).to(torch.float16)
+        exact = torch.gather(w, 2, idx) / -8.0
+        d = exact.to(torch.float16)
+        bits = d.view(torch.int16)
+        shrunk = (d.to(torch.float32).abs() < exact.abs()) & ((bits & 0x7FFF) < _F16_MAX_BITS)
+        d = torch.where(shrunk, bits + 1, bits).view(torch.float16)  # +1 on the bits: one ulp further from zero
         df = d.to(torch.float32)
         inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
         codes = torch.round(w * inv + 8.0).clamp_(0, 15).to(torch.uint8)

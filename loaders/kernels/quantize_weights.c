@@ -1,7 +1,7 @@
 /*
  * Weight quantization at load, in the layouts linear_q8.c and linear_q4.c read (loaders/cpu_quant.py describes
  * them). The same arithmetic as cpu_quant.py's torch fallback, operation for operation (IEEE division, round to
- * nearest even, float16 scales rounded to nearest even, no contracted multiply-adds: built with
+ * nearest even, float16 scales rounded to nearest even but never below the exact one, no contracted multiply-adds: built with
  * -ffp-contract=off), so both give the same bytes; the tests compare them. Rows are split among OpenMP threads.
  *
  * Why native: torch spends several full passes and float32 temporaries per weight; a 1B model took minutes on a
@@ -59,7 +59,10 @@ int lm_quantize_q4(const void *w, long ldw, int dtype, int N, int K, uint8_t *pa
             int best = 0;
             for (int i = 1; i < LM_GROUP; i++)
                 if (fabsf(v[i]) > fabsf(v[best])) best = i;
-            const uint16_t d16 = _cvtss_sh(v[best] / -8.0f, 0);
+            const float exact = v[best] / -8.0f;
+            uint16_t d16 = _cvtss_sh(exact, 0);
+            /* never shrink the scale by rounding: the opposite end, clamped at code 15, would land over a step away */
+            if (fabsf(_cvtsh_ss(d16)) < fabsf(exact) && (d16 & 0x7FFF) < 0x7BFF) d16++;
             const float d = _cvtsh_ss(d16);
             const float inv = d != 0.0f ? 1.0f / d : 0.0f;
             uint8_t codes[LM_GROUP];

@@ -29,9 +29,15 @@ def test_int8_quantizer_error_is_half_a_step(k):
     assert ((deq - w).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
 
 
+_SHRINKING = 8 * (1 + 2**-12)  # float16(m / 8) == 1.0 < m / 8
+
+
 @pytest.mark.parametrize("k", [64, 100, 257])
 def test_int4_quantizer_error_is_within_one_step(k):
-    w = torch.randn(17, k) * torch.linspace(0.01, 3, 17)[:, None]
+    w = torch.randn(17, k, generator=torch.Generator().manual_seed(k)) * torch.linspace(0.01, 3, 17)[:, None]
+    # The worst case: the largest value and its negation. m / 8 rounds *down* to float16, so a scale rounded to
+    # nearest would put -m more than a step from code 15.
+    w[0, :2] = torch.tensor([_SHRINKING, -_SHRINKING])
     packed, scales = cpu_quant.quantize_int4(w)
     g = math.ceil(k / GROUP)
     assert packed.dtype == torch.uint8 and packed.shape == (17, g * GROUP // 2)
@@ -50,6 +56,7 @@ def test_native_quantizers_give_the_same_bytes_as_torch(native_path, dtype):
     w = (torch.randn(70, 200, generator=g) * torch.linspace(0.001, 4, 70)[:, None]).to(dtype)
     w[3] = 0  # an all-zero row and group
     w[5, :64] = torch.tensor([1.0, -1.0] * 32).to(dtype)  # ties in magnitude: the first one sets the scale
+    w[6, :2] = torch.tensor([_SHRINKING, -_SHRINKING]).to(dtype)  # a scale that rounding to nearest shrinks
     for native, reference in (
         (cpu_quant.quantize_int8, cpu_quant.quantize_int8_torch),
         (cpu_quant.quantize_int4, cpu_quant.quantize_int4_torch),

@@ -318,6 +318,8 @@ def test_freed_slots_are_not_handed_out_while_a_prefetch_still_writes_them(tiny_
     model, streamer, _ = _streamed(tiny_llama, LLAMA_MAP, backend)
     with torch.no_grad():
         model(prompt(model.config.vocab_size))
+    # every block here is staged, so the staging thread queues the prefetch's copies: wait until it has
+    [s.pending.result() for s in streamer.slots if s.pending is not None]
     assert backend.queue, "the next forward's first block should be in flight"
     slot_bytes = streamer.slot_bytes
     streamer.remove()
