@@ -103,6 +103,16 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         help="let /plan take Hub ids org/name[@rev]: it then makes outbound requests to the Hub "
         "(or LOADMASTER_ALLOW_HUB_PLAN=1)",
     )
+    p = parser.add_argument_group("pipeline (one stage per rank, under torchrun; docs/pipeline.md)")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        default=None,
+        help="serve as one rank of a pipeline: run every rank with the same flags under torchrun; rank 0 serves HTTP",
+    )
+    p.add_argument("--pipeline-timeout", type=float, default=None, help="seconds a rank may stay silent (default 30)")
+    p.add_argument("--micro-batches", type=int, default=None, help="groups a batch is split into (default: ranks)")
+    p.add_argument("--inter-host-bandwidth", default=None, help="link between hosts for the prediction, e.g. 100Gb")
     # The planner flags' own defaults would hide the environment: unset means "not given" here.
     parser.set_defaults(strategy=None, batch_size=None, complete=None)
 
@@ -134,8 +144,11 @@ def curl_example(settings: ServiceSettings) -> str:
     )
 
 
-def serve(settings: ServiceSettings) -> int:
-    """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish."""
+def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) -> int:
+    """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish.
+
+    ``loader`` replaces the one-process load (a pipeline's rank 0 loads its stage); ``prepare(app)`` runs on the app
+    before it serves."""
     import uvicorn
 
     from service.app import create_app
@@ -148,7 +161,9 @@ def serve(settings: ServiceSettings) -> int:
         torch.set_num_threads(settings.threads)
     check_model_source(settings)  # a missing directory or an unservable Hub id is a usage error now, not later
     settings.check_plan_flags()  # so are unreadable planner flags
-    app = create_app(settings)
+    app = create_app(settings, loader=loader)
+    if prepare is not None:
+        prepare(app)
     runtime = app.state.runtime
     failed_load: list[str] = []
 
@@ -196,7 +211,19 @@ def serve(settings: ServiceSettings) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return serve(settings_from_args(args))
+    settings = settings_from_args(args)
+    if settings.pipeline:  # one rank of a pipeline under torchrun (service/pipeline_serve.py)
+        from service import pipeline_serve
+
+        _configure_logging(settings.log_level)
+        rank, world = pipeline_serve.join_group(settings)
+        if rank != 0:
+            return pipeline_serve.serve_stage_rank(settings, rank, world)
+        rank0 = pipeline_serve.Rank0(world)
+        return rank0.finish(serve(settings, loader=rank0.load, prepare=rank0.prepare))
+    if settings.micro_batches is not None or settings.inter_host_bandwidth is not None:
+        raise ValueError("--micro-batches and --inter-host-bandwidth apply to a pipeline: add --pipeline")
+    return serve(settings)
 
 
 def run_demo(args: argparse.Namespace) -> int:

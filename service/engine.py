@@ -389,7 +389,9 @@ class Engine:
         self.device = input_device(model)
         self.eos = eos_ids(model, tokenizer)
         self.special = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
-        self.cache = SlotKVCache(max_batch_size, self.max_total_tokens)
+        # a model that runs elsewhere too (a pipeline's other stages) makes the slot cache, to mirror it there
+        make_cache = getattr(model, "make_slot_cache", None) or SlotKVCache
+        self.cache = make_cache(max_batch_size, self.max_total_tokens)
         self.runner = ModelRunner(model, self.device, self.cache)
         self.contents = SlotContents(max_batch_size)
         self.output = TokenOutput(self._emit, self._emit_failure)

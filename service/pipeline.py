@@ -98,7 +98,7 @@ class Header:
         return cls(*(int(v) for v in t.tolist()))
 
 
-class _Link:
+class Link:
     """Point-to-point sends to the next rank and receives from the previous one; at most a few sends in flight."""
 
     def __init__(self, rank: int, world: int):
@@ -167,7 +167,7 @@ def serve_stage(stage: StageModel, delay_s: float = 0.0) -> None:
     ``delay_s`` is a test-only hook: every micro-batch takes at least that long here (a stage made slow on purpose).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    link = _Link(rank, world)
+    link = Link(rank, world)
     caches: dict[int, DynamicCache] = {}
     with torch.inference_mode():
         while True:
@@ -215,7 +215,7 @@ class PipelineDriver:
             raise RuntimeError("PipelineDriver runs on rank 0; other ranks run serve_stage()")
         self.stage = stage
         self.micro_batches = max(1, micro_batches)
-        self.link = _Link(0, dist.get_world_size())
+        self.link = Link(0, dist.get_world_size())
         self.delay_s = delay_s
         self.busy_s = 0.0
 

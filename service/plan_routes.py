@@ -23,6 +23,7 @@ from planner.inputs import PlanInputs, resolve_skeleton
 from service.access_log import CLIENT_CLOSED
 from service.errors import RequestValidationError
 from service.model_positions import model_position_limit
+from service.pipeline_plan import MAX_HOSTS, HostSpec, check_cluster_request, cluster_answer
 from service.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
 from service.runtime import request_id_of, runtime_of
 from service.security import check_path_text, resolve_under_roots
@@ -52,6 +53,16 @@ class PlanRequest(BaseModel):
     context: int | None = Field(None, ge=1)
     what_if: Literal["max_context", "max_batch"] | None = Field(
         None, description="Also answer the largest context (or batch) that fits."
+    )
+    hosts: list[HostSpec] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_HOSTS,
+        description="A cluster: one stage per host (its own max_memory/gpus); the answer is the ClusterPlan JSON.",
+    )
+    micro_batches: int | None = Field(None, ge=1, description="With hosts: groups a batch is split into.")
+    inter_host_bandwidth: str | float | None = Field(
+        None, description='With hosts: the link between hosts, e.g. "100Gb" (bits) or "12.5GB" (bytes/s).'
     )
 
 
@@ -109,6 +120,7 @@ def _hub_source(settings: Any, name: str) -> str | None:
 async def plan_route(request: Request, body: PlanRequest) -> Response:
     runtime = runtime_of(request)
     settings = runtime.settings
+    check_cluster_request(body)
     source = _model_source(request, body)
     if isinstance(source, dict):
         check_config(source, settings)
@@ -152,6 +164,8 @@ def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
             f"This is not a model the planner can read: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         ) from None
     check_skeleton(skeleton, settings)
+    if body.hosts is not None:
+        return cluster_answer(skeleton, body)
     inputs = PlanInputs(
         max_memory=body.max_memory,
         gpus=body.gpus,

@@ -248,6 +248,8 @@ async def info(request: Request) -> dict[str, Any]:
             "cpu_kernels": kernel_report(s.cpu_kernels),
         }
     )
+    if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction
+        out["pipeline"] = model.pipeline_report()
     return out
 
 

@@ -65,6 +65,12 @@ class ServiceSettings(BaseSettings):
         None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map."
     )
 
+    # A pipeline: one stage per torchrun rank (service/pipeline_serve.py).
+    pipeline: bool = Field(False, description="Serve as one rank of a pipeline under torchrun (rank 0 serves HTTP).")
+    pipeline_timeout: float = Field(30.0, gt=0, description="Seconds a pipeline rank may stay silent.")
+    micro_batches: int | None = Field(None, ge=1, description="Groups a pipelined batch is split into.")
+    inter_host_bandwidth: str | None = Field(None, description="Link between pipeline hosts (prediction), e.g. 100Gb.")
+
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
     max_batch_size: int = Field(32, ge=1, description="Sequences decoded together in one step.")
