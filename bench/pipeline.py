@@ -2,6 +2,11 @@
 with the cluster cost model's prediction for each.
 
     python -m bench.pipeline [--size tiny|100m] [--new-tokens 16] [--repeats 3]
+    python -m bench.pipeline --serve [--size tiny|100m] [--new-tokens 16] [--repeats 3]
+
+``--serve`` measures the HTTP server instead: ``loadmaster serve`` in one process against
+``torchrun ... serve --pipeline`` with 2 and 3 ranks, at 1 and 16 concurrent clients (TGI ``/generate``), each
+client sending two requests; tokens/s is all generated tokens over the wall time of the run.
 
 "Sequences" is the batch decoded together (1 and 16); the pipeline splits it into min(batch, ranks) micro-batches.
 One process is the model's own transformers class with the same left-padded greedy loop. Every figure is the best
@@ -109,11 +114,74 @@ def _predicted_one_host(model_dir: Path, batch: int) -> float:
     return plan(model_dir, max_memory={"cpu": "8GiB"}, batch_size=batch, context=64).prediction.decode_tokens_per_s
 
 
+def _serve_command(model_dir: Path, world: int, port: int) -> list[str]:
+    import sys
+
+    threads = str(max(1, (os.cpu_count() or 1) // world))
+    flags = ["serve", str(model_dir), "--port", str(port), "--max-batch-size", "16", "--max-total-tokens", "512"]
+    flags += ["--max-concurrent-requests", "256", "--log-level", "warning", "--threads", threads]
+    if world == 1:
+        return [sys.executable, "-m", "service.cli", *flags]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    return [torchrun, "--standalone", "--nproc-per-node", str(world), "-m", "service.cli", *flags, "--pipeline"]
+
+
+def _serve_rows(model_dir: Path, new_tokens: int, repeats: int) -> list[dict]:
+    """Tokens/s of the server at 1 and 16 clients: one process, then pipelines of 2 and 3 ranks."""
+    import signal
+    import subprocess
+
+    from bench.common import wait_ready
+    from bench.serve import prompts, run_clients
+
+    rows: list[dict] = []
+    base: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (1, 2, 3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            url = f"http://127.0.0.1:{port}"
+            log = Path(tmp) / f"serve{world}.log"
+            env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+            with log.open("w") as out:
+                proc = subprocess.Popen(
+                    _serve_command(model_dir, world, port), stdout=out, stderr=subprocess.STDOUT, env=env
+                )
+            try:
+                wait_ready(url, proc)
+                run_clients(url, prompts(2), 1, 4)  # warm-up
+                for clients in BATCHES:
+                    best = 0.0
+                    for _ in range(repeats):
+                        res = run_clients(url, prompts(2 * clients), clients, new_tokens)
+                        if res["errors"]:
+                            raise RuntimeError(f"{world} rank(s): {res['errors'][:3]}")
+                        best = max(best, res["tokens_per_s"])
+                    base.setdefault(clients, best)
+                    rows.append(
+                        {
+                            "setup": "1 process" if world == 1 else f"{world} ranks",
+                            "clients": clients,
+                            "tokens/s": round(best, 1),
+                            "vs 1 process": round(best / base[clients], 2),
+                        }
+                    )
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="100m", choices=("tiny", "100m"))
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--serve", action="store_true", help="measure the HTTP server (serve vs serve --pipeline)")
     a = ap.parse_args()
     if a.size == "tiny":
         from bench.common import model_cache_dir
@@ -122,6 +190,12 @@ def main() -> None:
         model_dir = build_model("llama", model_cache_dir() / "tiny-llama", size="tiny")
     else:
         model_dir = llama_dir("100m", "float32")
+    if a.serve:
+        rows = _serve_rows(model_dir, a.new_tokens, a.repeats)
+        print(f"model: llama {a.size} fp32, {a.new_tokens} new tokens, 2 requests per client, best of {a.repeats}")
+        print(f"machine: {machine()}")
+        print_table(rows, [(k, k) for k in ("setup", "clients", "tokens/s", "vs 1 process")])
+        return
     rows = []
     single = _one_process(model_dir, a.new_tokens, a.repeats)
     for batch in BATCHES:

@@ -31,7 +31,7 @@ from planner.cluster import ClusterPlan
 log = logging.getLogger(__name__)
 
 PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 0
-_IDENTITY_BYTES = 512
+_IDENTITY_BYTES = 4096
 
 
 class PipelineMismatchError(RuntimeError):
@@ -42,7 +42,7 @@ class PipelineBrokenError(RuntimeError):
     """A rank died or stopped answering within the group's timeout: the whole group must be restarted."""
 
 
-def _loadmaster_version() -> str:
+def loadmaster_version() -> str:
     try:
         return version("loadmaster")
     except PackageNotFoundError:
@@ -52,7 +52,7 @@ def _loadmaster_version() -> str:
 def identity(plan: ClusterPlan) -> dict[str, str]:
     """What must agree across ranks, by name."""
     return {
-        "version": _loadmaster_version(),
+        "version": loadmaster_version(),
         "model": plan.model,
         "fingerprint": str(plan.fingerprint),
         "plan": plan.digest(),
@@ -60,26 +60,53 @@ def identity(plan: ClusterPlan) -> dict[str, str]:
 
 
 def check_same_plan(plan: ClusterPlan) -> None:
+    """Compare this rank's identity (version, model, fingerprint, plan digest) with every rank's; see
+    :func:`check_same_identity`."""
+    check_same_identity(identity(plan))
+
+
+def check_same_identity(mine: dict[str, str]) -> None:
     """Compare this rank's identity with every rank's (JSON in a fixed-size byte tensor, all-gathered: no pickle).
 
-    Every rank raises the same one-line error naming the rank and the field that differs, so the group stops.
+    Every rank raises the same one-line error naming the rank and the fields that differ, so the group stops.
     """
-    mine = json.dumps(identity(plan), sort_keys=True).encode()
-    if len(mine) > _IDENTITY_BYTES:
-        raise PipelineMismatchError("pipeline identity too long to exchange")
+    data = json.dumps(mine, sort_keys=True).encode()
+    if len(data) > _IDENTITY_BYTES:
+        raise PipelineMismatchError(f"pipeline identity too long to exchange ({len(data)} > {_IDENTITY_BYTES} bytes)")
     buf = torch.zeros(_IDENTITY_BYTES, dtype=torch.uint8)
-    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, buf)
     ranks = [json.loads(bytes(t.tolist()).rstrip(b"\0")) for t in gathered]
     ref = ranks[0]
     for r, other in enumerate(ranks[1:], start=1):
-        diff = [f"{k} {other[k]!r} (rank 0: {ref[k]!r})" for k in ref if other.get(k) != ref[k]]
+        diff = [f"{k} {other.get(k)!r} (rank 0: {ref[k]!r})" for k in ref if other.get(k) != ref[k]]
         if diff:
             raise PipelineMismatchError(
                 f"rank {r} was started with a different {', '.join(diff)}; start every rank with the same "
                 "model, planning flags and loadmaster version"
             )
+
+
+def share_plan(plan: ClusterPlan | None, error: str | None = None) -> ClusterPlan:
+    """Rank 0's plan, broadcast as JSON bytes (no pickle), on every rank. Rank 0 passes its plan, or the error that
+    stopped its planning, which every rank then raises (as a :class:`~planner.errors.PlanError`)."""
+    from planner.errors import PlanError
+
+    if dist.get_rank() == 0:
+        data = (plan.to_json(indent=None) if plan is not None else str(error)).encode()
+        size = torch.tensor([len(data) if plan is not None else -len(data)], dtype=torch.long)
+        dist.broadcast(size, 0)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(size, 0)
+        buf = torch.zeros(abs(int(size)), dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        data = bytes(buf.tolist())
+    if int(size) < 0:
+        raise PlanError(f"rank 0 could not plan the pipeline: {data.decode()}")
+    return ClusterPlan.from_json(data.decode()) if plan is None else plan
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """``loadmaster serve MODEL --pipeline`` under ``torchrun``: one stage per rank, the HTTP server on rank 0.
 
 Every rank runs the same command line (``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``). Each
-plans the cluster itself from the serve flags (one host per rank, every host with the same flags), checks that it
-planned exactly what rank 0 planned (:func:`service.pipeline.check_same_plan`: a rank started with other flags, a
-different checkpoint or version is refused on every rank with one line), and loads only its stage.
+checks that it was started like rank 0 (:func:`agree_on_plan`: a rank started with other planning flags, a different
+checkpoint or version is refused on every rank with one line naming each difference), takes the plan rank 0 made
+from the serve flags (one host per rank, each planned with the same flags), broadcast, and loads only its stage.
 
 - Rank 0 runs the ordinary server (``service.cli.serve`` with :class:`Rank0`'s loader), whose model is a
   :class:`~service.pipeline_engine.PipelineModel`: the engine, every route, ``/health/ready``, ``/info`` (with a
@@ -59,6 +59,68 @@ def plan_for_settings(settings: ServiceSettings, path: Path, world: int) -> Clus
         micro_batches=settings.micro_batches,
         inter_host_bandwidth=parse_rate(settings.inter_host_bandwidth),
     )
+
+
+#: Settings every rank must share: they decide the plan (and so each rank's stage) or the serving shape.
+AGREED_SETTINGS = (
+    "max_memory",
+    "gpus",
+    "strategy",
+    "complete",
+    "dtype",
+    "quantization",
+    "batch_size",
+    "context",
+    "gpu_reserve",
+    "bandwidth",
+    "max_batch_size",
+    "max_total_tokens",
+    "micro_batches",
+    "inter_host_bandwidth",
+)
+
+
+def serve_identity(settings: ServiceSettings, path: Path, world: int) -> dict[str, str]:
+    """What must agree across ranks, by name: version, model, checkpoint fingerprint, ranks and the planning flags."""
+    import json
+
+    from loaders.safetensors_index import CheckpointIndex
+    from planner.fingerprint import checkpoint_fingerprint
+    from service.pipeline import loadmaster_version
+
+    ident = {
+        "version": loadmaster_version(),
+        "model": path.name,
+        "fingerprint": checkpoint_fingerprint(CheckpointIndex.open(path).headers),
+        "world size": str(world),
+    }
+    for name in AGREED_SETTINGS:
+        ident[name] = json.dumps(getattr(settings, name), sort_keys=True)
+    return ident
+
+
+def agree_on_plan(settings: ServiceSettings, path: Path, world: int) -> ClusterPlan:
+    """Every rank checks it was started like rank 0 (one line naming each differing field, on every rank); then
+    rank 0 plans and its plan is broadcast. Planning once keeps ranks that detect their memory at slightly different
+    moments (or on different hosts) on one plan: without ``--max-memory``/``--gpus`` every host is planned with
+    rank 0's detected hardware."""
+    import torch.distributed as dist
+
+    from planner.errors import LoadmasterError, PlanError
+    from service.pipeline import check_same_identity, share_plan
+
+    check_same_identity(serve_identity(settings, path, world))
+    if dist.get_rank() != 0:
+        return share_plan(None)
+    try:
+        plan = plan_for_settings(settings, path, world)
+    except (LoadmasterError, ValueError) as exc:
+        try:
+            share_plan(None, error=" ".join(str(exc).split()))
+        except PlanError:
+            pass
+        raise
+    return share_plan(plan)
 
 
 def check_pipeline_settings(settings: ServiceSettings) -> int:
@@ -118,13 +180,12 @@ def serve_stage_rank(settings: ServiceSettings, rank: int, world: int) -> int:
     from loaders.pipeline_stage import load_stage
     from planner.errors import LoadmasterError
     from service.model_loading import resolve_model_dir
-    from service.pipeline import PipelineBrokenError, PipelineMismatchError, check_same_plan
+    from service.pipeline import PipelineBrokenError, PipelineMismatchError
     from service.pipeline_engine import serve_engine_stage
 
     try:
         path = resolve_model_dir(settings)
-        plan = plan_for_settings(settings, path, world)
-        check_same_plan(plan)
+        plan = agree_on_plan(settings, path, world)
         stage = load_stage(path, plan, rank)
         log.info("rank %d serves stage %d (layers %d-%d)", rank, rank, stage.stage.first_layer, stage.stage.last_layer)
         serve_engine_stage(stage)
@@ -156,15 +217,13 @@ class Rank0:
         from loaders.pipeline_stage import load_stage
         from loaders.progress import LoadStats
         from service.model_loading import LoadedModel, LoadPhase, resolve_model_dir
-        from service.pipeline import check_same_plan
         from service.pipeline_engine import PipelineModel
 
         t0 = time.perf_counter()
         path = resolve_model_dir(settings)
         tokenizer = load_tokenizer(path)
         progress(LoadPhase(phase="planning"))
-        plan = plan_for_settings(settings, path, self.world)
-        check_same_plan(plan)
+        plan = agree_on_plan(settings, path, self.world)
         progress(LoadPhase(phase="loading"))
         stage = load_stage(path, plan, 0)
         model = PipelineModel(stage, plan, plan.micro_batches, heartbeat_s=min(2.0, settings.pipeline_timeout / 3))
