@@ -120,6 +120,12 @@ def load_stage(checkpoint: str | Path, plan: ClusterPlan, index: int) -> StageMo
     if not 0 <= index < len(plan.stages):
         raise CheckpointError(f"stage {index} does not exist: the plan has {len(plan.stages)} stages")
     stage = plan.stages[index]
+    elsewhere = sorted({str(d) for d in stage.plan.device_map.values() if d != "cpu"})
+    if elsewhere:  # a stage is loaded into host memory; its plan must say so, or the plan would be ignored
+        raise CheckpointError(
+            f"stage {index}'s plan places blocks on device(s) {', '.join(elsewhere)}, and a pipeline stage loads into "
+            "host memory only for now; plan each host for its CPU memory (--max-memory cpu=SIZE, no --gpus)"
+        )
     dtype = getattr(torch, plan.workload.dtype)
     config = AutoConfig.from_pretrained(root)
     sub = copy.deepcopy(config)
