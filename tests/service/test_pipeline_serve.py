@@ -197,6 +197,32 @@ def test_a_killed_rank_fails_requests_in_flight_and_rank_0_exits(tiny_gpt2, tmp_
                 p.wait(10)
 
 
+def test_three_ranks_serve_gpt2s_greedy_tokens_and_a_sigterm_stops_every_rank_cleanly(tiny_gpt2, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs = _start_ranks(tiny_gpt2, port, tmp_path, [[]] * 3)
+    try:
+        _wait_ready(url, procs, tmp_path / "rank0.log")
+        model = AutoModelForCausalLM.from_pretrained(tiny_gpt2, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(tiny_gpt2)
+        client = text_generation.Client(url, timeout=120)
+        for prompt in ("hello world", "the cat sat on"):
+            ids = tok(prompt, return_tensors="pt")
+            ref = model.generate(**ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+            got = [t.id for t in client.generate(prompt, max_new_tokens=6).details.tokens]
+            assert got == ref[0, ids["input_ids"].shape[1] :].tolist()
+        stages = httpx.get(url + "/info").json()["pipeline"]["stages"]
+        assert [s["rank"] for s in stages] == [0, 1, 2] and all(s["num_layers"] >= 1 for s in stages)
+        procs[0].send_signal(signal.SIGTERM)  # rank 0 drains, then tells the other ranks to stop
+        codes = [p.wait(timeout=60) for p in procs]
+        assert codes == [0, 0, 0], [(tmp_path / f"rank{r}.log").read_text()[-1500:] for r in range(3)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def test_a_rank_started_with_other_flags_is_refused_with_one_line(tiny_llama, tmp_path) -> None:
     procs = _start_ranks(tiny_llama, free_port(), tmp_path, [[], ["--max-batch-size", "3"]])
     try:
