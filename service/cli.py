@@ -227,7 +227,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    return serve(settings_from_args(args, demo=True))
+    settings = settings_from_args(args, demo=True)
+    if settings.pipeline or settings.micro_batches is not None or settings.inter_host_bandwidth is not None:
+        raise ValueError(
+            "the demo serves one process; for a pipeline run 'loadmaster serve DIR --pipeline' under torchrun"
+        )
+    return serve(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -151,6 +151,8 @@ def check_pipeline_settings(settings: ServiceSettings) -> int:
     ]
     if unsupported:  # a stage loads plain weights into memory: these would be silently ignored
         raise ValueError(f"{', '.join(unsupported)}: not supported with --pipeline yet (stages load plain weights)")
+    if settings.demo:
+        raise ValueError("--demo serves one process; for a pipeline give the model directory (the same on every host)")
     if hub_ref(settings) is not None:
         raise ValueError("--pipeline serves a local model directory (the same path on every host), not a Hub id")
     return world

@@ -249,3 +249,6 @@ def test_pipeline_without_torchrun_and_pipeline_flags_without_pipeline_exit_2(ti
         [*base, "--pipeline", "--cpu-quantization", "int8"], capture_output=True, text=True, timeout=120, env=ranked
     )
     assert r.returncode == 2 and "--cpu-quantization: not supported with --pipeline" in r.stderr
+    demo = [sys.executable, "-m", "service.cli", "demo", "--pipeline"]
+    r = subprocess.run(demo, capture_output=True, text=True, timeout=120, env=ranked)
+    assert r.returncode == 2 and "the demo serves one process" in r.stderr
