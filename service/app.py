@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planner.errors import LoadmasterError
-from service import access_log, openai_routes, plan_routes, request_body, routes, ui_routes
+from service import access_log, openai_routes, openapi_document, plan_routes, request_body, routes, ui_routes
 from service.errors import (
     NOT_READY_RETRY_AFTER_S,
     GenerationError,
@@ -35,6 +35,7 @@ from service.errors import (
 from service.memory import memory_gauges, memory_report, weight_bytes_by_device
 from service.metrics import Metrics
 from service.model_loading import LoadedModel, Loader, ModelHost, load_model
+from service.response_models import error_body, openai_error_body
 from service.runtime import Runtime
 from service.security import check_api_key, is_open
 from service.settings import ServiceSettings
@@ -52,9 +53,9 @@ def error_response(
     """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
     if _is_openai(path):
         status = openai_status(status, error_type)
-        body: dict[str, Any] = {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+        body = openai_error_body(message, error_type)
     else:
-        body = {"error": message, "error_type": error_type}
+        body = error_body(message, error_type)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -230,4 +231,5 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     app.include_router(plan_routes.router)
     app.include_router(ui_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    openapi_document.install(app)
     return app

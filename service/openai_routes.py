@@ -18,6 +18,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from service.engine import ErrorEvent, FinishEvent, TokenEvent
 from service.errors import openai_status
+from service.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
+from service.response_models import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorEnvelope,
+    openai_error_body,
+)
 from service.runtime import (
     EngineStream,
     merged_events,
@@ -39,7 +50,7 @@ FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
 def openai_error(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return openai_error_body(message, error_type, code)
 
 
 def _final_text(final: FinishEvent) -> str:
@@ -154,13 +165,22 @@ def _model_card(request: Request) -> dict[str, Any] | None:
     }
 
 
-@router.get("/models", summary="The served model")
+#: The statuses every ``/v1`` route may answer (the middleware's, in OpenAI's envelope: validation is 400 here).
+_V1_ERRORS = (400, 401, *(s for s in BODY_ERRORS if s != 422))
+
+
+@router.get("/models", summary="The served model", response_model=ModelList, responses=errors(*_V1_ERRORS, openai=True))
 async def models(request: Request) -> dict[str, Any]:
     card = _model_card(request)
     return {"object": "list", "data": [card] if card else []}
 
 
-@router.get("/models/{model_id:path}", summary="One model by id (404 unless it is the served one)")
+@router.get(
+    "/models/{model_id:path}",
+    summary="One model by id (404 unless it is the served one)",
+    response_model=ModelCard,
+    responses=errors(*_V1_ERRORS, 404, openai=True),
+)
 async def model(request: Request, model_id: str) -> Response:
     card = _model_card(request)
     if card is None or model_id != card["id"]:
@@ -195,7 +215,17 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
     return [validator.tokenizer.decode(ids) for ids in gens_prompts]
 
 
-@router.post("/completions", summary="Text completion (OpenAI shape)")
+@router.post(
+    "/completions",
+    summary="Text completion (OpenAI shape)",
+    response_model=CompletionResponse,
+    responses={
+        **streamed(
+            "The completion, or (stream: true) chunks.", CompletionChunk, OpenAIErrorEnvelope, done_sentinel=True
+        ),
+        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+    },
+)
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
     streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user)
@@ -266,7 +296,20 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
     }
 
 
-@router.post("/chat/completions", summary="Chat completion (OpenAI shape)")
+@router.post(
+    "/chat/completions",
+    summary="Chat completion (OpenAI shape)",
+    response_model=ChatCompletionResponse,
+    responses={
+        **streamed(
+            "The chat completion, or (stream: true) chunks.",
+            ChatCompletionChunk,
+            OpenAIErrorEnvelope,
+            done_sentinel=True,
+        ),
+        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+    },
+)
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     name = _check_model(request, body.model)
     streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user)

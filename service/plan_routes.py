@@ -23,8 +23,10 @@ from planner.inputs import PlanInputs, resolve_skeleton
 from service.access_log import CLIENT_CLOSED
 from service.errors import RequestValidationError
 from service.model_positions import model_position_limit
+from service.openapi_responses import BODY_ERRORS, errors
 from service.pipeline_plan import MAX_HOSTS, HostSpec, check_cluster_request, cluster_answer
 from service.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
+from service.response_models import ClusterPlanResponse, NoPlanResponse, PlanResponse
 from service.runtime import request_id_of, runtime_of
 from service.security import check_path_text, resolve_under_roots
 
@@ -36,7 +38,7 @@ router = APIRouter(tags=["plan"])
 class PlanRequest(BaseModel):
     """The planner's inputs. Sizes are bytes or strings like ``"24GiB"``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: see service.validation.REQUEST_MODEL_CONFIG
 
     model: str | None = Field(
         None,
@@ -116,7 +118,12 @@ def _hub_source(settings: Any, name: str) -> str | None:
     return name if name.startswith(HUB_PREFIX) else HUB_PREFIX + name
 
 
-@router.post("/plan", summary="Plan a model's device map without loading weights (dry run)")
+@router.post(
+    "/plan",
+    summary="Plan a model's device map without loading weights (dry run)",
+    response_model=PlanResponse | NoPlanResponse | ClusterPlanResponse,
+    responses=errors(401, 403, 404, *BODY_ERRORS, 429, client_closed=True),
+)
 async def plan_route(request: Request, body: PlanRequest) -> Response:
     runtime = runtime_of(request)
     settings = runtime.settings

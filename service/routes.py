@@ -17,6 +17,25 @@ from service.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.memory import memory_report
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.openapi_responses import (
+    BODY_ERRORS,
+    GENERATION_ERRORS,
+    errors,
+    json_content,
+    plain_content,
+    schema_ref,
+    streamed,
+)
+from service.response_models import (
+    ErrorEnvelope,
+    HealthResponse,
+    InfoResponse,
+    LoadState,
+    TGIGenerateResponse,
+    TGIStreamEvent,
+    TokenSpan,
+    error_body,
+)
 from service.runtime import EngineStream, off_loop, open_streams, request_id_of, runtime_of, sse, wait_all
 from service.validation import TGIRequest, TokenizeRequest, refuse_unknown
 
@@ -33,7 +52,7 @@ def _token(ev: TokenEvent) -> dict[str, Any]:
 
 
 def _error_body(ev: ErrorEvent) -> dict[str, Any]:
-    return {"error": ev.message, "error_type": ev.error_type}
+    return error_body(ev.message, ev.error_type)
 
 
 def _prefill(token: PrefillToken) -> dict[str, Any]:
@@ -83,7 +102,13 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     return open_streams(runtime, engine, gens)
 
 
-@router.post("/generate", tags=["TGI"], summary="Generate text (TGI shape)")
+@router.post(
+    "/generate",
+    tags=["TGI"],
+    summary="Generate text (TGI shape)",
+    response_model=TGIGenerateResponse,
+    responses=errors(401, *BODY_ERRORS, *GENERATION_ERRORS, 500, client_closed=True),
+)
 async def generate(request: Request, body: TGIRequest) -> Response:
     if body.stream:
         raise RequestValidationError("stream=true on POST /generate: use POST /generate_stream (or POST /).")
@@ -111,7 +136,16 @@ async def generate(request: Request, body: TGIRequest) -> Response:
     return JSONResponse(out)
 
 
-@router.post("/generate_stream", tags=["TGI"], summary="Generate text as server-sent events (TGI shape)")
+@router.post(
+    "/generate_stream",
+    tags=["TGI"],
+    summary="Generate text as server-sent events (TGI shape)",
+    response_class=Response,
+    responses={
+        **streamed("Token events; the last carries generated_text and details.", TGIStreamEvent, ErrorEnvelope),
+        **errors(401, *BODY_ERRORS, *GENERATION_ERRORS),
+    },
+)
 async def generate_stream(request: Request, body: TGIRequest) -> Response:
     (stream,) = await _start(request, body, stream=True)
     rid = request_id_of(request)
@@ -155,7 +189,16 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
     )
 
 
-@router.post("/", tags=["TGI"], summary="TGI compatibility: /generate or /generate_stream by the 'stream' field")
+@router.post(
+    "/",
+    tags=["TGI"],
+    summary="TGI compatibility: /generate or /generate_stream by the 'stream' field",
+    response_model=list[TGIGenerateResponse],
+    responses={
+        **streamed("A list of one result, or (stream: true) token events.", TGIStreamEvent, ErrorEnvelope),
+        **errors(401, *BODY_ERRORS, *GENERATION_ERRORS, 500, client_closed=True),
+    },
+)
 async def compat_generate(request: Request, body: TGIRequest) -> Response:
     if body.stream:
         return await generate_stream(request, body)
@@ -168,7 +211,13 @@ async def compat_generate(request: Request, body: TGIRequest) -> Response:
     return response
 
 
-@router.post("/tokenize", tags=["TGI"], summary="Tokenize text: each token's id, text and character span")
+@router.post(
+    "/tokenize",
+    tags=["TGI"],
+    summary="Tokenize text: each token's id, text and character span",
+    response_model=list[TokenSpan],
+    responses=errors(401, *BODY_ERRORS, 503),
+)
 async def tokenize(request: Request, body: TokenizeRequest) -> list[dict[str, Any]]:
     runtime = runtime_of(request)
     _, validator, _ = runtime.require_ready()
@@ -187,17 +236,42 @@ def token_spans(tokenizer: Any, text: str, add_special_tokens: bool) -> list[dic
     return out
 
 
-@router.get("/health", tags=["health"], summary="Liveness: the process answers")
+@router.get(
+    "/health",
+    tags=["health"],
+    summary="Liveness: the process answers",
+    response_model=HealthResponse,
+    responses=errors(*BODY_ERRORS),
+)
 async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.head("/health", tags=["health"], summary="Liveness without a body (load balancers' HEAD probes)")
+@router.head(
+    "/health",
+    tags=["health"],
+    summary="Liveness without a body (load balancers' HEAD probes)",
+    response_class=Response,
+    responses={200: {"description": "The process answers (no body)."}, **errors(*BODY_ERRORS)},
+)
 async def health_head() -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health/ready", tags=["health"], summary="Readiness: 200 once the model is loaded, else 503 + progress")
+@router.get(
+    "/health/ready",
+    tags=["health"],
+    summary="Readiness: 200 once the model is loaded, else 503 + progress",
+    response_model=LoadState,
+    responses={
+        **errors(*BODY_ERRORS),
+        503: {
+            "description": "Not ready: loading (with progress), failed, draining or engine stopped; retry later.",
+            "content": json_content(schema_ref(LoadState)),
+            "headers": errors(503)[503]["headers"],
+        },
+    },
+)
 async def ready(request: Request) -> Response:
     runtime = runtime_of(request)
     state = runtime.host.state.to_dict()
@@ -213,7 +287,13 @@ async def ready(request: Request) -> Response:
     return JSONResponse(state)
 
 
-@router.get("/info", tags=["info"], summary="Model, dtype, plan in force, device map, memory, limits, version")
+@router.get(
+    "/info",
+    tags=["info"],
+    summary="Model, dtype, plan in force, device map, memory, limits, version",
+    response_model=InfoResponse,
+    responses=errors(401, *BODY_ERRORS),
+)
 async def info(request: Request) -> dict[str, Any]:
     runtime = runtime_of(request)
     s = runtime.settings
@@ -281,7 +361,13 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-@router.get("/metrics", tags=["info"], summary="Prometheus metrics", response_class=PlainTextResponse)
+@router.get(
+    "/metrics",
+    tags=["info"],
+    summary="Prometheus metrics",
+    response_class=PlainTextResponse,
+    responses={**plain_content("text/plain", "Prometheus' text exposition format."), **errors(401, *BODY_ERRORS)},
+)
 async def metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     return Response(runtime.metrics.render(), media_type=METRICS_CONTENT_TYPE)

@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import RequestValidationError
+from service.openapi_responses import BODY_ERRORS, errors, json_content, plain_content
 from service.plan_picture import render_svg_dict
 from service.ui_page import page_html
 
@@ -29,6 +30,7 @@ def _page(request: Request) -> HTMLResponse:
     "/ui",
     summary="The web page: plan in force, live figures, what-if planning, playground",
     response_class=HTMLResponse,
+    responses={**plain_content("text/html", "The page."), **errors(*BODY_ERRORS)},
 )
 async def ui(request: Request) -> HTMLResponse:
     return _page(request)
@@ -45,6 +47,14 @@ async def root(request: Request) -> Response:
     "/ui/picture",
     summary="The SVG picture of a plan (the body is a Plan as /plan or /info answers it)",
     response_class=Response,
+    responses={**plain_content("image/svg+xml", "The picture."), **errors(401, *BODY_ERRORS)},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "A Plan, as POST /plan answers it (or 'plan' in GET /info).",
+            "content": json_content({"type": "object"}),
+        }
+    },
 )
 async def picture(request: Request) -> Response:
     try:

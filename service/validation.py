@@ -33,6 +33,12 @@ MIN_DIVISOR = 1e-4
 MAX_TOP_K = 1 << 24
 
 
+#: How every request body is read. ``strict``: a value must have the JSON type the schema documents (``true`` is
+#: not the integer 1, ``"5"`` is not 5), so that what /openapi.json calls invalid is refused, never coerced.
+#: ``extra="allow"``: unknown keys reach :func:`refuse_unknown`, which names them in its 422.
+REQUEST_MODEL_CONFIG = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
 def _is_set(value: Any) -> bool:
     """Whether a client asked for something: anything but ``None``, ``False`` and empty containers/strings."""
     return value is not None and value is not False and value != [] and value != {} and value != ""
@@ -50,7 +56,7 @@ class TGIParameters(BaseModel):
     """TGI's ``parameters``. Keys this server does not implement (``watermark``, ``adapter_id``, unknown keys)
     are refused when set."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = REQUEST_MODEL_CONFIG
 
     max_new_tokens: int | None = Field(None, description="Tokens to generate (default: the server's).")
     temperature: float | None = None
@@ -81,7 +87,7 @@ class TGIParameters(BaseModel):
 class TGIRequest(BaseModel):
     """``POST /generate`` and ``/generate_stream``: ``{"inputs": "...", "parameters": {...}}``."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = REQUEST_MODEL_CONFIG
 
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
@@ -91,7 +97,7 @@ class TGIRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: the text, and whether to add the tokenizer's special tokens (as generation does)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = REQUEST_MODEL_CONFIG
 
     inputs: str
     add_special_tokens: bool = True
@@ -100,7 +106,7 @@ class TokenizeRequest(BaseModel):
 class _OpenAIRequest(BaseModel):
     """Fields both OpenAI routes take. A field not listed here is refused when set (see :func:`refuse_unknown`)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = REQUEST_MODEL_CONFIG
 
     model: str | None = None
     max_tokens: int | None = None
@@ -133,7 +139,7 @@ class CompletionRequest(_OpenAIRequest):
 class ChatMessage(BaseModel):
     """One chat message. Other message fields (``name``, ``tool_calls``...) are refused when set."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = REQUEST_MODEL_CONFIG
 
     role: str
     content: str | list[dict[str, Any]] | None = None
