@@ -30,6 +30,13 @@ BAD_PARAMETERS = [
     ({"grammar": {"type": "json", "value": "{not json"}}, "parameters.grammar.value"),
     ({"grammar": {"type": "yaml", "value": "a: b"}}, "grammar.type"),
     ({"grammar": {"type": "regex", "value": "(unclosed"}}, "regex"),
+    # Values of the wrong JSON type are refused, never coerced (schemathesis' negative_data_rejection found
+    # booleans read as token ids): the document's types are the ones accepted.
+    ({"max_new_tokens": "4"}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"seed": "7"}, "seed"),
+    ({"details": 1}, "details"),
+    ({"stop": [1]}, "stop"),
 ]
 
 
@@ -100,6 +107,10 @@ def test_body_too_large_is_413_with_or_without_content_length(client: httpx.Clie
         ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
         ("/v1/completions", {"prompt": "Hi", "best_of": 3, "stream": True}, "best_of"),
         ("/v1/completions", {"prompt": [1, 10**9]}, "vocabulary"),
+        ("/v1/completions", {"prompt": [[False]]}, "prompt"),  # found by schemathesis: once read as token id 0
+        ("/v1/completions", {"prompt": [True, 5]}, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": "3"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "echo": 0}, "echo"),
         ("/v1/completions", {"prompt": []}, "empty"),
         ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
         ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream=true"),
