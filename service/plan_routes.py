@@ -38,7 +38,22 @@ router = APIRouter(tags=["plan"])
 class PlanRequest(BaseModel):
     """The planner's inputs. Sizes are bytes or strings like ``"24GiB"``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)  # strict: see service.validation.REQUEST_MODEL_CONFIG
+    # strict: see service.validation.request_model_config
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {"max_memory": {"cpu": "8GiB"}},
+                {"what_if": "max_context", "max_memory": {"cpu": "2GiB"}},
+                {
+                    "config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000},
+                    "gpus": "2x1GiB",
+                    "dtype": "float16",
+                },
+            ]
+        },
+    )
 
     model: str | None = Field(
         None,

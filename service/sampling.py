@@ -192,7 +192,8 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
     out = []
     for r, (token, lp) in enumerate(zip(tokens.tolist(), chosen.tolist())):
         n = choosers[r].top_n
-        top = tuple(TokenLogprob(i, v) for i, v in zip(top_ids[r][:n], top_lps[r][:n])) if n else ()
+        # A token the grammar mask rules out (logprob -inf) is no alternative, and JSON cannot carry -inf.
+        top = tuple(TokenLogprob(i, v) for i, v in zip(top_ids[r][:n], top_lps[r][:n]) if v > NEG_INF) if n else ()
         choice = Choice(token=int(token), logprob=float(lp), top=top)
         choosers[r].last = choice
         out.append(choice)

@@ -33,10 +33,29 @@ MIN_DIVISOR = 1e-4
 MAX_TOP_K = 1 << 24
 
 
-#: How every request body is read. ``strict``: a value must have the JSON type the schema documents (``true`` is
-#: not the integer 1, ``"5"`` is not 5), so that what /openapi.json calls invalid is refused, never coerced.
-#: ``extra="allow"``: unknown keys reach :func:`refuse_unknown`, which names them in its 422.
-REQUEST_MODEL_CONFIG = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+#: What /openapi.json says of a key a request model does not declare: it is taken only when it asks for nothing
+#: (null, false, "", [], {}: what :func:`refuse_unknown` lets through, as clients send unset fields that way);
+#: any other value is refused with a 422 naming it.
+UNSET_VALUE_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"const": ""},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+    ]
+}
+
+
+def request_model_config(*examples: dict[str, Any]) -> ConfigDict:
+    """How every request body is read. ``strict``: a value must have the JSON type the schema documents (``true``
+    is not the integer 1, ``"5"`` is not 5), so that what /openapi.json calls invalid is refused, never coerced.
+    ``extra="allow"``: unknown keys reach :func:`refuse_unknown`, which names them in its 422. ``examples`` go in
+    the document (the docs page shows them; schemathesis sends them first)."""
+    extra: dict[str, Any] = {"additionalProperties": UNSET_VALUE_SCHEMA}
+    if examples:
+        extra["examples"] = list(examples)
+    return ConfigDict(extra="allow", allow_inf_nan=False, strict=True, json_schema_extra=extra)
 
 
 def _is_set(value: Any) -> bool:
@@ -56,7 +75,7 @@ class TGIParameters(BaseModel):
     """TGI's ``parameters``. Keys this server does not implement (``watermark``, ``adapter_id``, unknown keys)
     are refused when set."""
 
-    model_config = REQUEST_MODEL_CONFIG
+    model_config = request_model_config()
 
     max_new_tokens: int | None = Field(None, description="Tokens to generate (default: the server's).")
     temperature: float | None = None
@@ -87,7 +106,18 @@ class TGIParameters(BaseModel):
 class TGIRequest(BaseModel):
     """``POST /generate`` and ``/generate_stream``: ``{"inputs": "...", "parameters": {...}}``."""
 
-    model_config = REQUEST_MODEL_CONFIG
+    model_config = request_model_config(
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 3}},
+        {
+            "inputs": "The cat",
+            "parameters": {"max_new_tokens": 2, "details": True, "decoder_input_details": True, "top_n_tokens": 2},
+        },
+        {
+            "inputs": "Once",
+            "parameters": {"max_new_tokens": 2, "do_sample": True, "seed": 1, "best_of": 2, "details": True},
+        },
+        {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 2, "top_n_tokens": 1}},
+    )
 
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
@@ -97,7 +127,7 @@ class TGIRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: the text, and whether to add the tokenizer's special tokens (as generation does)."""
 
-    model_config = REQUEST_MODEL_CONFIG
+    model_config = request_model_config({"inputs": "Hello world"})
 
     inputs: str
     add_special_tokens: bool = True
@@ -106,7 +136,7 @@ class TokenizeRequest(BaseModel):
 class _OpenAIRequest(BaseModel):
     """Fields both OpenAI routes take. A field not listed here is refused when set (see :func:`refuse_unknown`)."""
 
-    model_config = REQUEST_MODEL_CONFIG
+    model_config = request_model_config()
 
     model: str | None = None
     max_tokens: int | None = None
@@ -130,6 +160,12 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     """OpenAI ``POST /v1/completions``."""
 
+    model_config = request_model_config(
+        {"prompt": "Hello", "max_tokens": 3},
+        {"prompt": "The cat", "max_tokens": 2, "logprobs": 2, "echo": True},
+        {"prompt": ["a", "b"], "n": 2, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+    )
+
     prompt: str | list[int] | list[list[int]] | list[str]
     logprobs: int | None = None
     echo: bool = False
@@ -139,7 +175,7 @@ class CompletionRequest(_OpenAIRequest):
 class ChatMessage(BaseModel):
     """One chat message. Other message fields (``name``, ``tool_calls``...) are refused when set."""
 
-    model_config = REQUEST_MODEL_CONFIG
+    model_config = request_model_config()
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -147,6 +183,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     """OpenAI ``POST /v1/chat/completions``."""
+
+    model_config = request_model_config(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2, "stream": True},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "response_format": {"type": "json_object"}},
+    )
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

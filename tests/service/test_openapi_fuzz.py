@@ -87,3 +87,20 @@ def fuzz_url(fuzz_server: LiveServer) -> str:
 @schema.parametrize()
 def test_every_operation_passes_the_four_checks(case: schemathesis.Case, fuzz_url: str) -> None:
     case.call_and_validate(base_url=fuzz_url, timeout=60)
+
+
+def test_alternatives_under_a_grammar_are_finite(fuzz_url: str) -> None:
+    """Found by the fuzz test: a 500 when top_logprobs asked for more alternatives than the JSON grammar allowed
+    (the others were at -inf, which JSON cannot carry)."""
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "response_format": {"type": "json_object"},
+    }
+    r = httpx.post(fuzz_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(1 <= len(t["top_logprobs"]) <= 20 for t in content)
+    assert any(len(t["top_logprobs"]) < 20 for t in content)  # the grammar left fewer than 20 tokens somewhere

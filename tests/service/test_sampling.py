@@ -133,6 +133,16 @@ def test_greedy_rows_take_the_argmax_and_report_sorted_alternatives() -> None:
         assert lps == sorted(lps, reverse=True) and len(lps) == 4
 
 
+def test_alternatives_the_mask_rules_out_are_not_reported() -> None:
+    # Found by schemathesis: top_logprobs=2 under response_format json_object, where the grammar allowed one token,
+    # reported an alternative at -inf, which JSON cannot carry (a 500 on /v1/chat/completions).
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 3], logits[0, 5] = 1.0, 0.5
+    (choice,) = choose_batch(logits, [TokenChooser.create(SamplingParams(), top_n=4)])
+    assert [a.id for a in choice.top] == [3, 5]
+    assert all(math.isfinite(a.logprob) for a in choice.top)
+
+
 def test_sampling_follows_the_distribution() -> None:
     row = torch.tensor([math.log(0.7), math.log(0.2), math.log(0.1)] + [-1e9] * (VOCAB - 3))
     counts = [0, 0, 0]
