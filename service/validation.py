@@ -85,7 +85,7 @@ class TGIParameters(BaseModel):
     repetition_penalty: float | None = None
     do_sample: bool = False
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] | None = Field(default_factory=list, description="Stop sequences (null: none).")
     return_full_text: bool | None = False
     details: bool = False
     decoder_input_details: bool = False

@@ -124,3 +124,16 @@ def test_the_envelope_models_are_what_the_server_sends(path: str) -> None:
     else:
         assert response.status_code == 422
         assert ErrorEnvelope.model_validate(body).error_type == "validation"
+
+
+def test_request_schemas_say_what_the_server_takes(document: dict[str, Any]) -> None:
+    """What the fuzz test's negative_data_rejection found: TGI's stop takes null (read as none), and a key the
+    models do not declare is taken only unset (what refuse_unknown lets through), else refused."""
+    schemas = document["components"]["schemas"]
+    stop = schemas["TGIParameters"]["properties"]["stop"]
+    assert {"type": "null"} in stop["anyOf"]
+    for name in ("TGIRequest", "TGIParameters", "CompletionRequest", "ChatCompletionRequest", "ChatMessage"):
+        extra = schemas[name]["additionalProperties"]
+        assert extra is not True and {"type": "null"} in extra["anyOf"], name
+    assert schemas["PlanRequest"]["additionalProperties"] is False
+    assert schemas["TGIRequest"]["examples"] and schemas["ChatCompletionRequest"]["examples"]
