@@ -63,6 +63,7 @@ class Runtime:
             default_max_new_tokens=s.default_max_new_tokens,
             vocab_size=_logits_width(loaded.model, loaded.tokenizer),
             stop_ids=eos_ids(loaded.model, loaded.tokenizer),
+            grammar_timeout=s.grammar_timeout,
         )
         engine = Engine(
             loaded.model,
