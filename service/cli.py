@@ -24,9 +24,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("service")
 
-#: Seconds between the end of the grace period (open requests get their error) and uvicorn's hard stop.
-GRACE_MARGIN_S = 2.0
-
 #: Flags of ``serve`` besides the planner's: (flag, type, help). Each is the settings field of the same name.
 SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 in Docker)"),
@@ -39,6 +36,8 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
+    ("--sse-ping-interval", float, "seconds between keep-alive comments on an idle event stream; 0: none (default 15)"),
+    ("--grammar-timeout", float, "seconds one request's response_format/grammar may take to compile (default 10)"),
     ("--plan-max-layers", int, "most layers a model sent to /plan may have (default 1024)"),
     ("--plan-max-hidden-size", int, "largest hidden/intermediate/vocab size /plan takes (default 131072)"),
     ("--plan-max-tensors", int, "most tensors a model sent to /plan may have (default 200000)"),
@@ -95,6 +94,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         action="append",
         default=None,
         help="directory /plan may read models from, repeatable (or LOADMASTER_MODEL_ROOT=a,b)",
+    )
+    g.add_argument(
+        "--allowed-root",
+        action="append",
+        default=None,
+        help="directory the model's files may resolve into (symlinks followed), repeatable (or "
+        "LOADMASTER_ALLOWED_ROOT=a,b); default: the served model's own directory",
     )
     g.add_argument(
         "--allow-hub-plan",
@@ -191,7 +197,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=settings.grace_period + GRACE_MARGIN_S,
+        timeout_graceful_shutdown=settings.hard_stop_s,
         access_log=False,
     )
     server = DrainingServer(config)

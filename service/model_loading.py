@@ -19,6 +19,7 @@ from planner.api import plan_inputs
 from planner.errors import LoadmasterError
 from planner.types import Plan
 from service.model_positions import model_position_limit
+from service.security import confine_model_files, real_roots
 from service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
@@ -126,7 +127,21 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
         raise ValueError(
             f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors."
         )
+    confine_model_files(path, serve_roots(settings, path), ALLOWED_ROOT_OPTION)
     return path.resolve()
+
+
+#: How the setting that widens the served model's roots is spelled in refusals.
+ALLOWED_ROOT_OPTION = "--allowed-root (LOADMASTER_ALLOWED_ROOT)"
+
+
+def serve_roots(settings: ServiceSettings, model_dir: Path) -> list[Path]:
+    """Where the served model's files may resolve into: the ``--allowed-root`` directories, else the model's own
+    directory; for a Hub cache snapshot, its repository's cache folder (the snapshot's files link into ``blobs``)."""
+    if settings.allowed_root:
+        return real_roots(settings.allowed_root)
+    real = model_dir.resolve()
+    return [real.parent.parent] if real.parent.name == "snapshots" else [real]
 
 
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
@@ -145,6 +160,7 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
 
         snapshot = download(prepare_download(hub), progress)
         path, commit = snapshot.path, snapshot.commit
+        confine_model_files(path, serve_roots(settings, path), ALLOWED_ROOT_OPTION)
     else:
         path = resolve_model_dir(settings)
     inputs = settings.plan_inputs()

@@ -14,10 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.engine import ErrorEvent, FinishEvent, TokenEvent
 from service.errors import openai_status
+from service.event_stream import event_stream, json_event, text_event
 from service.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
 from service.response_models import (
     ChatCompletionChunk,
@@ -36,7 +38,6 @@ from service.runtime import (
     open_streams,
     request_id_of,
     runtime_of,
-    sse,
     wait_all,
 )
 from service.stop_matcher import StopHoldback
@@ -105,6 +106,7 @@ async def _finals_or_response(
 
 
 def _stream_response(
+    request: Request,
     streams: list[EngineStream],
     rid: str,
     make_chunk: Callable[[int, str, str | None, TokenEvent | None], dict[str, Any]],
@@ -112,44 +114,42 @@ def _stream_response(
     include_usage: bool,
     every_token: bool,
     per_prompt: int,
-) -> StreamingResponse:
+) -> EventSourceResponse:
     """Server-sent chunks for one or more sequences (choice ``i`` is stream ``i``). With ``every_token`` (logprobs
     asked for) each token gets a chunk even while its text is held back."""
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[ServerSentEvent]:
         holds = [StopHoldback(s.request.stop) for s in streams]
         finals: dict[int, FinishEvent] = {}
         try:
             for first in first_chunks:
-                yield sse(first, "data: ")
+                yield json_event(first)
             async for i, ev in merged_events(streams):
                 if isinstance(ev, ErrorEvent):
                     log.error("request %s failed mid-stream: %s", rid, ev.message)
-                    yield sse(openai_error(ev.message, ev.error_type), "data: ")
+                    yield json_event(openai_error(ev.message, ev.error_type))
                     return
                 if not isinstance(ev, TokenEvent):
                     continue
                 if ev.final is None:
                     piece = holds[i].push(ev.text)
                     if piece or every_token:
-                        yield sse(make_chunk(i, piece, None, ev), "data: ")
+                        yield json_event(make_chunk(i, piece, None, ev))
                     continue
                 finals[i] = ev.final
                 rest = holds[i].finish(_final_text(ev.final))
-                yield sse(make_chunk(i, rest, FINISH[ev.final.reason], ev), "data: ")
+                yield json_event(make_chunk(i, rest, FINISH[ev.final.reason], ev))
             if include_usage:
                 last = make_chunk(0, "", None, None)
                 last["choices"] = []
                 last["usage"] = _usage([finals[i] for i in sorted(finals)], per_prompt)
-                yield sse(last, "data: ")
-            yield b"data: [DONE]\n\n"
+                yield json_event(last)
+            yield text_event("[DONE]")
         finally:
             for stream in streams:
                 stream.close()
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(events(), runtime_of(request).settings)
 
 
 def _model_card(request: Request) -> dict[str, Any] | None:
@@ -249,7 +249,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
             }
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(streams, rid, chunk, [], include_usage, want_logprobs, n)
+        return _stream_response(request, streams, rid, chunk, [], include_usage, want_logprobs, n)
 
     finals, early = await _finals_or_response(streams, request, rid)
     if early is not None:
@@ -341,7 +341,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             firsts.append(first)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(streams, rid, chunk, firsts, include_usage, body.logprobs, len(streams))
+        return _stream_response(request, streams, rid, chunk, firsts, include_usage, body.logprobs, len(streams))
 
     finals, early = await _finals_or_response(streams, request, rid)
     if early is not None:

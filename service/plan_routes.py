@@ -22,13 +22,14 @@ from planner.errors import LoadmasterError, PlanError
 from planner.inputs import PlanInputs, resolve_skeleton
 from service.access_log import CLIENT_CLOSED
 from service.errors import RequestValidationError
+from service.model_loading import ALLOWED_ROOT_OPTION, hub_ref, serve_roots
 from service.model_positions import model_position_limit
 from service.openapi_responses import BODY_ERRORS, errors
 from service.pipeline_plan import MAX_HOSTS, HostSpec, check_cluster_request, cluster_answer
 from service.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
 from service.response_models import ClusterPlanResponse, NoPlanResponse, PlanResponse
 from service.runtime import request_id_of, runtime_of
-from service.security import check_path_text, resolve_under_roots
+from service.security import check_path_text, confine_model_files, real_roots, resolve_under_roots
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
         if runtime.loaded is not None:
             return str(runtime.loaded.path)
         if runtime.settings.model and not runtime.settings.demo:
+            path = Path(runtime.settings.model).expanduser()
+            if hub_ref(runtime.settings) is None and path.is_dir():  # confined as the load is
+                confine_model_files(path, serve_roots(runtime.settings, path), ALLOWED_ROOT_OPTION)
             return str(runtime.settings.model)
         if body.model is None:
             raise RequestValidationError("No model named and none served yet; give model (a directory) or config.")
@@ -101,7 +105,14 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
     hub = _hub_source(runtime.settings, body.model)
     if hub is not None:
         return hub
-    return str(resolve_under_roots(body.model, runtime.settings.model_root))
+    settings = runtime.settings
+    directory = resolve_under_roots(body.model, settings.model_root)
+    confine_model_files(directory, real_roots([*settings.model_root, *settings.allowed_root]), PLAN_ROOT_OPTIONS)
+    return str(directory)
+
+
+#: How the settings that widen the roots /plan reads files under are spelled in refusals.
+PLAN_ROOT_OPTIONS = "--model-root or --allowed-root"
 
 
 class HubPlanDisabledError(RequestValidationError):

@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sse_starlette import ServerSentEvent
 
 from service.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
+from service.event_stream import event_stream, json_event
 from service.memory import memory_report
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.openapi_responses import (
@@ -36,7 +38,7 @@ from service.response_models import (
     TokenSpan,
     error_body,
 )
-from service.runtime import EngineStream, off_loop, open_streams, request_id_of, runtime_of, sse, wait_all
+from service.runtime import EngineStream, off_loop, open_streams, request_id_of, runtime_of, wait_all
 from service.validation import TGIRequest, TokenizeRequest, refuse_unknown
 
 log = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
     full_prefix = body.inputs if body.parameters.return_full_text else ""
     top_n = bool(body.parameters.top_n_tokens)
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[ServerSentEvent]:
         index = 0
         try:
             async for ev in stream.events():
@@ -174,19 +176,17 @@ async def generate_stream(request: Request, body: TGIRequest) -> Response:
                             "input_length": ev.final.prompt_tokens,
                             "seed": ev.final.seed,
                         }
-                        yield sse(data)
+                        yield json_event(data)
                         return
-                    yield sse(data)
+                    yield json_event(data)
                 elif isinstance(ev, ErrorEvent):
                     log.error("request %s failed: %s", rid, ev.message)
-                    yield sse(_error_body(ev))
+                    yield json_event(_error_body(ev))
                     return
         finally:
             stream.close()
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(events(), runtime_of(request).settings)
 
 
 @router.post(

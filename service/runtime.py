@@ -7,7 +7,6 @@ response ends (or its client goes away), and a request beyond ``max_concurrent_r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -15,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import anyio.to_thread
-from fastapi.sse import format_sse_event
 from starlette.requests import Request
 
 from service import access_log
@@ -65,6 +63,7 @@ class Runtime:
             default_max_new_tokens=s.default_max_new_tokens,
             vocab_size=_logits_width(loaded.model, loaded.tokenizer),
             stop_ids=eos_ids(loaded.model, loaded.tokenizer),
+            grammar_timeout=s.grammar_timeout,
         )
         engine = Engine(
             loaded.model,
@@ -325,11 +324,3 @@ def runtime_of(request: Request) -> Runtime:
 
 def request_id_of(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
-
-
-def sse(data: Any, prefix: str = "data: ") -> bytes:
-    """One server-sent event, framed by FastAPI's SSE encoder (``data: {json}``, which TGI's and OpenAI's clients
-    both read). ``prefix`` is kept for the callers that name it; the framing is the library's."""
-    del prefix
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return format_sse_event(data_str=payload)

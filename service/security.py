@@ -2,13 +2,16 @@
 
 Keys are compared in constant time (``hmac.compare_digest``) against every configured key, so the time taken says
 nothing about how much of a key was right. ``/plan`` may only read model directories under the configured roots:
-``..`` components, absolute paths elsewhere and symlinks that lead out are refused.
+``..`` components, absolute paths elsewhere and symlinks that lead out are refused. Inside a model directory,
+every file the server reads (its config, tokenizer files, index and shards, all at the directory's top level) must
+also resolve, symlinks followed, under the allowed roots (:func:`confine_model_files`): a link in a model directory
+cannot make the server read a file nobody allowed.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from service.errors import AuthError, NotFoundError, RequestValidationError
@@ -104,3 +107,41 @@ def resolve_under_roots(name: str, roots: Iterable[str]) -> Path:
             "symlink that leads out); name a directory under the model roots."
         )
     raise NotFoundError(f"No model directory {name!r} under the model roots.")
+
+
+def real_roots(roots: Iterable[str | Path]) -> list[Path]:
+    """Configured roots as real directories (``~`` expanded, symlinks resolved), for comparing resolved paths."""
+    return [Path(r).expanduser().resolve() for r in roots]
+
+
+def is_under(real: Path, roots: Sequence[Path]) -> bool:
+    """Whether the resolved path ``real`` is one of ``roots`` or inside one."""
+    return any(real == root or real.is_relative_to(root) for root in roots)
+
+
+def confine_model_files(directory: Path, roots: Sequence[Path], option: str) -> None:
+    """Refuse a model directory, or any file at its top level (where config, tokenizer and weights are read from),
+    that resolves outside ``roots``; ``option`` names the setting that widens them. Subdirectories are not read
+    and not checked; a dangling link is judged by where it points."""
+
+    def names() -> str:
+        return ", ".join(str(r) for r in roots)
+
+    try:
+        real_dir = directory.resolve()
+        if not is_under(real_dir, roots):
+            raise PathEscapeError(
+                f"The model directory {str(directory)!r} resolves to {str(real_dir)!r}, outside the allowed roots "
+                f"({names()}); serve a model under them, or add its directory with {option}."
+            )
+        for entry in sorted(directory.iterdir()):
+            real = entry.resolve()
+            if real.is_dir():
+                continue
+            if not is_under(real, roots):
+                raise PathEscapeError(
+                    f"{str(entry)!r} is a link to {str(real)!r}, outside the allowed roots ({names()}); replace the "
+                    f"link with the file, or add the directory it points into with {option}."
+                )
+    except OSError as exc:  # a loop of links, an unreadable directory
+        raise RequestValidationError(f"The model directory {str(directory)!r} cannot be read: {exc}.") from None

@@ -16,6 +16,9 @@ from planner.inputs import PlanInputs
 
 CommaList = Annotated[list[str], NoDecode]
 
+#: Seconds between the end of the grace period (open requests get their error) and uvicorn's hard stop.
+GRACE_MARGIN_S = 2.0
+
 
 class ServiceSettings(BaseSettings):
     """What ``loadmaster serve`` runs: the model, how it is planned, the HTTP listener and the limits."""
@@ -50,7 +53,15 @@ class ServiceSettings(BaseSettings):
     allow_hub_plan: bool = Field(
         False, description="Let /plan read Hub ids (config + shard headers: outbound requests to HF_ENDPOINT)."
     )
+    allowed_root: CommaList = Field(
+        default_factory=list,
+        description="Directories the served model's files (and /plan's, besides --model-root) may resolve into "
+        "(default: the served model's own directory).",
+    )
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
+    sse_ping_interval: float = Field(
+        15.0, ge=0, description="Seconds between keep-alive comments on an idle event stream (0: none)."
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="critical, error, warning, info, debug or trace."
     )
@@ -78,6 +89,9 @@ class ServiceSettings(BaseSettings):
     max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
     default_max_new_tokens: int = Field(100, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    grammar_timeout: float = Field(
+        10.0, gt=0, description="Seconds compiling one request's response_format / grammar may take (422 beyond)."
+    )
 
     # Limits of /plan: what one anonymous request may make the planner build and search.
     plan_max_layers: int = Field(1024, ge=1, description="Most layers (num_hidden_layers and the like) /plan takes.")
@@ -86,7 +100,7 @@ class ServiceSettings(BaseSettings):
     plan_timeout: float = Field(30.0, gt=0, description="Seconds one /plan may compute before it is abandoned (422).")
     plan_workers: int = Field(2, ge=1, description="/plan computations running at once; more wait for a free one.")
 
-    @field_validator("api_key", "model_root", "max_memory", "bandwidth", mode="before")
+    @field_validator("api_key", "model_root", "allowed_root", "max_memory", "bandwidth", mode="before")
     @classmethod
     def _split_commas(cls, value: Any, info: ValidationInfo) -> Any:
         if value is None:
@@ -118,6 +132,12 @@ class ServiceSettings(BaseSettings):
                 f"({self.max_total_tokens}), or no token could be generated; raise --max-total-tokens."
             )
         return self
+
+    @property
+    def hard_stop_s(self) -> float:
+        """Seconds from SIGTERM to uvicorn's hard stop: the grace period, plus a margin in which the error answers
+        of the requests still open at its end are written."""
+        return self.grace_period + GRACE_MARGIN_S
 
     def plan_inputs(self) -> PlanInputs:
         """The planning settings, read by the same parser as ``loadmaster plan``'s flags (and so with its messages).

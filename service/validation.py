@@ -223,13 +223,14 @@ class Validator:
         default_max_new_tokens: int,
         vocab_size: int | None = None,
         stop_ids: Iterable[int] = (),
+        grammar_timeout: float = 10.0,
     ):
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.max_total_tokens = max_total_tokens
         self.default_max_new_tokens = default_max_new_tokens
         self.vocab_size = int(vocab_size or len(tokenizer))
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids, timeout=grammar_timeout)
 
     # -- shared checks -------------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
