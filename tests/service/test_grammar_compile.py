@@ -115,7 +115,7 @@ def test_abandoned_compilations_hold_their_slots_until_they_end(tiny_llama: Path
     compiler.compile(GrammarSpec("json_object", field="warm"))  # builds the tokenizer tables outside the test
     for i in range(COMPILE_SLOTS):
         with pytest.raises(RequestValidationError, match=f"slow{i}: the JSON schema took longer than 0.05s"):
-            compiler.compile(GrammarSpec("json_schema", slow_schema(50, 1), f"slow{i}"))
+            compiler.compile(GrammarSpec("json_schema", slow_schema(50, 2), f"slow{i}"))
     with pytest.raises(OverloadedError, match="grammar compilers are busy"):
         compiler.compile(GrammarSpec("json_schema", '{"type": "integer"}', "next"))
     compiler.timeout = 120.0  # the abandoned ones end and give their slots back
