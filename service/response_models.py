@@ -182,6 +182,9 @@ class InfoResponse(_Answer):
     memory: dict[str, Any] | None = Field(None, description="Per device: planned and measured bytes.")
     load_stats: Any = None
     cpu_kernels: KernelReport | None = None
+    pipeline: dict[str, Any] | None = Field(
+        None, description="Served with --pipeline: every stage's rank, layers, memory planned and measured, busy time."
+    )
 
 
 # -- /plan -------------------------------------------------------------------------------------------------------
