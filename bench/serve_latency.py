@@ -33,10 +33,11 @@ def _first_token_s(client: httpx.Client, text: str) -> float:
     body = {"inputs": text, "parameters": {"max_new_tokens": 1}}
     with client.stream("POST", "/generate_stream", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data:"):
                 took = time.perf_counter() - start
-                for _ in r.iter_lines():  # drain the rest of the stream
+                for _ in lines:  # drain the rest of the stream
                     pass
                 return took
     raise RuntimeError("the stream ended without a token")
