@@ -111,9 +111,8 @@ def long_text(tokenizer_dir: str, tokens: int) -> str:
     """Plain words that the model's tokenizer turns into about ``tokens`` tokens."""
     from transformers import AutoTokenizer
 
-    from bench.serve import WORDS
-
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    words = [WORDS[(i * 7) % len(WORDS)] for i in range(tokens)]
+    vocabulary = SYSTEM.replace(",", "").replace(".", "").split()
+    words = [vocabulary[(i * 7) % len(vocabulary)] for i in range(tokens)]
     ids = tok(" ".join(words), add_special_tokens=False)["input_ids"][: tokens - 2]
     return tok.decode(ids)
