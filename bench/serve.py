@@ -128,6 +128,8 @@ def start_server(
         "256",
         "--max-total-tokens",
         str(max_total_tokens),
+        "--max-input-tokens",
+        str(max_total_tokens - 128),
         "--dtype",
         dtype,
         "--log-level",
