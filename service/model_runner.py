@@ -59,6 +59,9 @@ class ModelRunner:
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
         self.mask_dtype = getattr(model, "dtype", torch.float32)
+        #: Whether the model takes the packed layout; a model that does not (the pipeline's ring) gets one batched
+        #: forward per row width instead.
+        self.packed = getattr(model, "runs_packed_rows", True)
         #: Forwards run so far (tests count them: one per engine iteration).
         self.forwards = 0
 
@@ -75,11 +78,30 @@ class ModelRunner:
         if min(widths) < 1:
             raise ValueError("every row feeds at least one token")
         if len(widths) == 1 and not any(r.every_logits for r in rows):
-            return RunOutput(self._batched(rows))
-        return self._packed(rows)
+            return RunOutput(self._batched(rows)[:, -1, :])
+        if self.packed:
+            return self._packed(rows)
+        return self._by_width(rows)
 
-    def _batched(self, rows: Sequence[Row]) -> torch.Tensor:
-        """Rows of one width ``[B, width]``; the logits after each row's last token."""
+    def _by_width(self, rows: Sequence[Row]) -> RunOutput:
+        """One batched forward per row width (a row asking for every token's logits alone), for a model that does
+        not take the packed layout."""
+        groups: dict[int | tuple[int], list[int]] = {}
+        for b, r in enumerate(rows):
+            groups.setdefault((b,) if r.every_logits else len(r.tokens), []).append(b)
+        last: list[torch.Tensor | None] = [None] * len(rows)
+        every: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            logits = self._batched([rows[b] for b in members], every=rows[members[0]].every_logits)
+            for i, b in enumerate(members):
+                last[b] = logits[i, -1]
+                if rows[b].every_logits:
+                    every[b] = logits[i]
+        return RunOutput(last=torch.stack(last), every=every)
+
+    def _batched(self, rows: Sequence[Row], every: bool = False) -> torch.Tensor:
+        """Rows of one width ``[B, width]``; the logits after each row's last token ``[B, 1, vocab]`` (after every
+        token, ``[B, width, vocab]``, with ``every``)."""
         width = len(rows[0].tokens)
         ids = torch.tensor([list(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
@@ -90,8 +112,7 @@ class ModelRunner:
         query = positions.unsqueeze(2)  # [B, T, 1]
         causal = keys <= query
         self.cache.bind([r.slot for r in rows], [r.start for r in rows], width, span)
-        logits = self._call(ids, positions, self._mask(causal, keys, query), 1)
-        return logits[:, -1, :]
+        return self._call(ids, positions, self._mask(causal, keys, query), 0 if every else 1)
 
     def _packed(self, rows: Sequence[Row]) -> RunOutput:
         """Rows end to end as one sequence ``[1, T]`` (see the module docstring)."""
