@@ -59,9 +59,11 @@ class ModelRunner:
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
         self.mask_dtype = getattr(model, "dtype", torch.float32)
-        #: Whether the model takes the packed layout; a model that does not (the pipeline's ring) gets one batched
-        #: forward per row width instead.
-        self.packed = getattr(model, "runs_packed_rows", True)
+        #: Whether rows of different widths share one packed forward. Not for a model that cannot take it (the
+        #: pipeline's ring), nor in half precision: a row's keys then sit at an offset that depends on its
+        #: batch-mates, which changes the order of attention's sums, and bf16/fp16 rounding then lets a row's greedy
+        #: tokens depend on its neighbours (fp32 stays within 1e-5). Those get one batched forward per row width.
+        self.packed = getattr(model, "runs_packed_rows", True) and self.mask_dtype == torch.float32
         #: Forwards run so far (tests count them: one per engine iteration).
         self.forwards = 0
 
