@@ -11,6 +11,10 @@ one left-padded call), its continuous batching (``generate_batch``, what ``trans
 --continuous-batching`` runs) and a lone ``generate`` (:mod:`bench.peers.transformers_cb`), and the table gives
 each server level's ratio to them. ``--repeats`` keeps the best of that many runs of every contender.
 
+After the throughput levels the same server measures latency (:mod:`bench.serve_latency`): time to first token
+with and without the prefix cache, and the inter-token latency of running streams while a ~4k-token prompt is
+prefilled (``--skip-latency`` leaves it out).
+
 Each request is greedy with a fixed ``max_new_tokens`` on a distinct prompt; tokens/s counts generated tokens
 actually returned. Latency is a whole request (HTTP round trip included for the server). The baseline runs in
 this process on the same weights and dtype, one request after another, as a user without a server would.
@@ -107,6 +111,7 @@ def start_server(
     threads: int | None,
     dtype: str = "float32",
     offload_half: bool = False,
+    max_total_tokens: int = 1024,
 ) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
@@ -122,7 +127,9 @@ def start_server(
         "--max-concurrent-requests",
         "256",
         "--max-total-tokens",
-        "1024",
+        str(max_total_tokens),
+        "--max-input-tokens",
+        str(max_total_tokens - 128),
         "--dtype",
         dtype,
         "--log-level",
@@ -198,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         help="weights and compute for both contenders (bfloat16: the server's native CPU kernel)",
     )
+    p.add_argument("--skip-latency", action="store_true", help="skip the prefix-cache TTFT and long-prompt ITL runs")
+    p.add_argument("--long-tokens", type=int, default=4000, help="length of the long prompt of the ITL run")
     p.add_argument("--port", type=int, default=0)
     p.add_argument(
         "--threads",
@@ -257,10 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     log_path = out_path.with_suffix(".server.log")
+    limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 4096
+    long_tokens = min(args.long_tokens, limit - 256)
     proc = start_server(
-        model_dir, port, args.max_batch_size, log_path, args.threads, args.dtype, offload_half=args.offload_half
+        model_dir,
+        port,
+        args.max_batch_size,
+        log_path,
+        args.threads,
+        args.dtype,
+        offload_half=args.offload_half,
+        max_total_tokens=min(limit, max(1024, long_tokens + 256)),
     )
     results = []
+    latency: dict[str, Any] = {}
     try:
         wait_ready(url, proc)
         run_clients(url, texts[:2], 1, 4)  # warm-up
@@ -270,6 +289,15 @@ def main(argv: list[str] | None = None) -> int:
             best = max(runs, key=lambda r: r["tokens_per_s"])
             best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
             results.append(best)
+        if not args.skip_latency:
+            from bench.serve_latency import long_prompt_itl, long_text, prefix_cache_ttft
+
+            print("server: time to first token, cold and with the prefix cache ...", flush=True)
+            latency["prefix_cache"] = prefix_cache_ttft(url)
+            print(
+                f"server: inter-token latency of 4 streams while a {long_tokens}-token prompt arrives ...", flush=True
+            )
+            latency["long_prompt"] = long_prompt_itl(url, long_text(str(model_dir), long_tokens))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -311,6 +339,17 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_peers"] = ratios
         if ratios:
             print(f"loadmaster serve, {r['clients']} client(s): {tps:.1f} tokens/s; ratios {ratios}")
+    if latency:
+        pc, lp = latency["prefix_cache"], latency["long_prompt"]
+        print(
+            f"\ntime to first token (~300-token system prompt): cold {pc['ttft_cold_p50_s']:.3f} s, with the prefix "
+            f"cache {pc['ttft_warm_p50_s']:.3f} s ({pc['ttft_speedup']:.2f}x)"
+        )
+        print(
+            f"inter-token latency of {lp['streams']} streams: p50 {lp['itl_before_p50_s']} s before, while a "
+            f"{long_tokens}-token prompt is prefilled p50 {lp['itl_during_p50_s']} s, max {lp['itl_during_max_s']} s "
+            f"(its first token after {lp['long_prompt_ttft_s']} s)"
+        )
     lone = next((r for r in results if r["clients"] == 1), None)
     top = next((r for r in results if r["clients"] == 16), None)
     verdict: dict[str, Any] = {}
@@ -345,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": peers,
         "offload_half": args.offload_half,
         "server": results,
+        "latency": latency,
         "verdict": verdict,
     }
     out_path.write_text(json.dumps(record, indent=2))

@@ -6,11 +6,12 @@ preallocated :class:`~service.kv_cache.SlotKVCache` from admission to its end. T
 1. admit waiting requests while a slot is free and the KV budget (tokens: prompt + max new tokens of every
    admitted sequence) has room; a prompt that starts like the tokens a slot still holds reuses them
    (:mod:`service.prefix_cache`);
-2. prefill: feed up to :data:`PREFILL_CHUNK` prompt tokens in all, taken from the sequences still being prefilled,
-   so a long prompt is prefilled over several iterations while the running streams keep decoding; a sequence whose
-   prompt is complete chooses its first token;
-3. decode: one forward for every running sequence together, one token each, at each one's own position;
-4. free the slots of sequences that finished, were cancelled by their client, or failed.
+2. one forward for the whole iteration: a decode row for every running sequence (one token each, at each one's own
+   position) and up to :data:`PREFILL_CHUNK` prompt tokens in all, taken from the sequences still being prefilled,
+   so a long prompt is prefilled over several iterations while the running streams keep decoding, and every weight
+   (offloaded ones included) is read once per iteration; each decode row, and each sequence whose prompt is now
+   complete, chooses its next token in one batched pass;
+3. free the slots of sequences that finished, were cancelled by their client, or failed.
 
 Events (:class:`TokenEvent`, then :class:`FinishEvent` or :class:`ErrorEvent`) go to each request's ``sink``,
 which the HTTP side turns into responses. An out-of-memory error in a forward fails that forward's sequences only.
@@ -34,9 +35,8 @@ from service.errors import GenerationError, NotReadyError, OverloadedError, Serv
 from service.isolation import isolate_failure
 from service.kv_cache import SlotKVCache
 from service.model_runner import ModelRunner, Row, supports_slot_cache
-from service.prefill_groups import prefill_groups
 from service.prefix_cache import SlotContents, common_prefix
-from service.prompt_logprobs import prompt_logprobs
+from service.prompt_logprobs import score_prompt_tokens
 from service.sampling import Choice, SamplingParams, TokenChooser, choose_batch
 from service.stop_matcher import StopMatcher
 from service.token_output import ChosenToken, Failure, TokenOutput
@@ -179,6 +179,9 @@ class _Sequence:
             request.params, top_n=request.top_n_tokens, constraint=constraint, prompt_ids=request.prompt_ids
         )
         self.prefill: list[PrefillToken] | None = None
+        #: The prompt tokens' scores so far, chunk after chunk (only when the request asked for them); the first
+        #: token has nothing before it.
+        self.prompt_scores: list[Choice | None] = [None]
         self.generated: list[int] = []
         self.tokens: list[TokenEvent] = []
         self.text = ""
@@ -481,8 +484,7 @@ class Engine:
                     for seq in newcomers:
                         seq.request.queued_s = now - seq.enqueued_at
                         self.metrics.queued(seq.request.queued_s)
-                self._prefill_step()
-                self._decode_step()
+                self._step()
                 self._release()
                 if self._release_memory:  # here no frame or cache of the failed step is referenced any more
                     self._release_memory = False
@@ -518,7 +520,9 @@ class Engine:
                 break
             self._pending.popleft()
             prompt = seq.request.prompt_ids
-            seq.slot, seq.prefilled = self.contents.take(prompt, len(prompt) - 1)
+            # a prompt whose own logprobs were asked for reuses nothing: a reused token has no logits
+            usable = 0 if seq.request.prompt_logprobs else len(prompt) - 1
+            seq.slot, seq.prefilled = self.contents.take(prompt, usable)
             self.reused_tokens += seq.prefilled
             self._admissions += 1
             seq.admitted_at = self._admissions
@@ -527,38 +531,71 @@ class Engine:
             newcomers.append(seq)
         return newcomers
 
-    def _prefill_step(self) -> None:
-        """Prefill up to :data:`PREFILL_CHUNK` prompt tokens of the sequences still prefilling, oldest first.
+    def _step(self) -> None:
+        """One iteration's forward: a decode row (one token) for every running sequence and up to
+        :data:`PREFILL_CHUNK` prompt tokens of the sequences still prefilling, oldest first, all in one forward, so
+        offloaded layers are read once per iteration. A sequence whose prompt is complete chooses its first token;
+        it decodes from the next iteration on.
 
-        A prompt waiting for an earlier one's shared prefix gets a second round in the same iteration, once that
-        prefix is computed, so identical prompts admitted together also start decoding together.
+        A prompt waiting for an earlier one's shared prefix gets a second round (a prefill-only forward) in the same
+        iteration, once that prefix is computed, so identical prompts admitted together also start decoding
+        together.
         """
+        for seq in self._running:
+            if seq.cancelled.is_set():
+                seq.done = True
+        decoders = sorted(
+            (s for s in self._running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
+        )
+        work = [
+            _Work(s, Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]), prefill=False)
+            for s in decoders
+        ]
         budget = PREFILL_CHUNK
-        while budget > 0:
-            chosen: list[tuple[_Sequence, int]] = []
-            deferred = False
-            for seq in sorted(self._running, key=lambda s: s.admitted_at):
-                if budget <= 0:
-                    break
-                if not seq.prefilling or seq.done or seq.cancelled.is_set():
-                    continue
-                if self._waits_for_shared_prefix(seq):
-                    deferred = True
-                    continue
-                self._reuse_prefix(seq)
-                take = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
-                chosen.append((seq, take))
-                budget -= take
-            if not chosen:
+        chunks, deferred = self._prefill_chunks(budget)
+        work += chunks
+        if not work:
+            return
+        if decoders:
+            self.peak_batch = max(self.peak_batch, len(decoders))
+            self.steps += 1
+        self._forward(work)
+        budget -= sum(len(w.row.tokens) for w in chunks)
+        while deferred and budget > 0:
+            chunks, deferred = self._prefill_chunks(budget)
+            if not chunks:
                 return
-            for group in prefill_groups([take for _, take in chosen]):
-                self._prefill([chosen[i] for i in group])
-            if not deferred:
-                return
+            self._forward(chunks)
+            budget -= sum(len(w.row.tokens) for w in chunks)
+
+    def _prefill_chunks(self, budget: int) -> tuple[list[_Work], bool]:
+        """The next prompt chunks, oldest sequence first, up to ``budget`` tokens in all; and whether a sequence was
+        held back for an earlier one's shared prefix."""
+        chunks: list[_Work] = []
+        deferred = False
+        for seq in sorted(self._running, key=lambda s: s.admitted_at):
+            if budget <= 0:
+                break
+            if not seq.prefilling or seq.done or seq.cancelled.is_set():
+                continue
+            if self._waits_for_shared_prefix(seq):
+                deferred = True
+                continue
+            self._reuse_prefix(seq)
+            take = min(len(seq.request.prompt_ids) - seq.prefilled, budget)
+            tokens = seq.request.prompt_ids[seq.prefilled : seq.prefilled + take]
+            chunks.append(
+                _Work(seq, Row(seq.slot, seq.prefilled, tokens, every_logits=seq.request.prompt_logprobs), prefill=True)
+            )
+            budget -= take
+        return chunks, deferred
 
     def _waits_for_shared_prefix(self, seq: _Sequence) -> bool:
         """Whether an earlier sequence still prefilling shares more of this prompt than any slot holds now: then
-        this one waits and copies that prefix once computed (identical prompts admitted together prefill once)."""
+        this one waits and copies that prefix once computed (identical prompts admitted together prefill once).
+        A prompt whose own logprobs were asked for never waits: it is prefilled whole."""
+        if seq.request.prompt_logprobs:
+            return False
         prompt = seq.request.prompt_ids
         usable = len(prompt) - 1
         held = max(seq.prefilled, self._best_source_tokens(seq))
@@ -577,7 +614,9 @@ class Engine:
 
     def _reuse_prefix(self, seq: _Sequence) -> None:
         """Copy the longest prefix of the prompt another slot holds into this sequence's slot, if it is longer
-        than what the slot holds already."""
+        than what the slot holds already (not for a prompt whose own logprobs were asked for)."""
+        if seq.request.prompt_logprobs:
+            return
         prompt = seq.request.prompt_ids
         hit = self.contents.best_source(prompt, len(prompt) - 1, exclude=seq.slot)
         if hit is None or hit.tokens <= seq.prefilled:
@@ -587,70 +626,60 @@ class Engine:
         self.reused_tokens += hit.tokens - seq.prefilled
         seq.prefilled = hit.tokens
 
-    def _prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
-        """One forward over prompt chunks; a sequence whose prompt is now complete chooses its first token."""
-        seqs = [seq for seq, _ in chunks]
-        rows = [
-            Row(seq.slot, seq.prefilled, seq.request.prompt_ids[seq.prefilled : seq.prefilled + take])
-            for seq, take in chunks
-        ]
+    def _forward(self, work: list[_Work]) -> None:
+        """One forward over decode rows and prompt chunks; then every decode row, and every sequence whose prompt
+        is now complete, chooses its next token in one batched pass."""
         try:
-            logits = self.runner.forward(rows)
+            out = self.runner.run([w.row for w in work])
         except Exception as exc:  # noqa: BLE001 - reported to the clients, logged with their request ids
-            self._step_failed(seqs, exc, "prefill", retry=lambda part: self._prefill(_only(chunks, part)))
+            seqs = [w.seq for w in work]
+            self._step_failed(seqs, exc, _where(work), retry=lambda part: self._forward(_only(work, part)))
             return
-        for seq, row in zip(seqs, rows):
+        choosing: list[int] = []
+        for r, w in enumerate(work):
+            seq, row = w.seq, w.row
             self.contents.tokens[seq.slot].extend(row.tokens)
+            if not w.prefill:
+                if seq.cancelled.is_set() or seq.done:
+                    seq.done = True
+                    continue
+                choosing.append(r)
+                continue
+            if row.every_logits:
+                prompt = seq.request.prompt_ids
+                targets = prompt[row.start + 1 : row.start + len(row.tokens) + 1]
+                seq.prompt_scores += score_prompt_tokens(out.every[r], targets, seq.request.top_n_tokens)
             seq.prefilled += len(row.tokens)
             self.prefilled_tokens += len(row.tokens)
-        complete = [r for r, seq in enumerate(seqs) if not seq.prefilling]
-        if not complete:
+            if not seq.prefilling:
+                if seq.request.prompt_logprobs:
+                    seq.set_prompt_logprobs(seq.prompt_scores)
+                choosing.append(r)
+        if not choosing:
             return
-        done = [seqs[r] for r in complete]
-        self._first_tokens(logits[complete] if len(complete) < len(seqs) else logits, done)
+        chosen = [work[r] for r in choosing]
+        self._choose(out.last[choosing] if len(choosing) < len(work) else out.last, chosen)
 
-    def _first_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
-        """Choose the first token of each sequence whose prompt is now in its slot (``logits``: one row each)."""
+    def _choose(self, logits: torch.Tensor, work: list[_Work]) -> None:
+        """Choose the next token of each row of ``logits`` (one per item of ``work``), in one batched pass
+        (:func:`service.sampling.choose_batch`); each row's alternatives stay on its chooser (``chooser.last``)."""
+        seqs = [w.seq for w in work]
         try:
-            choices = self._choose_all(logits, seqs)
+            choices = choose_batch(logits, [s.chooser for s in seqs])
         except Exception as exc:  # noqa: BLE001
             self._step_failed(
-                seqs, exc, "prefill", retry=lambda part: self._first_tokens(logits[_rows(seqs, part)], part)
+                seqs, exc, _where(work), retry=lambda part: self._choose(logits[_rows(seqs, part)], _only(work, part))
             )
             return
-        for seq, (token, logprob) in zip(seqs, choices):
-            self.metrics.first_token(time.perf_counter() - seq.enqueued_at)
-            self._chosen(seq, token, logprob)
-        log.debug("request(s) %s prefilled", ", ".join(s.request.request_id for s in seqs))
-
-    def _decode_step(self) -> None:
-        for seq in self._running:
-            if seq.cancelled.is_set():
-                seq.done = True
-        seqs = sorted(
-            (s for s in self._running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
-        )
-        if not seqs:
-            return
-        self.peak_batch = max(self.peak_batch, len(seqs))
-        self._decode(seqs)
-        self.steps += 1
-
-    def _decode(self, seqs: list[_Sequence]) -> None:
-        """One decode forward over ``seqs`` (each feeds its last token at its own position in its slot)."""
-        rows = [Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]) for s in seqs]
-        try:
-            logits = self.runner.forward(rows)
-            choices = self._choose_all(logits, seqs)
-        except Exception as exc:  # noqa: BLE001
-            self._step_failed(seqs, exc, "decode step", retry=self._decode)
-            return
-        for seq, row, (token, logprob) in zip(seqs, rows, choices):
-            self.contents.tokens[seq.slot].extend(row.tokens)
-            if seq.cancelled.is_set() or seq.done:
-                seq.done = True
-                continue
-            self._chosen(seq, token, logprob)
+        now = time.perf_counter()
+        first = []
+        for w, choice in zip(work, choices):
+            if w.prefill:
+                self.metrics.first_token(now - w.seq.enqueued_at)
+                first.append(w.seq.request.request_id)
+            self._chosen(w.seq, choice.token, choice.logprob)
+        if first:
+            log.debug("request(s) %s prefilled", ", ".join(first))
 
     def _chosen(self, seq: _Sequence, token: int, logprob: float) -> None:
         """Record ``token`` for ``seq`` (engine side) and queue it, with its alternatives, for the output thread.
@@ -674,16 +703,6 @@ class Engine:
             else:
                 keep.append(seq)
         self._running = keep
-
-    def _choose_all(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[tuple[int, float]]:
-        """Next token of every row, in one batched pass (:func:`service.sampling.choose_batch`); each row's
-        alternatives stay on its chooser (``chooser.last``) for ``accept``. A newcomer that asked for its prompt's
-        logprobs gets them here, before its first token."""
-        for seq in seqs:
-            if seq.request.prompt_logprobs and seq.prefill is None:
-                ids = seq.request.prompt_ids
-                seq.set_prompt_logprobs(prompt_logprobs(self.model, self.device, ids, seq.request.top_n_tokens))
-        return [(c.token, c.logprob) for c in choose_batch(logits, [s.chooser for s in seqs])]
 
     def _fail(self, seq: _Sequence, error: ServiceError) -> None:
         """End ``seq`` now (its slot is freed) and send ``error`` after the tokens already queued for it."""
@@ -759,10 +778,25 @@ class Engine:
                 self._fail(seq, GenerationError(message))
 
 
-def _only(chunks: list[tuple[_Sequence, int]], part: list[_Sequence]) -> list[tuple[_Sequence, int]]:
-    """The prompt chunks of the sequences in ``part`` (by identity), in their order."""
+@dataclass
+class _Work:
+    """One row of an iteration's forward: a decode row (the sequence's last token) or a prompt chunk."""
+
+    seq: _Sequence
+    row: Row
+    prefill: bool  # the row feeds prompt tokens (its sequence has chosen no token yet)
+
+
+def _where(work: list[_Work]) -> str:
+    """What a failed step was, for its error message."""
+    kinds = {w.prefill for w in work}
+    return "prefill and decode step" if len(kinds) == 2 else ("prefill" if True in kinds else "decode step")
+
+
+def _only(work: list[_Work], part: list[_Sequence]) -> list[_Work]:
+    """The rows of the sequences in ``part`` (by identity), in their order."""
     keep = {id(seq) for seq in part}
-    return [chunk for chunk in chunks if id(chunk[0]) in keep]
+    return [w for w in work if id(w.seq) in keep]
 
 
 def _rows(seqs: list[_Sequence], part: list[_Sequence]) -> list[int]:

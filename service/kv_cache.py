@@ -9,11 +9,17 @@ The capacity (tokens per slot) grows by doubling when a longer sequence needs it
 follows the longest sequence actually served rather than the longest allowed; growth copies the cache, which
 happens at most log2(max_len) times in a server's life.
 
-For one forward the runner says which slots take part and where each row's new tokens go (:meth:`SlotKVCache.bind`);
-:meth:`update` (what every transformers attention layer calls) writes the new keys and values there and returns the
-rows' keys and values up to the longest row's length. The attention mask the runner builds hides, per row, what lies
-beyond that row's own length. When the rows are consecutive slots (the usual case: slots are handed out lowest
-first) the returned tensors are views; otherwise they are gathered.
+For one forward the runner says which slots take part and where each row's new tokens go, in one of two layouts:
+
+- **batched** (:meth:`SlotKVCache.bind`, rows of equal width, e.g. a decode step): :meth:`update` (what every
+  transformers attention layer calls) writes the new keys and values there and returns the rows' keys and values up
+  to the longest row's length; the runner's mask hides, per row, what lies beyond that row's own length. When the
+  rows are consecutive slots (the usual case: slots are handed out lowest first) the returned tensors are views;
+  otherwise they are gathered.
+- **packed** (:meth:`SlotKVCache.bind_packed`, rows of different widths, e.g. decode rows next to a prefill chunk):
+  the rows' tokens are laid end to end as one sequence of batch 1, so no row is padded to another's width;
+  :meth:`update` writes each token at its own (slot, position) and returns every row's keys up to its own length,
+  laid end to end the same way. The runner's block-diagonal mask keeps each row to its own keys.
 """
 
 from __future__ import annotations
@@ -29,12 +35,28 @@ MIN_CAPACITY = 64
 
 @dataclass
 class _Binding:
-    """The rows of the current forward: their slots, where each row's new tokens start, and the key span."""
+    """The rows of the current forward in the batched layout: their slots, where each row's new tokens start, and
+    the key span."""
 
     slots: torch.Tensor  # [B] long, on CPU
     starts: torch.Tensor  # [B] long, on CPU
     span: int  # keys each row attends over (the longest row's length after this forward)
     consecutive: slice | None  # slots[0]..slots[-1] when they are consecutive and ascending
+
+
+@dataclass
+class PackedBinding:
+    """The rows of the current forward in the packed layout: for each fed token, and for each key the forward reads,
+    its slot and position (all ``[N]`` long tensors on the CPU)."""
+
+    write_slots: torch.Tensor  # [T]: the slot of each fed token
+    write_positions: torch.Tensor  # [T]: its position in that slot
+    read_slots: torch.Tensor  # [S]: the slot of each key read, row after row, each row up to its own length
+    read_positions: torch.Tensor  # [S]
+
+    @property
+    def span(self) -> int:
+        return int(self.read_slots.numel())
 
 
 class SlotKVCache(Cache):
@@ -50,8 +72,8 @@ class SlotKVCache(Cache):
         self.capacity = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self._binding: _Binding | None = None
-        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._binding: _Binding | PackedBinding | None = None
+        self._indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     # -- the runner's side ---------------------------------------------------------------------------------------
     def bind(self, slots: list[int], starts: list[int], width: int, span: int) -> None:
@@ -71,6 +93,15 @@ class SlotKVCache(Cache):
         )
         self._indices = {}
         self._width = width
+
+    def bind_packed(self, binding: PackedBinding) -> None:
+        """Set up the next forward in the packed layout (see :class:`PackedBinding`)."""
+        need = int(binding.write_positions.max()) + 1
+        if need > self.max_len:
+            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
+        self._grow(need)
+        self._binding = binding
+        self._indices = {}
 
     def unbind(self) -> None:
         self._binding = None
@@ -99,10 +130,15 @@ class SlotKVCache(Cache):
                 store[layer] = new
         self.capacity = capacity
 
-    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slot and position indices of every written token ``[B, width]``, and the slots ``[B]``, on ``device``."""
+    def _index(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Slot and position indices of every written token ``[B, width]``, and the slots ``[B]``, on ``device``
+        (packed: slots and positions of the written tokens, then of the keys read)."""
         if device not in self._indices:
             b = self._binding
+            if isinstance(b, PackedBinding):
+                packed = (b.write_slots, b.write_positions, b.read_slots, b.read_positions)
+                self._indices[device] = tuple(t.to(device) for t in packed)
+                return self._indices[device]
             positions = b.starts.unsqueeze(1) + torch.arange(self._width).unsqueeze(0)
             rows = b.slots.unsqueeze(1).expand_as(positions)
             self._indices[device] = (rows.to(device), positions.to(device), b.slots.to(device))
@@ -120,6 +156,15 @@ class SlotKVCache(Cache):
             self.keys[layer_idx] = key_states.new_zeros(shape)
             self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if isinstance(b, PackedBinding):
+            write_slots, write_positions, read_slots, read_positions = self._index(keys.device)
+            # [1, H, T, D] -> [T, H, D]; advanced indices on dims 0 and 2 put the indexed dim first
+            keys[write_slots, :, write_positions] = key_states[0].transpose(0, 1).to(keys.dtype)
+            values[write_slots, :, write_positions] = value_states[0].transpose(0, 1).to(values.dtype)
+            return (
+                keys[read_slots, :, read_positions].transpose(0, 1).unsqueeze(0),
+                values[read_slots, :, read_positions].transpose(0, 1).unsqueeze(0),
+            )
         rows, positions, slots = self._index(keys.device)
         # [B, H, T, D] -> [B, T, H, D]: advanced indices on dims 0 and 2 put the indexed dims first
         keys[rows, :, positions] = key_states.transpose(1, 2).to(keys.dtype)

@@ -1,31 +1,48 @@
 """One forward over rows of the slot cache: each row feeds some tokens of one sequence at that sequence's own
-positions, and gets back the logits of its last fed token.
+positions, and gets back the logits of its last fed token (or, if it asks, of every fed token).
 
-A decode step is rows of one token each; a prefill chunk is rows of up to a chunk's tokens (right-padded to the
-longest). The runner builds the position ids and the attention mask itself (row ``b``'s token ``t`` sees keys
+An engine iteration is one forward: the decode rows (one token each) and the prefill chunks (up to a chunk's tokens)
+together, so every weight, offloaded ones included, is read once per iteration. Rows of equal width (a decode step)
+run batched ``[B, width]``; rows of different widths run packed: their tokens end to end as one sequence of batch 1
+(no row padded to another's width), each token at its own position, with a block-diagonal mask that keeps each row
+to its own slot's keys (:mod:`service.kv_cache`). The packed mask is dense: a row's queries also meet (masked) the
+keys of the other rows, attention work (not weight reads) that a decode row next to a prefill chunk pays.
+
+The runner builds the position ids and the attention mask itself (row ``b``'s token ``t`` sees keys
 ``0 .. start_b + t`` of its own slot, and, for a sliding-window model, only the window's), hands transformers a
-prepared 4D mask (which it uses as given) and the :class:`~service.kv_cache.SlotKVCache`, and asks for the logits of
-each row's last real token only. The model is called as it is loaded, so device-map hooks, disk offload and the
+prepared 4D mask (which it uses as given) and the :class:`~service.kv_cache.SlotKVCache`, and asks for the logits it
+needs only (``logits_to_keep``). The model is called as it is loaded, so device-map hooks, disk offload and the
 native kernels all run as for any forward, once per call for every row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from service.kv_cache import SlotKVCache
+from service.kv_cache import PackedBinding, SlotKVCache
 
 
 @dataclass
 class Row:
-    """The tokens one sequence feeds in a forward, written into ``slot`` from position ``start``."""
+    """The tokens one sequence feeds in a forward, written into ``slot`` from position ``start``. ``every_logits``
+    asks for the logits after each of them (a prompt's own logprobs), not only after the last."""
 
     slot: int
     start: int
     tokens: Sequence[int]
+    every_logits: bool = False
+
+
+@dataclass
+class RunOutput:
+    """What one forward gives back: ``last[b]`` the logits after row ``b``'s last token (``[B, vocab]``), and for
+    each row that asked, ``every[b]`` the logits after each of its tokens (``[len(tokens), vocab]``)."""
+
+    last: torch.Tensor
+    every: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -42,38 +59,123 @@ class ModelRunner:
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
         self.mask_dtype = getattr(model, "dtype", torch.float32)
+        #: Whether rows of different widths share one packed forward. Not for a model that cannot take it (the
+        #: pipeline's ring), nor in half precision: a row's keys then sit at an offset that depends on its
+        #: batch-mates, which changes the order of attention's sums, and bf16/fp16 rounding then lets a row's greedy
+        #: tokens depend on its neighbours (fp32 stays within 1e-5). Those get one batched forward per row width.
+        self.packed = getattr(model, "runs_packed_rows", True) and self.mask_dtype == torch.float32
+        #: Forwards run so far (tests count them: one per engine iteration).
+        self.forwards = 0
 
-    @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
         """Feed every row's tokens; return the logits after each row's last token, ``[B, vocab]``."""
-        width = max(len(r.tokens) for r in rows)
+        return self.run(rows).last
+
+    @torch.inference_mode()
+    def run(self, rows: Sequence[Row]) -> RunOutput:
+        """Feed every row's tokens in one forward (batched or packed, see the module docstring)."""
+        if not rows:
+            raise ValueError("a forward needs at least one row")
+        widths = {len(r.tokens) for r in rows}
+        if min(widths) < 1:
+            raise ValueError("every row feeds at least one token")
+        if len(widths) == 1 and not any(r.every_logits for r in rows):
+            return RunOutput(self._batched(rows)[:, -1, :])
+        if self.packed:
+            return self._packed(rows)
+        return self._by_width(rows)
+
+    def _by_width(self, rows: Sequence[Row]) -> RunOutput:
+        """One batched forward per row width (a row asking for every token's logits alone), for a model that does
+        not take the packed layout."""
+        groups: dict[int | tuple[int], list[int]] = {}
+        for b, r in enumerate(rows):
+            groups.setdefault((b,) if r.every_logits else len(r.tokens), []).append(b)
+        last: list[torch.Tensor | None] = [None] * len(rows)
+        every: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            logits = self._batched([rows[b] for b in members], every=rows[members[0]].every_logits)
+            for i, b in enumerate(members):
+                last[b] = logits[i, -1]
+                if rows[b].every_logits:
+                    every[b] = logits[i]
+        return RunOutput(last=torch.stack(last), every=every)
+
+    def _batched(self, rows: Sequence[Row], every: bool = False) -> torch.Tensor:
+        """Rows of one width ``[B, width]``; the logits after each row's last token ``[B, 1, vocab]`` (after every
+        token, ``[B, width, vocab]``, with ``every``)."""
+        width = len(rows[0].tokens)
+        ids = torch.tensor([list(r.tokens) for r in rows], dtype=torch.long)
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
+        offsets = torch.arange(width).unsqueeze(0)
+        positions = starts.unsqueeze(1) + offsets
+        span = int(starts.max()) + width
+        keys = torch.arange(span).view(1, 1, span)
+        query = positions.unsqueeze(2)  # [B, T, 1]
+        causal = keys <= query
+        self.cache.bind([r.slot for r in rows], [r.start for r in rows], width, span)
+        return self._call(ids, positions, self._mask(causal, keys, query), 0 if every else 1)
+
+    def _packed(self, rows: Sequence[Row]) -> RunOutput:
+        """Rows end to end as one sequence ``[1, T]`` (see the module docstring)."""
         lengths = torch.tensor([len(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, : len(r.tokens)] = torch.tensor(list(r.tokens), dtype=torch.long)
-        offsets = torch.arange(width).unsqueeze(0)
-        # padding positions repeat the row's last real one: never past the model's position table
-        positions = starts.unsqueeze(1) + torch.minimum(offsets, (lengths - 1).unsqueeze(1))
-        span = int((starts + lengths).max())
-        keys = torch.arange(span).view(1, 1, span)
-        query = (starts.unsqueeze(1) + offsets).unsqueeze(2)  # [B, T, 1]
-        causal = keys <= query
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        index = torch.arange(len(rows))
+        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long).unsqueeze(0)
+        token_row = index.repeat_interleave(lengths)  # [T]
+        first = torch.cumsum(lengths, 0) - lengths  # where each row's tokens begin in the packed sequence
+        positions = starts[token_row] + torch.arange(len(token_row)) - first[token_row]  # [T]
+        spans = starts + lengths
+        key_row = index.repeat_interleave(spans)  # [S]
+        key_positions = torch.arange(len(key_row)) - (torch.cumsum(spans, 0) - spans)[key_row]
+        query = positions.view(1, -1, 1)  # [1, T, 1]
+        keys = key_positions.view(1, 1, -1)  # [1, 1, S]
+        causal = (token_row.view(1, -1, 1) == key_row.view(1, 1, -1)) & (keys <= query)
+        last = first + lengths - 1
+        keep_parts = [
+            torch.arange(int(first[b]), int(first[b]) + len(r.tokens)) if r.every_logits else last[b : b + 1]
+            for b, r in enumerate(rows)
+        ]
+        keep = torch.cat(keep_parts)  # ascending: rows are in order
+        self.cache.bind_packed(
+            PackedBinding(
+                write_slots=slots[token_row],
+                write_positions=positions,
+                read_slots=slots[key_row],
+                read_positions=key_positions,
+            )
+        )
+        logits = self._call(ids, positions.unsqueeze(0), self._mask(causal, keys, query), keep.to(self.device))[0]
+        out = RunOutput(last=logits.new_empty((len(rows), logits.shape[-1])))
+        at = 0
+        for b, part in enumerate(keep_parts):
+            n = len(part)
+            out.last[b] = logits[at + n - 1]
+            if rows[b].every_logits:
+                out.every[b] = logits[at : at + n]
+            at += n
+        return out
+
+    def _mask(
+        self, causal: torch.Tensor, keys: torch.Tensor, query: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The prepared mask from the causal booleans ``[B, T, S]``: windowed for a sliding-window model, one per
+        layer type for a hybrid one."""
         windowed = causal & (keys > query - self.window) if self.window is not None else causal
-        mask: torch.Tensor | dict[str, torch.Tensor]
         if self.mixed:  # per-layer-type masks, as transformers passes them to hybrid models
-            mask = {"full_attention": self._prepared(causal), "sliding_attention": self._prepared(windowed)}
-        else:
-            mask = self._prepared(windowed)
-        if width == 1:
-            keep: int | torch.Tensor = 1
-            pick = None
-        else:
-            last = lengths - 1
-            keep_positions = torch.unique(last)
-            keep = keep_positions.to(self.device)
-            pick = torch.searchsorted(keep_positions, last)
-        self.cache.bind([r.slot for r in rows], [r.start for r in rows], width, span)
+            return {"full_attention": self._prepared(causal), "sliding_attention": self._prepared(windowed)}
+        return self._prepared(windowed)
+
+    def _call(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | dict[str, torch.Tensor],
+        keep: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """The model's forward over the bound cache; returns its logits ``[B, kept, vocab]``."""
+        self.forwards += 1
         try:
             out = self.model(
                 input_ids=ids.to(self.device),
@@ -85,10 +187,7 @@ class ModelRunner:
             )
         finally:
             self.cache.unbind()
-        logits = out.logits
-        if pick is None:
-            return logits[:, -1, :]
-        return logits[torch.arange(len(rows), device=logits.device), pick.to(logits.device)]
+        return out.logits
 
     def _prepared(self, allowed: torch.Tensor) -> torch.Tensor:
         """``[B, T, span]`` booleans as the 4D mask the attention implementation takes (bool for SDPA, additive

@@ -243,6 +243,10 @@ class PipelineModel:
     ``micro_batches``: how many groups a batch of rows is split into (at most one per row).
     """
 
+    #: The ring ships the batched cache binding (slots, starts) to the other ranks, not the packed one, so the
+    #: engine's model runner gives it rows of one width per forward (:mod:`service.model_runner`).
+    runs_packed_rows = False
+
     def __init__(self, stage: StageModel, plan: ClusterPlan, micro_batches: int, heartbeat_s: float = 2.0):
         if dist.get_rank() != 0:
             raise RuntimeError("PipelineModel runs on rank 0; other ranks run serve_engine_stage()")

@@ -374,6 +374,84 @@ def test_half_on_disk_with_native_kernels_decodes_the_batch_as_plain_transformer
         assert got == ref[0, len(req.prompt_ids) :].tolist()
 
 
+def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_and_a_stream_decodes(
+    tiny_llama: Path, tmp_path, monkeypatch
+) -> None:
+    """One forward per iteration: the running stream's decode row rides in the long prompt's prefill forward, so
+    a layer on disk is read once per iteration, not once for the prefill and again for the decode step."""
+    from loaders.load import load_model
+
+    monkeypatch.setattr("service.engine.PREFILL_CHUNK", 8)
+    device_map = {"": "cpu", "model.layers.1": "disk"}
+    model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    reads = [0]
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: reads.__setitem__(0, reads[0] + 1))
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    iterations: list[tuple[int, int, int]] = []  # (decoding, prefilling, layer reads) of each iteration
+    step = engine._step
+
+    def counted_step() -> None:
+        live = [s for s in engine._running if not s.done]
+        decoding = sum(1 for s in live if s.generated)
+        prefilling = sum(1 for s in live if s.prefilling)
+        before = reads[0]
+        step()
+        iterations.append((decoding, prefilling, reads[0] - before))
+
+    engine._step = counted_step
+    long_prompt = tok(" ".join(PROMPTS * 4))["input_ids"]
+    stream_prompt = tok("Hello")["input_ids"]
+    engine.start()
+    try:
+        started = queue.Queue()
+        stream = engine.submit(GenerationRequest(prompt_ids=stream_prompt, max_new_tokens=80), started.put)
+        assert isinstance(started.get(timeout=60), TokenEvent)
+        results = _run(engine, [GenerationRequest(prompt_ids=long_prompt, max_new_tokens=3)])
+        stream.cancel()
+    finally:
+        engine.stop()
+    mixed = [it for it in iterations if it[0] and it[1]]
+    assert len(mixed) >= len(long_prompt) // 8 - 1  # the long prompt took that many iterations, each next to a decode
+    assert all(it[2] == 1 for it in mixed), mixed
+    assert all(it[2] <= 1 for it in iterations), iterations
+    got = [e.id for e in results[0] if isinstance(e, TokenEvent)]
+    assert got == _greedy(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval(), long_prompt, 3)
+
+
+def test_prompt_logprobs_come_from_the_chunked_prefill_itself(tiny_llama: Path, monkeypatch) -> None:
+    """A prompt's own logprobs are scored from its prefill's logits, chunk after chunk (no second forward), and
+    match plain transformers; such a prompt is prefilled whole even when the prefix cache holds it."""
+    monkeypatch.setattr("service.engine.PREFILL_CHUNK", 8)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok(" ".join(PROMPTS * 2))["input_ids"]
+    assert len(prompt) > 3 * 8
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    calls = [0]
+    model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    engine.start()
+    try:
+        _run(engine, [GenerationRequest(prompt_ids=prompt, max_new_tokens=2)])  # the cache now holds the prompt
+        before, forwards = engine.prefilled_tokens, calls[0]
+        asked = GenerationRequest(prompt_ids=prompt, max_new_tokens=2, prompt_logprobs=True, top_n_tokens=3)
+        final = _run(engine, [asked])[0][-1]
+    finally:
+        engine.stop()
+    assert isinstance(final, FinishEvent)
+    assert engine.prefilled_tokens - before == len(prompt)
+    assert calls[0] - forwards == -(-len(prompt) // 8) + 1  # the prefill's chunks and one decode step, nothing more
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert [t.id for t in final.prefill] == prompt
+    assert final.prefill[0].logprob is None
+    for i, token in enumerate(final.prefill[1:], start=1):
+        assert abs(token.logprob - float(want[i - 1, prompt[i]])) < 1e-4
+        top = torch.topk(want[i - 1], 3)
+        assert [t.id for t in token.top_tokens] == top.indices.tolist()
+        assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(token.top_tokens, top.values))
+
+
 def test_compute_starts_on_the_first_gpu_even_with_the_embeddings_on_the_host(tiny_llama: Path) -> None:
     """Issue 14 item 3: with the embeddings offloaded, the engine put token ids (and so logits and sampling) on the
     CPU, where the embedding weight lives. The device map's first GPU is where compute happens."""

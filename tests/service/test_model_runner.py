@@ -1,5 +1,5 @@
 """The model runner over the slot KV cache: rows prefilled together, in any slots, in chunks, with a prefix copied
-from another slot, compute what each prompt would alone in plain transformers; prefill chunks are grouped sensibly."""
+from another slot, compute what each prompt would alone in plain transformers; decode rows and prompt chunks share one packed forward."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.kv_cache import SlotKVCache
 from service.model_runner import ModelRunner, Row
-from service.prefill_groups import prefill_groups
 
 PROMPTS = ["Once upon a time there was a river", "Hello", "The sea was calm and the night was long", "Rain fell"]
 CPU = torch.device("cpu")
@@ -82,21 +81,43 @@ def test_a_row_past_the_slot_length_is_refused(tiny_llama: Path) -> None:
         runner.forward([Row(0, 5, [1, 2, 3, 4])])
 
 
-def test_groups_cover_every_prompt_once_shortest_first() -> None:
-    lengths = [21, 37, 55, 71, 89, 25, 45, 61, 78, 95, 32, 46, 65, 82, 100, 38]
-    groups = prefill_groups(lengths, max_tokens=256, max_padding=0.25)
-    flat = [i for g in groups for i in g]
-    assert sorted(flat) == list(range(len(lengths)))
-    assert [lengths[i] for i in flat] == sorted(lengths)
-    assert 1 < len(groups) < len(lengths)  # batched, but not all in one padded forward
-    for g in groups:
-        width = max(lengths[i] for i in g)
-        padded = width * len(g)
-        assert len(g) == 1 or padded <= 256
-        assert len(g) == 1 or padded - sum(lengths[i] for i in g) <= 0.25 * padded
-
-
-def test_a_prompt_over_the_budget_is_prefilled_alone() -> None:
-    assert prefill_groups([300, 10, 12], max_tokens=256) == [[1, 2], [0]]
-    assert prefill_groups([10, 100], max_tokens=256, max_padding=0.25) == [[0], [1]]  # too much padding
-    assert prefill_groups([], max_tokens=256) == []
+def test_decode_rows_and_prompt_chunks_share_one_packed_forward(tiny_llama: Path) -> None:
+    """An engine iteration: decode rows of two running sequences and two prompt chunks of different lengths (one
+    the start of a long prompt) in one forward; each row computes what it would alone, and a row that asks gets the
+    logits after every one of its tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    running = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    long_prompt = tok(" ".join(PROMPTS * 2))["input_ids"]
+    short = tok(PROMPTS[3])["input_ids"]
+    cache = SlotKVCache(slots=5, max_len=128)
+    runner = ModelRunner(model, CPU, cache)
+    first = (
+        runner.forward([Row(3, 0, running[0])]).argmax(-1).tolist()
+        + runner.forward([Row(1, 0, running[1])]).argmax(-1).tolist()
+    )
+    before = runner.forwards
+    half = len(long_prompt) // 2
+    out = runner.run(
+        [
+            Row(3, len(running[0]), first[:1]),
+            Row(1, len(running[1]), first[1:]),
+            Row(0, 0, long_prompt[:half], every_logits=True),
+            Row(4, 0, short),
+        ]
+    )
+    assert runner.forwards == before + 1
+    for row, (prompt, token) in enumerate(zip(running, first)):
+        ids = torch.tensor([prompt + [token]])
+        with torch.inference_mode():
+            want = model(ids).logits[0, -1]
+        torch.testing.assert_close(out.last[row], want, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        whole = model(torch.tensor([long_prompt])).logits[0]
+    assert set(out.every) == {2}
+    torch.testing.assert_close(out.every[2], whole[:half], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.last[2], whole[half - 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.last[3], _reference(model, short)[0], atol=1e-5, rtol=1e-5)
+    # the rest of the long prompt, next to a decode row, continues from what the packed forward wrote
+    rest = runner.run([Row(0, half, long_prompt[half:]), Row(4, len(short), [int(out.last[3].argmax())])])
+    torch.testing.assert_close(rest.last[0], whole[-1], atol=1e-5, rtol=1e-5)
