@@ -6,8 +6,11 @@ One run, side by side, because the machine is shared and its rates move with its
 2. calibrate (``service.calibration.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file, right
    before this model's decodes, so that calibration and decode see the same load;
 3. predict each case with that calibration, then measure its decode tokens/s with ``bench/load.py``'s worker (our
-   loader, fresh process, best of ``--repeats`` runs, each run's rate from its median gap between tokens);
-4. print predicted against measured, the ratio, whether it is within +-25%, and the load average.
+   loader, fresh process, best of ``--repeats`` runs, each run's rate from its median gap between tokens), the
+   resident and half-on-disk runs taking turns;
+4. print predicted against measured, the ratio, whether it is within +-25%, the load average, and half on disk
+   against resident, predicted and measured (a ratio of two rates measured side by side, which a loaded machine
+   moves far less than either rate).
 
 The prediction is made for the context actually decoded (prompt + new tokens), the same device map as measured
 (``bench/offload.py``'s half-on-disk map: the second half of the layers on disk, warm page cache).
@@ -24,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import best_of, llama_dir, machine, print_table, write_json
+from bench.common import llama_dir, machine, print_table, run_isolated, write_json
 from bench.offload import half_on_disk_map
 
 LOAD_MODULE = "bench.load"
@@ -39,6 +42,8 @@ COLUMNS = [
     ("measured", "measured tok/s"),
     ("ratio", "predicted / measured"),
     ("within", "within +-25%"),
+    ("vs_resident_predicted", "x resident, predicted"),
+    ("vs_resident_measured", "x resident, measured"),
     ("load_calibration", "load avg at calibration"),
     ("load_average", "load avg at decode"),
 ]
@@ -72,10 +77,8 @@ def _predict(path: Path, dtype: str, device_map: dict, folder: Path, context: in
     return p.prediction.decode_tokens_per_s
 
 
-def _measure(case: dict, args: argparse.Namespace, work: Path, context: int) -> None:
-    """Predict ``case`` with the calibration in force, then decode it (fresh process, best of ``args.repeats``)."""
-    case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
-    spec = {
+def _spec(case: dict, args: argparse.Namespace, work: Path) -> dict:
+    return {
         "contender": "loadmaster",
         "label": f"{case['model']} {case['placement']}",
         "path": str(case["path"]),
@@ -85,18 +88,38 @@ def _measure(case: dict, args: argparse.Namespace, work: Path, context: int) -> 
         "threads": args.threads,
         "offload_folder": str(work / "offload"),
     }
-    r = best_of(LOAD_MODULE, spec, args.repeats)
-    if "error" in r:
-        case["error"] = r["error"]
-        print(r["error"])
-        return
-    case["load_average"] = round(os.getloadavg()[0], 1)
-    case["measured"] = r["decode_tok_s"]
-    case["measured_runs"] = r.get("decode_tok_s_runs")
-    case["ratio"] = case["predicted"] / case["measured"]
-    case["within"] = "yes" if abs(case["ratio"] - 1) <= TOLERANCE else "no"
-    row = {k: v for k, v in case.items() if k not in ("path", "device_map")}
-    print(json.dumps(row), flush=True)
+
+
+def _measure(cases: list[dict], args: argparse.Namespace, work: Path, context: int) -> None:
+    """Predict each of one model's cases with the calibration in force, then decode them in fresh processes, the
+    placements taking turns run by run (best of ``args.repeats`` each): on a shared machine both placements then
+    see the same spread of the neighbours' load, and their ratio is measured as fairly as each rate."""
+    for case in cases:
+        case["predicted"] = _predict(case["path"], case["dtype"], case["device_map"], work, context)
+        case["measured_runs"] = []
+    for _ in range(max(1, args.repeats)):
+        for case in cases:
+            r = run_isolated(LOAD_MODULE, _spec(case, args, work))
+            if "error" in r:
+                case["error"] = r["error"]
+                print(r["error"])
+                continue
+            case["measured_runs"].append(r["decode_tok_s"])
+    for case in cases:
+        if not case["measured_runs"]:
+            continue
+        case["load_average"] = round(os.getloadavg()[0], 1)
+        case["measured"] = max(case["measured_runs"])
+        case["ratio"] = case["predicted"] / case["measured"]
+        case["within"] = "yes" if abs(case["ratio"] - 1) <= TOLERANCE else "no"
+    base = cases[0]
+    for case in cases[1:]:
+        if "measured" in case and "measured" in base:
+            case["vs_resident_predicted"] = case["predicted"] / base["predicted"]
+            case["vs_resident_measured"] = case["measured"] / base["measured"]
+    for case in cases:
+        row = {k: v for k, v in case.items() if k not in ("path", "device_map")}
+        print(json.dumps(row), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in model_cases:
             case["load_calibration"] = round(os.getloadavg()[0], 1)
         print(cal.summary(), flush=True)
-        for case in model_cases:
-            _measure(case, args, work, context)
+        _measure(model_cases, args, work, context)
         cases += model_cases
     print()
     table = print_table(cases, COLUMNS)

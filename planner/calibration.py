@@ -23,7 +23,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 #: 2: per-call kernel cost, rates fitted over a shape sweep, and the extra cost of a disk layer.
-FORMAT_VERSION = 2
+#: 3: a cost per output row, fitted over two row widths; the per-layer figure no longer holds the small probe
+#: layers' own bytes and rows (a version-2 file counted them twice).
+FORMAT_VERSION = 3
 #: ``LOADMASTER_CALIBRATION``: a file path, or ``off`` to plan with the default figures.
 ENV_VAR = "LOADMASTER_CALIBRATION"
 
@@ -32,10 +34,15 @@ ENV_VAR = "LOADMASTER_CALIBRATION"
 class KernelRate:
     """Bytes of weights per second one decode-time linear path reaches, for one dtype.
 
-    A one-row product takes ``call_overhead + weight bytes / rate`` seconds: the two are fitted over a sweep of
-    matrix sizes, each read from a pool larger than the CPU's caches, as a decode step reads its weights once each.
-    ``resident``: weights in RAM; ``mapped``: weights read in place from a memory-mapped file whose pages are
-    cached (a warm ``disk`` block). ``path`` is ``native`` (loaders/cpu_kernels) or ``torch``.
+    A one-row product takes ``call_overhead + output rows * row_overhead + weight bytes / rate`` seconds: the three
+    are fitted over a sweep of matrix sizes and row widths, each read from a pool larger than the CPU's caches, as a
+    decode step reads its weights once each. ``resident``: weights in RAM; ``mapped``: weights read in place from a
+    memory-mapped file whose pages are cached (a warm ``disk`` block). ``path`` is ``native`` (loaders/cpu_kernels)
+    or ``torch``.
+
+    Why a cost per row: each output is one dot product, finished by a horizontal sum and a store whatever its
+    length, so narrow matrices read fewer bytes per unit of that cost. Measured here (AMD EPYC, fp32): about 60 ns per
+    row, which makes a 768-wide matrix (the 100M Llama) read at ~14 GB/s where a 2048-wide one reaches ~19.
     """
 
     dtype: str
@@ -44,6 +51,8 @@ class KernelRate:
     mapped: float
     #: Seconds one call costs whatever its size (dispatch, thread fork/join, the first cache lines' latency).
     call_overhead: float = 0.0
+    #: Seconds each output row (one dot product) costs besides its bytes.
+    row_overhead: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,20 +79,31 @@ class Calibration:
     notes: list[str] = field(default_factory=list)
 
     def kernel_rate(self, dtype: str | None, mapped: bool = False) -> float:
-        """The measured decode rate for ``dtype``'s weights (the memory read rate for dtypes not measured)."""
+        """The measured decode rate for ``dtype``'s weights (the memory read rate for dtypes not measured).
+
+        The mapped rate is capped at the resident one: a warm ``disk`` block reads the same RAM through a map (and
+        the loader's resident weights are themselves populated maps of the checkpoint when no cast is needed), so
+        a higher mapped figure is the noise of one sample, and it must not make a plan with disk look faster."""
         k = self.kernels.get(dtype or "")
         if k is None:
             return self.memory_read
-        return k.mapped if mapped else k.resident
+        return min(k.mapped, k.resident) if mapped else k.resident
 
     def call_overhead(self, dtype: str | None) -> float:
         """Seconds one decode-time linear call of ``dtype`` costs besides its bytes (0 for dtypes not measured)."""
         k = self.kernels.get(dtype or "")
         return 0.0 if k is None else k.call_overhead
 
+    def row_overhead(self, dtype: str | None) -> float:
+        """Seconds each output row of a decode-time linear call of ``dtype`` costs besides its bytes (0 if not
+        measured)."""
+        k = self.kernels.get(dtype or "")
+        return 0.0 if k is None else k.row_overhead
+
     def summary(self) -> str:
         kernels = ", ".join(
             f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s + {k.call_overhead * 1e6:.0f} us/call"
+            f" + {k.row_overhead * 1e9:.0f} ns/row"
             for k in self.kernels.values()
         )
         link = f", link {self.link / 1e9:.1f} GB/s" if self.link else ""
@@ -128,6 +148,7 @@ class Calibration:
                 resident=rate(f"kernels.{dtype}.resident", k.get("resident")),
                 mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")),
                 call_overhead=seconds(f"kernels.{dtype}.call_overhead", k.get("call_overhead", 0.0)),
+                row_overhead=seconds(f"kernels.{dtype}.row_overhead", k.get("row_overhead", 0.0)),
             )
 
         threads = d.get("threads")
@@ -154,29 +175,65 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class CallPoint:
+    """One size of the kernel sweep: the weight bytes and output rows of a one-row product, and its seconds."""
+
+    nbytes: int
+    rows: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class CallFit:
-    """``seconds = overhead + bytes / rate`` for one decode-time linear call, fitted over the sweep."""
+    """``seconds = overhead + rows * row_overhead + bytes / rate`` for one decode-time linear call."""
 
     rate: float
     overhead: float
+    row_overhead: float = 0.0
 
 
-def fit_calls(points: list[tuple[int, float]]) -> CallFit:
-    """Least squares of seconds per call against weight bytes, weighted so each point counts by its relative error
-    (the smallest calls would otherwise not count at all). A fit whose slope or intercept noise pushed out of range
-    falls back to the largest size's rate and no fixed cost."""
-    weights = [1.0 / (t * t) for _, t in points]
-    sw = sum(weights)
-    mx = sum(w * b for w, (b, _) in zip(weights, points)) / sw
-    my = sum(w * t for w, (_, t) in zip(weights, points)) / sw
-    sxx = sum(w * (b - mx) ** 2 for w, (b, _) in zip(weights, points))
-    sxy = sum(w * (b - mx) * (t - my) for w, (b, t) in zip(weights, points))
-    slope = sxy / sxx if sxx > 0 else 0.0
-    intercept = my - slope * mx
-    if slope <= 0 or intercept < 0:
-        b, t = max(points)
-        return CallFit(rate=b / t, overhead=0.0)
-    return CallFit(rate=1.0 / slope, overhead=intercept)
+def _weighted_least_squares(columns: list[list[float]], y: list[float], w: list[float]) -> list[float] | None:
+    """Coefficients of ``y ~ sum(c_j * columns[j])`` minimising the weighted squared error; None when singular."""
+    n = len(columns)
+    a = [[sum(wi * ci * cj for wi, ci, cj in zip(w, columns[r], columns[c])) for c in range(n)] for r in range(n)]
+    b = [sum(wi * ci * yi for wi, ci, yi in zip(w, columns[r], y)) for r in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting on an n x n system (n <= 3)
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * yv for x, yv in zip(a[r], a[col])]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(n)]
+
+
+def fit_calls(points: list[CallPoint]) -> CallFit:
+    """Least squares of seconds per call against a fixed cost, output rows and weight bytes, weighted so each point
+    counts by its relative error (the smallest calls would otherwise not count at all). Bytes and rows must vary
+    independently (the sweep uses two row widths) for the row cost to be told apart from the rate. Where noise
+    pushes a coefficient below zero the fit drops terms (the row cost, then the fixed cost) rather than report it;
+    with neither it is the largest size's rate."""
+    t = [p.seconds for p in points]
+    w = [1.0 / (s * s) for s in t]
+    ones = [1.0] * len(points)
+    nbytes = [float(p.nbytes) for p in points]
+    rows = [float(p.rows) for p in points]
+    for cols, names in (
+        ([ones, rows, nbytes], ("overhead", "row_overhead", "per_byte")),
+        ([ones, nbytes], ("overhead", "per_byte")),
+    ):
+        coef = _weighted_least_squares(cols, t, w)
+        if coef is not None and all(c >= 0 for c in coef) and coef[-1] > 0:
+            got = dict(zip(names, coef))
+            return CallFit(
+                rate=1.0 / got["per_byte"], overhead=got["overhead"], row_overhead=got.get("row_overhead", 0.0)
+            )
+    big = max(points, key=lambda p: p.nbytes)
+    return CallFit(rate=big.nbytes / big.seconds, overhead=0.0)
 
 
 def machine_id() -> str:

@@ -18,8 +18,9 @@ With a calibration of this machine (``loadmaster env --calibrate``, :mod:`planne
 caller did not set are replaced by measured ones: without GPUs, cpu blocks read at the rate the decode kernels
 reach for the workload's dtype, warm disk blocks at the rate they reach on memory-mapped weights, and each step
 pays the measured overheads (:func:`calibrated_overhead`): once per step, once per decoder layer (more for a layer
-on disk), and once per linear call outside the layers (the head); cold disk and checkpoint reads use the measured disk rate,
-and the host link its measured rate. The cost-model line then says so.
+on disk), once per linear call outside the layers (the head), and once per output row of every matrix read; warm
+disk blocks never read faster than resident ones (:meth:`Calibration.kernel_rate`); cold disk and checkpoint reads
+use the measured disk rate, and the host link its measured rate. The cost-model line then says so.
 """
 
 from __future__ import annotations
@@ -85,14 +86,18 @@ def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calib
     The per-layer figure was measured on a real decoder layer stack with its hooks (norms, attention, rotary,
     residuals, and the fixed cost of its seven linear calls); a layer placed on ``disk`` adds its readahead hook and
     mapped pages. Blocks outside the layers pay one linear call each for a head; the rest (embedding lookup, final
-    norm, sampling, the generation loop) is the per-step figure.
+    norm, sampling, the generation loop) is the per-step figure. Every block pays the kernels' cost per output row
+    of its matrices (only the share of rows it reads, for routed experts): what makes narrow models slower per byte.
     """
     seconds = cal.step_overhead
+    per_row = cal.row_overhead(dtype)
     for item, dev in zip(problem.items, assignment):
         if item.is_layer:
             seconds += cal.layer_overhead + (cal.disk_layer_overhead if dev == "disk" else 0.0)
         elif item.is_head:
             seconds += cal.call_overhead(dtype)
+        if per_row and item.matrix_rows and item.weight:
+            seconds += per_row * item.matrix_rows * min(item.read_per_token / item.weight, 1.0)
     return seconds
 
 
@@ -176,7 +181,8 @@ def predict(
         used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
         extra = (
             f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer "
-            f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call"
+            f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call "
+            f"+ {cal.row_overhead(dtype) * 1e9:.0f} ns/matrix row"
             if "overhead" in seconds
             else ""
         )

@@ -163,6 +163,9 @@ class SizedBlock:
     in_place: bool = False
     #: Index of the skeleton block this item is (part of).
     block: int = -1
+    #: Output rows of its matrices (each one dot product per token at decode); 0 for an embedding that is not the
+    #: head (a lookup, no product). The calibrated cost model charges a fixed cost per row (:mod:`planner.cost_model`).
+    matrix_rows: int = 0
 
     @property
     def streamed(self) -> int:
@@ -208,6 +211,9 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
                 stream_per_token=stream,
                 expert_weight=expert_w,
                 block=i,
+                matrix_rows=0
+                if b.is_embedding and not b.is_head
+                else sum(t.shape[0] for t in b.tensors if len(t.shape) == 2),
             )
         )
     return out

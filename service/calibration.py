@@ -5,12 +5,14 @@
   file in the offload folder;
 - the host -> GPU link, where there is a GPU (pinned copies);
 - per dtype, the decode-time linear path (the native kernel where it loads, else torch): one-row products over a
-  sweep of matrix sizes (256 KiB to 32 MiB of weights), each size cut from a pool larger than the CPU's caches and
-  read once per pass, as a decode step reads its weights; ``seconds = fixed cost per call + bytes / rate`` fitted
-  over the sizes, with the weights resident and read in place from a memory-mapped file (a warm ``disk`` block);
+  sweep of matrix sizes (256 KiB to 32 MiB of weights) and two row widths, each size cut from a pool larger than the
+  CPU's caches and read once per pass, as a decode step reads its weights;
+  ``seconds = fixed cost per call + output rows * cost per row + bytes / rate`` fitted over the sweep, with the
+  weights resident and read in place from a memory-mapped file (a warm ``disk`` block), the two timed interleaved;
 - the time a decode step spends besides reading weights: small, narrow Llamas (2 and 10 layers) loaded by our loader
-  (native linears, alignment and readahead hooks as served) and decoded with ``generate``; the slope is per layer,
-  the rest per step; the 10-layer one again with every layer on ``disk`` gives what a disk layer adds.
+  (native linears, alignment and readahead hooks as served) and decoded with ``generate``, taking turns; the slope is
+  per layer, the rest per step; the 10-layer one again with every layer on ``disk`` gives what a disk layer adds;
+  what their own matrices cost by the kernel figures is taken out (the cost model charges it per block).
 
 Everything runs on torch's threads as set when it is called: the figures describe that thread count (recorded), and
 on a shared machine the neighbours' load of that moment.
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from planner.calibration import Calibration, CallFit, KernelRate, fit_calls, machine_id
+from planner.calibration import Calibration, CallFit, CallPoint, KernelRate, fit_calls, machine_id
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +54,10 @@ def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-#: Runs of a measurement whose best is kept, as the decode benches keep the best of their runs.
+#: Runs of a measurement whose best is kept, as the decode benches keep the best of their runs (bench.common.best_of
+#: keeps the best of fresh-process runs, each run's rate from its median step): on a shared machine a calibration and
+#: a decode measured under the same load then agree.
 RUNS = 3
-
-
-def _best_typical_seconds(fn: Callable[[], object], per_run: int = 3, runs: int = RUNS) -> float:
-    """The best of ``runs`` runs' median times (each of ``per_run`` calls): the estimator the decode measurements use
-    (bench.common.best_of keeps the best of fresh-process runs, each run's rate is its median step), so that on a
-    shared machine a calibration and a decode measured under the same load agree."""
-    fn()  # warm-up: first touch, lazy builds
-    medians = []
-    for _ in range(runs):
-        times = []
-        for _ in range(per_run):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return min(medians)
 
 
 def memory_read(nbytes: int, repeats: int = 7) -> float:
@@ -150,71 +138,117 @@ def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.T
 
 #: Weight bytes of the matrices the kernel sweep times: from a 100M model's smallest projection to a 1B model's MLP.
 SWEEP_BYTES = (1 << 18, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
-#: The inner (input) dimension of the swept matrices: a decoder's hidden size.
-SWEEP_WIDTH = 2048
+#: The inner (input) dimensions of the swept matrices: narrower and wider than decoders' hidden sizes, so that the
+#: bytes and the output rows of a call vary apart and the fit can tell the cost per row from the rate.
+SWEEP_WIDTHS = (512, 4096)
+#: Runs of the sweep whose best is kept per point: more than elsewhere, because three coefficients are fitted from
+#: it and its smallest calls (tens of microseconds) are the ones a neighbour's burst disturbs most.
+SWEEP_RUNS = 5
 
 
-def _sweep(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pool: torch.Tensor, repeats: int) -> CallFit:
-    """Per matrix size, the typical time of a pass that multiplies one row by every matrix cut from ``pool`` in turn
-    (each read once, as a decode step reads each weight once; the pool is larger than the CPU's caches), divided by
-    the number of matrices; then the fit over sizes."""
-    elt = pool.element_size()
-    rows_total = pool.shape[0]
-    x = torch.randn(1, SWEEP_WIDTH).to(pool.dtype)
-    points = []
-    for nbytes in SWEEP_BYTES:
-        rows = max(nbytes // (SWEEP_WIDTH * elt), 1)
-        mats = [pool[i : i + rows] for i in range(0, rows_total - rows + 1, rows)]
-
-        def one_pass(mats: list[torch.Tensor] = mats) -> None:
-            for w in mats:
-                fn(x, w)
-
-        points.append((rows * SWEEP_WIDTH * elt, _best_typical_seconds(one_pass, repeats) / len(mats)))
-    return fit_calls(points)
+def _cut(pool: torch.Tensor, width: int, nbytes: int) -> list[torch.Tensor]:
+    """The ``[rows, width]`` matrices of about ``nbytes`` each that tile ``pool`` (flat), back to back."""
+    per = max(nbytes // (width * pool.element_size()), 1) * width
+    return [pool[i : i + per].view(-1, width) for i in range(0, pool.numel() - per + 1, per)]
 
 
-def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path, repeats: int = 3) -> KernelRate:
-    """One-row products (a decode step's linears) over a sweep of matrix sizes, weights resident and memory-mapped:
-    the fitted bytes/s and fixed seconds per call."""
+def _sweep(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pools: dict[str, torch.Tensor], per_run: int = 3
+) -> dict[str, CallFit]:
+    """Per pool, matrix width and size, the time of a pass that multiplies one row by every matrix cut from the pool
+    in turn (each read once, as a decode step reads each weight once; the pools are larger than the CPU's caches),
+    divided by the number of matrices; then the fit over sizes and widths.
+
+    The pools are timed interleaved, size by size, and each point is the best of ``SWEEP_RUNS`` runs' medians: resident
+    and memory-mapped weights then see the same moments of a shared machine, and one lucky sample cannot make one
+    of them look faster than the other."""
+    best: dict[tuple[str, int, int], float] = {}
+    cases = [(width, nbytes) for width in SWEEP_WIDTHS for nbytes in SWEEP_BYTES]
+    for run in range(SWEEP_RUNS):
+        for width, nbytes in cases:
+            for name, pool in pools.items():
+                mats = _cut(pool, width, nbytes)
+                x = torch.randn(1, width).to(pool.dtype)
+                if run == 0:
+                    for w in mats:  # warm-up: first touch of the pages, lazy builds
+                        fn(x, w)
+                times = []
+                for _ in range(per_run):
+                    t0 = time.perf_counter()
+                    for w in mats:
+                        fn(x, w)
+                    times.append((time.perf_counter() - t0) / len(mats))
+                key = (name, width, nbytes)
+                best[key] = min(best.get(key, float("inf")), statistics.median(times))
+    elt = next(iter(pools.values())).element_size()
+    out = {}
+    for name in pools:
+        points = []
+        for width, nbytes in cases:
+            rows = max(nbytes // (width * elt), 1)
+            points.append(CallPoint(rows * width * elt, rows, best[(name, width, nbytes)]))
+        out[name] = fit_calls(points)
+    return out
+
+
+def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path) -> KernelRate:
+    """One-row products (a decode step's linears) over a sweep of matrix sizes and widths, weights resident and
+    memory-mapped, timed interleaved: the fitted bytes/s, fixed seconds per call and per output row."""
     elt = torch.tensor([], dtype=dtype).element_size()
-    rows = max(nbytes // (SWEEP_WIDTH * elt), 64)
+    numel = max(nbytes // elt, max(SWEEP_WIDTHS) * 64)
     path_name, fn = _linear_fn(dtype)
     with torch.inference_mode():
-        pool = torch.randn(rows, SWEEP_WIDTH).to(dtype)
-        resident = _sweep(fn, pool, repeats)
+        pool = torch.randn(numel).to(dtype)
         fd, name = tempfile.mkstemp(prefix=".loadmaster-calibrate-", dir=folder)
         os.close(fd)
         try:
             pool.view(torch.uint8).numpy().tofile(name)
-            del pool
             # read in place, as a disk block's weights are (views of the shard's mapping); the pages are cached
-            mapped_pool = torch.from_file(name, shared=True, size=rows * SWEEP_WIDTH, dtype=dtype)
-            mapped = _sweep(fn, mapped_pool.view(rows, SWEEP_WIDTH), repeats)
+            mapped_pool = torch.from_file(name, shared=True, size=numel, dtype=dtype)
+            fits = _sweep(fn, {"resident": pool, "mapped": mapped_pool})
             del mapped_pool
         finally:
             Path(name).unlink(missing_ok=True)
+    resident = fits["resident"]
     return KernelRate(
         dtype=str(dtype).removeprefix("torch."),
         path=path_name,
         resident=resident.rate,
-        mapped=mapped.rate,
+        mapped=fits["mapped"].rate,
         call_overhead=resident.overhead,
+        row_overhead=resident.row_overhead,
     )
+
+
+#: The probe Llamas' shape: narrow, so that reading their weights costs little next to the fixed costs measured.
+_PROBE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2}
+_PROBE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Matrices:
+    """The output rows and weight bytes of a set of linear layers (what the kernel costs are charged on)."""
+
+    rows: int
+    nbytes: int
+
+    def seconds(self, kernel: KernelRate, rate: float) -> float:
+        """What the calibrated cost model charges for reading these matrices once, besides fixed costs per call."""
+        return self.rows * kernel.row_overhead + self.nbytes / rate
+
+
+def _probe_layer_matrices(elt: int = 4) -> Matrices:
+    """One probe decoder layer's seven projections (q, k, v, o, gate, up, down)."""
+    h, i = _PROBE["hidden_size"], _PROBE["intermediate_size"]
+    kv = h // _PROBE["num_attention_heads"] * _PROBE["num_key_value_heads"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
+    return Matrices(rows=sum(n for n, _ in shapes), nbytes=sum(n * k for n, k in shapes) * elt)
 
 
 def _small_llama(folder: Path, layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=256,
-    )
+    cfg = LlamaConfig(num_hidden_layers=layers, vocab_size=_PROBE_VOCAB, max_position_embeddings=256, **_PROBE)
     torch.manual_seed(0)
     out = folder / f"llama-{layers}"
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
@@ -228,17 +262,9 @@ def _layers_map(layers: int, where: str) -> dict[str, str]:
     return dm
 
 
-def _decode_step_seconds(path: Path, device_map: dict[str, str], new_tokens: int = 24, repeats: int = RUNS) -> float:
-    """Seconds between generated tokens of a model loaded by our loader, as ``serve`` and the benches load it
-    (native linears; on ``disk`` layers the memory maps and readahead hooks): the best of ``repeats`` generations'
-    median gaps, the estimator of the decode benches."""
+def _median_gap(model: torch.nn.Module, new_tokens: int) -> float:
+    """The median seconds between tokens of one greedy generation (the decode benches' per-run estimator)."""
     from transformers import StoppingCriteria
-
-    from loaders import load_model
-
-    model = load_model(
-        path, device_map=device_map, dtype=torch.float32, offload_folder=path / "offload", show_progress=False
-    )
 
     class Clock(StoppingCriteria):
         def __init__(self) -> None:
@@ -248,21 +274,39 @@ def _decode_step_seconds(path: Path, device_map: dict[str, str], new_tokens: int
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    medians: list[float] = []
-    ids = torch.arange(1, 17).unsqueeze(0)
+    clock = Clock()
     with torch.inference_mode():
-        for _ in range(repeats):
-            clock = Clock()
-            model.generate(
-                ids,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                stopping_criteria=[clock],
-                pad_token_id=0,
-            )
-            medians.append(statistics.median(b - a for a, b in zip(clock.times, clock.times[1:])))
-    return min(medians)
+        model.generate(
+            torch.arange(1, 17).unsqueeze(0),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            stopping_criteria=[clock],
+            pad_token_id=0,
+        )
+    return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:]))
+
+
+def _decode_step_seconds(
+    models: dict[str, tuple[Path, dict[str, str]]], new_tokens: int = 24, repeats: int = RUNS
+) -> dict[str, float]:
+    """Seconds between generated tokens of each model, loaded by our loader as ``serve`` and the benches load it
+    (native linears; on ``disk`` layers the memory maps and readahead hooks): the best of ``repeats`` generations'
+    median gaps, the estimator of the decode benches. The models take turns, run by run, so that on a shared
+    machine their differences (the per-layer and per-disk-layer costs) are not the neighbours' load changing."""
+    from loaders import load_model
+
+    loaded = {
+        name: load_model(path, device_map=dm, dtype=torch.float32, offload_folder=path / "offload", show_progress=False)
+        for name, (path, dm) in models.items()
+    }
+    for model in loaded.values():
+        _median_gap(model, 2)  # warm-up: first touch of the pages, lazy builds
+    best = dict.fromkeys(loaded, float("inf"))
+    for _ in range(repeats):
+        for name, model in loaded.items():
+            best[name] = min(best[name], _median_gap(model, new_tokens))
+    return best
 
 
 @dataclass(frozen=True)
@@ -274,21 +318,36 @@ class StepOverheads:
     per_step: float
 
 
-def step_overheads(folder: Path) -> StepOverheads:
-    """Decode a small Llama (narrow layers, so reading their weights costs next to nothing) with 2 and with 10
-    layers: the slope is the cost of a layer, the rest the cost of a step; the 10-layer model once more with every
-    layer on ``disk`` gives what a disk layer adds (its readahead hook and mapped pages)."""
+def step_overheads(folder: Path, kernel: KernelRate) -> StepOverheads:
+    """Decode a small Llama (narrow layers, so reading their weights costs little) with 2 and with 10 layers: the
+    slope is the cost of a layer, the rest the cost of a step; the 10-layer model once more with every layer on
+    ``disk`` gives what a disk layer adds (its readahead hook and mapped pages).
+
+    The cost model charges a block's matrices by ``kernel`` (fp32, the probes' dtype) on top of these overheads, so
+    what the probes' own matrices cost by that measure is taken out: a layer's rows and bytes from the slope, the
+    head's call, rows and bytes from the step; a disk layer's bytes at the mapped rate from its extra."""
     few, many = 2, 10
     with tempfile.TemporaryDirectory(prefix="loadmaster-calibrate-", dir=folder) as tmp:
         small, big = _small_llama(Path(tmp), few), _small_llama(Path(tmp), many)
-        t_few = _decode_step_seconds(small, _layers_map(few, "cpu"))
-        t_many = _decode_step_seconds(big, _layers_map(many, "cpu"))
-        t_disk = _decode_step_seconds(big, _layers_map(many, "disk"))
-    per_layer = max((t_many - t_few) / (many - few), 0.0)
+        t = _decode_step_seconds(
+            {
+                "few": (small, _layers_map(few, "cpu")),
+                "many": (big, _layers_map(many, "cpu")),
+                "disk": (big, _layers_map(many, "disk")),
+            }
+        )
+    layer = _probe_layer_matrices()
+    h = _PROBE["hidden_size"]
+    head = Matrices(rows=_PROBE_VOCAB, nbytes=_PROBE_VOCAB * h * 4)
+    mapped = min(kernel.mapped, kernel.resident)  # as the cost model reads it (Calibration.kernel_rate)
+    slope = (t["many"] - t["few"]) / (many - few)
+    disk_extra = (t["disk"] - t["many"]) / many - (
+        layer.seconds(kernel, mapped) - layer.seconds(kernel, kernel.resident)
+    )
     return StepOverheads(
-        per_layer=per_layer,
-        per_disk_layer=max((t_disk - t_many) / many, 0.0),
-        per_step=max(t_few - few * per_layer, 0.0),
+        per_layer=max(slope - layer.seconds(kernel, kernel.resident), 0.0),
+        per_disk_layer=max(disk_extra, 0.0),
+        per_step=max(t["few"] - few * slope - kernel.call_overhead - head.seconds(kernel, kernel.resident), 0.0),
     )
 
 
@@ -318,10 +377,11 @@ def calibrate(
         kernels[kr.dtype] = kr
         say(
             f"  {kr.path}: resident {kr.resident / 1e9:.1f} GB/s, memory-mapped {kr.mapped / 1e9:.1f} GB/s, "
-            f"{kr.call_overhead * 1e6:.0f} us per call"
+            f"{kr.call_overhead * 1e6:.0f} us per call, {kr.row_overhead * 1e9:.0f} ns per output row"
         )
     say("per-layer and per-step decode overhead (small Llamas, resident and on disk) ...")
-    over = step_overheads(folder)
+    probe_kernel = kernels.get("float32") or kernel_rate(torch.float32, size, folder)
+    over = step_overheads(folder, probe_kernel)
     say(
         f"  {over.per_layer * 1e3:.3f} ms per layer (+{over.per_disk_layer * 1e3:.3f} on disk), "
         f"{over.per_step * 1e3:.3f} ms per step"
