@@ -6,7 +6,7 @@
   where they build.
 * With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
   the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`); routed experts the plan puts
-  on the CPU compute there (:mod:`loaders.cpu_experts`). No native CPU kernel is switched on.
+  on the CPU, and the layers its ``cpu_compute`` lists, compute there (:mod:`loaders.cpu_experts`). No native CPU kernel is switched on.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ def apply_execution(
                 "(bitsandbytes) for GPU layers."
             )
         install_gpu_execution_with_cpu_experts(
-            model, device_map, placed.tensor_devices, placed.execution_device, reader=placed.reader
+            model,
+            device_map,
+            placed.tensor_devices,
+            placed.execution_device,
+            cpu_compute=placed.cpu_compute,
+            reader=placed.reader,
         )
         return Execution()
     by_entry: dict[str, list] = OrderedDict()
