@@ -3,7 +3,8 @@
 A plan may put ``model.layers.N.mlp.experts`` on ``"cpu"`` under a layer on a GPU (:mod:`planner.sub_layer`): the
 experts hold most of a MoE model's bytes, and a decode step uses only the few its tokens are routed to. Streaming
 them to the GPU would copy all of them on every step; instead the hidden states, the router's choice and weights go
-to the host, transformers' own experts module runs there (it computes only the experts that were hit), and the result goes back to the device the layer computes on. Nothing is
+to the host, the experts run there (only those that were hit, on the native CPU kernels where the layout and dtype
+allow: :mod:`loaders.expert_kernels`), and the result goes back to the device the layer computes on. Nothing is
 streamed and no weight leaves host RAM.
 
 A plan may also let the CPU compute whole layers that did not fit the GPUs even without their experts (and the
@@ -22,6 +23,8 @@ from collections.abc import Collection, Mapping
 
 import torch
 
+from loaders.expert_kernels import install_expert_kernels, native_experts_forward
+from loaders.fast_linear import NativeCPULinear, use_native_linears
 from loaders.streaming import install_gpu_execution, move_to
 from planner.device_map import covering_key
 from planner.errors import PlanError
@@ -95,10 +98,12 @@ def _back(module, args, output):
     return move_to(output, getattr(module, "_loadmaster_return_device", _CPU))
 
 
-def install_cpu_experts(model: torch.nn.Module, keys: list[str]) -> list[torch.utils.hooks.RemovableHandle]:
+def install_cpu_experts(model: torch.nn.Module, keys: list[str], cpu_kernels: str = "auto") -> int:
     """Hooks that run each module of ``keys`` on the CPU: inputs to the host, outputs back to the device its caller
     computes on. Buffers built on the execution device (non-persistent ones, placed with the streamed blocks) come
-    back to the host first."""
+    back to the host first. Routed experts then run on the native CPU kernels (:mod:`loaders.expert_kernels`), and
+    the linear layers of whole modules computed here too (:mod:`loaders.fast_linear`), as ``cpu_kernels`` says
+    ("auto", "native" or "torch"). Returns how many experts modules and linear layers were switched."""
     handles = []
     for key in keys:
         module = model.get_submodule(key)
@@ -108,9 +113,29 @@ def install_cpu_experts(model: torch.nn.Module, keys: list[str]) -> list[torch.u
                     sub._buffers[leaf] = buf.to(_CPU)
         handles.append(module.register_forward_pre_hook(_to_host, with_kwargs=True))
         handles.append(module.register_forward_hook(_back))
+    model._loadmaster_cpu_hooks = handles
+    experts = experts_keys(keys, model)
+    native = install_expert_kernels([model.get_submodule(k) for k in experts], cpu_kernels)
+    for key in keys:
+        if key not in experts:
+            native += use_native_linears(model.get_submodule(key), cpu_kernels)
     if keys:
-        log.info("%d module(s) compute on the CPU", len(keys))
-    return handles
+        log.info("%d module(s) compute on the CPU; %d run on the native CPU kernels", len(keys), native)
+    return native
+
+
+def experts_keys(keys: list[str], model: torch.nn.Module) -> list[str]:
+    """The routed-experts modules among ``keys``."""
+    return [k for k in keys if k in cpu_expert_entries(model, {k: "cpu"})]
+
+
+def native_cpu_modules(model: torch.nn.Module) -> int:
+    """How many modules of ``model`` run on the native CPU kernels: linear layers and routed-experts modules."""
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, NativeCPULinear) or getattr(m.forward, "__func__", None) is native_experts_forward
+    )
 
 
 def _check_not_streamed(model: torch.nn.Module, keys: list[str], rest: Mapping[str, DeviceId]) -> None:
@@ -132,17 +157,19 @@ def install_gpu_execution_with_cpu_experts(
     placement: Mapping[str, DeviceId],
     exec_device: torch.device,
     cpu_compute: Collection[str] = (),
+    cpu_kernels: str = "auto",
     **kwargs,
 ):
     """:func:`loaders.streaming.install_gpu_execution` for a map where some modules compute on the CPU (routed
     experts, and the plan's ``cpu_compute`` keys): those are left out of the map the GPU wiring sees, so they are
-    neither aligned to a GPU nor streamed, then hooked to run on the host. ``kwargs``: backend and gpu_device
-    stand-ins, as install_gpu_execution takes them. Returns its streamer."""
+    neither aligned to a GPU nor streamed, then hooked to run on the host, on the native kernels as ``cpu_kernels``
+    says. ``kwargs``: backend and gpu_device stand-ins, as install_gpu_execution takes them. Returns its
+    streamer."""
     keys = cpu_compute_entries(model, device_map, cpu_compute)
     rest = {k: v for k, v in device_map.items() if k not in keys}
     _check_not_streamed(model, keys, rest)
     streamer = install_gpu_execution(model, rest, placement, exec_device, **kwargs)
-    install_cpu_experts(model, keys)
+    install_cpu_experts(model, keys, cpu_kernels)
     return streamer
 
 
@@ -153,4 +180,5 @@ __all__ = [
     "install_cpu_experts",
     "install_gpu_execution_with_cpu_experts",
     "is_under",
+    "native_cpu_modules",
 ]

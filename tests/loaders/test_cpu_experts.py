@@ -12,7 +12,15 @@ import torch
 
 import loaders
 from loaders.checkpoint_layout import resolve_sources
-from loaders.cpu_experts import cpu_expert_entries, host_computed, install_gpu_execution_with_cpu_experts, is_under
+from loaders.cpu_experts import (
+    cpu_expert_entries,
+    host_computed,
+    install_gpu_execution_with_cpu_experts,
+    is_under,
+    native_cpu_modules,
+)
+from loaders.expert_kernels import native_experts_forward, takes_native_kernels
+from loaders.fast_linear import NativeCPULinear
 from loaders.materialize import Materializer
 from loaders.progress import ProgressReporter
 from loaders.safetensors_index import CheckpointIndex
@@ -22,7 +30,7 @@ from planner.device_map import assign_devices
 from planner.errors import PlanError
 from planner.skeleton import describe_checkpoint
 from tests.loaders.gpu_standins import StandInGpus
-from tests.loaders.helpers import assert_equivalent
+from tests.loaders.helpers import assert_equivalent, prompt
 
 
 def _planned_map(path) -> dict:
@@ -204,3 +212,80 @@ def test_weights_computed_on_the_cpu_are_not_pinned_while_streamed_ones_are(fixt
     assert not pinned & (experts | host_layers), sorted(pinned & (experts | host_layers))[:4]
     assert streamed <= pinned
     assert {n for n in on_cpu if out[n].data_ptr() in gpus.host_pinned} == on_cpu  # every CPU weight went through it
+
+
+def _native_ops_run(model, path) -> int:
+    """How many ``loadmaster::linear`` calls one forward of the reference prompt makes (torch's profiler)."""
+    ids = prompt(model.config.vocab_size)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(ids)
+    return sum(e.count for e in prof.key_averages() if e.key == "loadmaster::linear")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_moe", "tiny_qwen_moe"])
+def test_cpu_experts_on_the_native_kernels_match_transformers(fixture, request, kernel_path):
+    """Issue 15: routed experts on the CPU beside a GPU (stand-in) run on the native CPU kernels where this CPU has
+    them, and on torch's otherwise; either way logits are within 1e-5 of transformers (fp32) and greedy tokens equal.
+    The profiler shows the kernel really ran (or did not, on the torch path)."""
+    path = request.getfixturevalue(fixture)
+    dm = _planned_map(path)
+    model = loaders.load_model(path, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    install_gpu_execution_with_cpu_experts(
+        model, dm, placement, torch.device("cpu"), backend=CpuBackend(), gpu_device=lambda i: torch.device("cpu")
+    )
+    experts = [model.get_submodule(k) for k in cpu_expert_entries(model, dm)]
+    assert experts and all(takes_native_kernels(e) for e in experts)
+    native = [e for e in experts if getattr(e.forward, "__func__", None) is native_experts_forward]
+    assert len(native) == (len(experts) if kernel_path.available else 0)
+    calls = _native_ops_run(model, path)
+    assert (calls > 0) == kernel_path.available, calls
+    assert_equivalent(model, path)
+
+
+def test_layers_computed_on_the_cpu_use_the_native_kernels_too(tiny_qwen_moe, native_path):
+    """The attention and shared-expert linears of a layer the plan computes on the CPU run on the native kernels,
+    with the model still equal to transformers."""
+    p = _cpu_layers_plan("tiny_qwen_moe", tiny_qwen_moe)
+    # loaded as a CPU model on torch's kernels, then wired for the (stand-in) GPU: only the host layers switch
+    model = loaders.load_model(tiny_qwen_moe, device_map={"": "cpu"}, show_progress=False, cpu_kernels="torch")
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    install_gpu_execution_with_cpu_experts(
+        model,
+        p.device_map,
+        placement,
+        torch.device("cpu"),
+        cpu_compute=p.cpu_compute,
+        backend=CpuBackend(),
+        gpu_device=lambda i: torch.device("cpu"),
+    )
+    host_layer = next(k for k in p.cpu_compute if not k.endswith(".experts") and k.startswith("model.layers."))
+    gpu_layer = next(k for k, d in p.device_map.items() if k.startswith("model.layers.") and d == 0)
+    assert isinstance(model.get_submodule(f"{host_layer}.self_attn.q_proj"), NativeCPULinear)
+    assert not isinstance(model.get_submodule(f"{gpu_layer}.self_attn.q_proj"), NativeCPULinear)  # a GPU layer
+    assert native_cpu_modules(model) > 0
+    assert_equivalent(model, tiny_qwen_moe)
+
+
+def test_native_kernels_asked_for_where_there_are_none_is_an_error(tiny_moe, monkeypatch):
+    """cpu_kernels='native' on a machine (here: a process) without the kernels says so rather than running torch."""
+    from tests.loaders.kernel_paths import use_path
+
+    use_path(monkeypatch, "torch")
+    dm = _planned_map(tiny_moe)
+    model = loaders.load_model(tiny_moe, device_map={"": "cpu"}, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters(remove_duplicate=False)}
+    with pytest.raises(RuntimeError, match="cpu_kernels='native'.*Use 'auto' or 'torch'"):
+        install_gpu_execution_with_cpu_experts(
+            model,
+            dm,
+            placement,
+            torch.device("cpu"),
+            cpu_kernels="native",
+            backend=CpuBackend(),
+            gpu_device=lambda i: torch.device("cpu"),
+        )
+    monkeypatch.undo()
+    from loaders import cpu_kernels
+
+    cpu_kernels.reset()
