@@ -56,8 +56,7 @@ def _cpu_layers_problem(problem: Problem) -> Problem:
     """``problem`` (already split) where every decoder layer, and the final norm and head after them, computes on
     the device it is placed on: on the CPU, in place, rather than streamed to the first GPU. Items tied to another
     (a head sharing the embedding) or computed with another (the rotary embedding, with the first layer) keep the
-    ordinary rule, and ``disk`` is left out: a layer the CPU computes must
-    be resident in host RAM."""
+    ordinary rule, and ``disk`` is left out: a layer the CPU computes must be resident in host RAM."""
     tied = set(problem.follows) | set(problem.follows.values()) | set(problem.computes_with)
     last_layer = max((j for j, it in enumerate(problem.items) if it.is_layer), default=-1)
     items = tuple(
