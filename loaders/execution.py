@@ -6,7 +6,8 @@
   where they build.
 * With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
   the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`); routed experts the plan puts
-  on the CPU compute there (:mod:`loaders.cpu_experts`). No native CPU kernel is switched on.
+  on the CPU, and the layers its ``cpu_compute`` lists, compute there (:mod:`loaders.cpu_experts`), on the native
+  CPU kernels where they build (``cpu_kernels``); nothing else is switched to them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loaders.cpu_experts import install_gpu_execution_with_cpu_experts
+from loaders.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.cpu_quant import QuantizationStats, quantize_cpu_linears
 from loaders.device_map import entry_of, ordered_entries
 from loaders.fast_linear import use_native_linears
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Execution:
-    """What execution changed: linear layers switched to the native kernels, and CPU quantization's report."""
+    """What execution changed: linear layers (and routed-experts modules computed on the CPU beside GPUs) switched to
+    the native kernels, and CPU quantization's report."""
 
     native_linears: int = 0
     cpu_quantization: QuantizationStats | None = None
@@ -58,9 +60,15 @@ def apply_execution(
                 "(bitsandbytes) for GPU layers."
             )
         install_gpu_execution_with_cpu_experts(
-            model, device_map, placed.tensor_devices, placed.execution_device, reader=placed.reader
+            model,
+            device_map,
+            placed.tensor_devices,
+            placed.execution_device,
+            cpu_compute=placed.cpu_compute,
+            cpu_kernels=cpu_kernels,
+            reader=placed.reader,
         )
-        return Execution()
+        return Execution(native_cpu_modules(model))
     by_entry: dict[str, list] = OrderedDict()
     for name, rng in placed.disk_ranges.items():
         by_entry.setdefault(entry_of(name, device_map), []).append(rng)

@@ -161,6 +161,12 @@ def load_checkpoint(
             workload=workload,
             offload_folder=offload_folder,
         )
+        if quantization and the_plan is not None and any(not k.endswith(".experts") for k in the_plan.cpu_compute):
+            raise PlanError(
+                f"this plan computes {len(the_plan.cpu_compute)} module(s) on the CPU beside the GPUs, which the "
+                f"bitsandbytes path (quantization={quantization!r}) cannot run; load without quantization, or plan "
+                "for more GPU memory"
+            )
         if quantization:
             reporter.set_phase("loading")
             model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=None, t0=t0)
@@ -178,6 +184,7 @@ def load_checkpoint(
             reporter,
             model_path=root,
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
+            cpu_compute=the_plan.cpu_compute if the_plan is not None else (),
         )
         reporter.set_phase("dispatching")
         executed = apply_execution(

@@ -8,7 +8,9 @@
   small pool of reader threads (``preadv`` releases the GIL), in file order;
 * on a GPU: chunked reads into two pinned staging buffers, each copied to the GPU asynchronously while the next
   chunk is read, so GPU-bound weights never exist as a full CPU copy;
-* ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously;
+* ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously,
+  except tensors that compute on the CPU (routed experts, layers the plan computes there): they never cross to a
+  GPU, and pinning them would lock host memory for nothing (hundreds of GiB of DeepSeek-V3's experts);
 * ``"disk"``: a zero-copy memory map of the shard when the stored dtype is the one run; otherwise (a cast, or a
   fused MoE tensor assembled from per-expert keys) converted once into the offload folder and mapped from there.
 """
@@ -21,7 +23,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -97,8 +99,13 @@ class Materializer:
 
     # -- entry point ---------------------------------------------------------------------------------------
     def materialize(
-        self, sources: Mapping[str, TensorSource], devices: Mapping[str, DeviceId]
+        self,
+        sources: Mapping[str, TensorSource],
+        devices: Mapping[str, DeviceId],
+        unpinned: Collection[str] = (),
     ) -> dict[str, torch.Tensor]:
+        """Every tensor of ``sources`` on its device. ``unpinned``: names of CPU tensors that compute on the CPU
+        while GPUs compute the rest, so are not pinned."""
         out: dict[str, torch.Tensor] = {}
         cpu_jobs, gpu_jobs, to_convert = [], [], []
         resident_ranges: list[tuple[str, int, int]] = []
@@ -135,10 +142,14 @@ class Materializer:
                 for (_path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
                     self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
-        pin = self.has_gpu
+        unpinned = set(unpinned)
+
+        def load(job: tuple[str, TensorSource, torch.dtype]) -> torch.Tensor:
+            return self._load_cpu(job[1], job[2], self.has_gpu and job[0] not in unpinned)
+
         if cpu_jobs:
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-read") as pool:
-                for (name, src, _), t in zip(cpu_jobs, pool.map(lambda j: self._load_cpu(j[1], j[2], pin), cpu_jobs)):
+                for (name, src, _), t in zip(cpu_jobs, pool.map(load, cpu_jobs)):
                     out[name] = t
                     self._count("cpu", t.numel() * t.element_size())
                     self.stats.bytes_read += sum(self.index[p.key].nbytes for p in src.pieces)
@@ -155,7 +166,7 @@ class Materializer:
 
     # -- CPU -----------------------------------------------------------------------------------------------
     def _load_cpu(self, src: TensorSource, dtype: torch.dtype, pin: bool = False, device: str = "cpu") -> torch.Tensor:
-        dest = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
+        dest = self.copies.host(src.shape, dtype, pin) if self.has_gpu else torch.empty(src.shape, dtype=dtype)
         populate(dest)
         for piece in src.pieces:
             entry = self.index[piece.key]
@@ -270,6 +281,10 @@ class CudaCopies:
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def host(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host tensor for a CPU-placed weight; ``pinned`` when it will be copied to a GPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=torch.device("cuda", device))

@@ -12,13 +12,14 @@ then non-persistent buffers are computed on their devices and tied weights re-ti
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from loaders.checkpoint_layout import resolve_sources
+from loaders.cpu_experts import host_computed
 from loaders.device_map import execution_device
 from loaders.errors import CheckpointError
 from loaders.materialize import Materializer
@@ -47,6 +48,8 @@ class PlacedModel:
     #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead.
     disk_ranges: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     stats: LoadStats = field(default_factory=LoadStats)
+    #: The plan's keys of modules that compute on the CPU while GPUs compute the rest (``Plan.cpu_compute``).
+    cpu_compute: tuple[str, ...] = ()
 
 
 def _keep_fp32_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
@@ -65,8 +68,12 @@ def place(
     *,
     model_path: Path,
     offload_folder: Path | None = None,
+    cpu_compute: Collection[str] = (),
 ) -> PlacedModel:
-    """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says."""
+    """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says.
+
+    ``cpu_compute``: the plan's keys of modules that compute on the CPU (``Plan.cpu_compute``); with the routed
+    experts a map puts on the CPU, their tensors are never pinned, since they never cross to a GPU."""
     model = described.model
     skeleton = described.skeleton
     tied_targets = {alias for group in skeleton.tied_groups for alias in group[1:]}
@@ -105,13 +112,16 @@ def place(
         model_path=model_path,
         has_gpu=has_gpu,
     )
-    for name, t in mat.materialize(sources, {n: devices[n] for n in sources}).items():
+    unpinned = host_computed(model, device_map, cpu_compute, sources) if has_gpu else set()
+    for name, t in mat.materialize(sources, {n: devices[n] for n in sources}, unpinned).items():
         set_tensor(model, name, t)
     buf_devices = {n: (torch.device("cuda", devices[n]) if isinstance(devices[n], int) else exec_dev) for n in np_bufs}
     init_non_persistent_buffers(model, buf_devices)
     tie_weights(model)
     _check_materialized(model)
-    return PlacedModel(model, dict(device_map), devices, exec_dev, mat.reader, mat.disk_ranges, mat.stats)
+    return PlacedModel(
+        model, dict(device_map), devices, exec_dev, mat.reader, mat.disk_ranges, mat.stats, tuple(cpu_compute)
+    )
 
 
 def check_bf16_support(

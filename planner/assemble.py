@@ -79,7 +79,8 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     kv_note = kv_explanation(skeleton, workload)
     if kv_note:
         reasons.append(kv_note)
-    in_place = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
+    on_host = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
+    in_place = [i for i in on_host if not problem.items[i].is_layer and problem.items[i].expert_weight]
     if in_place:  # routed experts split off their layers: one line for all, the layers' runs read as if whole
         n_exp = len(in_place)
         span = names[in_place[0]] if n_exp == 1 else f"{names[in_place[0]]} .. {names[in_place[-1]]} ({n_exp} blocks)"
@@ -107,6 +108,8 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
             )
         elif run.first in problem.pinned:
             why = " (as the custom map says)"
+        elif run.first in on_host:
+            why = " (computed on the CPU where it lives, KV cache too: did not fit the GPUs, and not streamed)"
         elif streamed[run.first]:
             why = " (offloaded: did not fit on faster devices)"
         reasons.append(f"{device_label(dev)} <- {span}{why}{util}")
@@ -131,12 +134,16 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
                 f"{names[i]} shares weights with {names[anchor]} and runs on "
                 f"{device_label(assignment[i])}: one extra device hop per token"
             )
+    device_map = _device_map(skeleton, problem, placement)
+    cpu_compute = [names[i] for i in on_host]
+    for name in cpu_compute:  # each one its own key, so that the loader can tell it from a streamed neighbour
+        device_map.setdefault(name, "cpu")
     return Plan(
         model=skeleton.name,
         architecture=skeleton.architecture,
         strategy=strategy_name,
         workload=workload,
-        device_map=_device_map(skeleton, problem, placement),
+        device_map=device_map,
         budgets=budgets,
         offloaded_bytes=offloaded,
         prediction=prediction,
@@ -145,4 +152,5 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         placement=placement,
         fingerprint=skeleton.fingerprint,
         revision=skeleton.revision,
+        cpu_compute=cpu_compute,
     )

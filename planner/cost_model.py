@@ -32,8 +32,8 @@ from planner.sizing import SizedBlock
 from planner.strategies import Loads, Problem
 from planner.types import Device, DeviceId, Hardware, Prediction, Workload
 
-#: Per MoE layer whose routed experts compute on the CPU while GPUs compute the rest: the hidden states go to the
-#: host and back (two small copies and a synchronisation).
+#: Per MoE layer whose routed experts compute on the CPU while GPUs compute the rest, and per layer the CPU computes
+#: whole: the hidden states go to the host and back (two small copies and a synchronisation).
 CPU_EXPERT_HOP_SECONDS = 5e-5
 
 COST_MODEL = (
@@ -47,7 +47,8 @@ COST_MODEL = (
 #: Appended to the cost-model line for mixture-of-experts models.
 MOE_COST_MODEL = (
     "; routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute (routed experts kept on the "
-    "cpu compute there at host memory speed, plus a hop of the hidden states), whole blocks when streamed"
+    "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states), "
+    "whole blocks when streamed"
 )
 
 
@@ -102,20 +103,25 @@ def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calib
 
 
 def block_read_seconds(
-    item: SizedBlock, device: DeviceId, runs_on: DeviceId, rate: float, cpu_compute_rate: float | None
+    item: SizedBlock,
+    device: DeviceId,
+    runs_on: DeviceId,
+    rate: float,
+    cpu_compute_rate: float | None,
+    hop: bool = True,
 ) -> float:
     """Seconds one decode step spends reading ``item`` placed on ``device`` (sparsity-aware).
 
     A block that computes where it lives reads ``read_per_token`` (routed experts: only those the batch touches,
     :mod:`planner.moe`) at ``rate``; routed experts kept on the CPU while GPUs compute read at the CPU's own memory
-    rate (``cpu_compute_rate``, None without GPUs) and pay a hop of the hidden states to the host and back. A
-    streamed block copies ``streamed`` bytes
+    rate (``cpu_compute_rate``, None without GPUs) and pay a hop of the hidden states to the host and back (not
+    ``hop`` when the layer around them already computes on the CPU). A streamed block copies ``streamed`` bytes
     (every tensor of it, touched or not) over the link.
     """
     if runs_on != device:
         return item.streamed / rate
     if item.in_place and device == "cpu" and cpu_compute_rate is not None:
-        return item.read_per_token / cpu_compute_rate + CPU_EXPERT_HOP_SECONDS
+        return item.read_per_token / cpu_compute_rate + (CPU_EXPERT_HOP_SECONDS if hop else 0.0)
     return item.read_per_token / rate
 
 
@@ -158,14 +164,17 @@ def predict(
             rate_of[dev_id] = measured.get("disk_warm", cpu.link_bandwidth if has_gpu else cpu.bandwidth)
         else:
             rate_of[dev_id] = measured.get("disk", dev.bandwidth)
-    runs = problem.runs_on
     cpu_compute_rate = _cpu_compute_rate(cpu, cal, dtype) if has_gpu else None
+    host_blocks: set[int] = set()  # skeleton blocks (layers) the CPU computes whole: their experts add no hop
     for i, (item, dev) in enumerate(zip(problem.items, assignment)):
+        runs_on = problem.item_runs_on(i, dev)
+        hop = item.block not in host_blocks
+        if item.in_place and dev == "cpu" and item.is_layer:
+            host_blocks.add(item.block)
         seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + block_read_seconds(
-            item, dev, problem.item_runs_on(i, dev), rate_of[dev], cpu_compute_rate
+            item, dev, runs_on, rate_of[dev], cpu_compute_rate, hop
         )
         if item.kv:
-            runs_on = runs[dev]
             kv_rate = measured["kv"] if runs_on == "cpu" and "kv" in measured else by_id[runs_on].bandwidth
             seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / kv_rate
     seconds = {device_key(d): v for d, v in seconds_by_dev.items()}

@@ -158,8 +158,8 @@ class SizedBlock:
     stream_per_token: int = -1
     #: Bytes of routed experts inside this block.
     expert_weight: int = 0
-    #: Computes on the device it is placed on even while GPUs compute the rest (routed experts kept on the CPU),
-    #: instead of being streamed to the first GPU.
+    #: Computes on the device it is placed on even while GPUs compute the rest (routed experts kept on the CPU, or
+    #: a layer the CPU computes where it lives), instead of being streamed to the first GPU; its KV cache is there.
     in_place: bool = False
     #: Index of the skeleton block this item is (part of).
     block: int = -1

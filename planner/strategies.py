@@ -87,8 +87,9 @@ class Problem:
         return gpus[0].id if gpus else None
 
     def item_runs_on(self, i: int, device: DeviceId) -> DeviceId:
-        """Where item ``i`` placed on ``device`` computes: in place for routed experts kept on the CPU
-        (:attr:`~planner.sizing.SizedBlock.in_place`), else as :meth:`computes_on` says."""
+        """Where item ``i`` placed on ``device`` computes: in place for routed experts kept on the CPU and for layers
+        the CPU computes where they live (:attr:`~planner.sizing.SizedBlock.in_place`), else as :meth:`computes_on`
+        says."""
         return device if self.items[i].in_place else self.runs_on[device]
 
     def computes_on(self, device: DeviceId) -> DeviceId:
@@ -180,12 +181,13 @@ def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
         for k, d in enumerate(order)
     ]
     own, weight = problem.costs
+    in_place = [it.in_place for it in problem.items]  # computes where it lives: brings its KV cache there
     follows, pinned = problem.follows, problem.pinned
     placed: list[int] = []
     cursor, n_dev = 0, len(order)
 
     def cost(i: int, k: int) -> int:
-        c = own[i] if computes[k] else weight[i]
+        c = own[i] if computes[k] or in_place[i] else weight[i]
         return c if started[k] else c + start_cost[k]
 
     for i in range(len(own)):
@@ -212,7 +214,7 @@ def fill(problem: Problem, limits: dict[DeviceId, int]) -> FillResult:
             placed.append(k)
             continue
         while cursor < n_dev:
-            c = own[i] if computes[cursor] else weight[i]
+            c = own[i] if computes[cursor] or in_place[i] else weight[i]
             if not started[cursor]:
                 c += start_cost[cursor]
             if load[cursor] + c <= lim[cursor]:

@@ -238,6 +238,10 @@ class Plan:
     fingerprint: str | None = None
     #: The Hub commit of the checkpoint this plan was made for (``None`` for local models); the loader checks it.
     revision: str | None = None
+    #: Device-map keys on ``cpu`` whose modules compute on the CPU, where they live, while GPUs compute the rest:
+    #: routed experts (``model.layers.N.mlp.experts``) and layers that did not fit the GPUs. A ``cpu`` entry not
+    #: listed is streamed to the first GPU, as in transformers (:mod:`planner.sub_layer`, :mod:`loaders.cpu_experts`).
+    cpu_compute: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -269,6 +273,7 @@ class Plan:
             placement=dict(d.get("placement", {})),
             fingerprint=d.get("fingerprint"),
             revision=d.get("revision"),
+            cpu_compute=list(d.get("cpu_compute", [])),
         )
 
     @classmethod

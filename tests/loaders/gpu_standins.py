@@ -40,10 +40,18 @@ class StandInGpus:
         self._ranges: list[tuple[int, int, int]] = []  # (lo, hi, device) of every "GPU" allocation
         self.allocations: list[tuple[int, tuple[int, ...], torch.dtype]] = []  # (device, shape, dtype)
         self.copy_threads: dict[int, set[int]] = defaultdict(set)
+        self.host_pinned: dict[int, bool] = {}  # address of each CPU-placed weight -> whether it was pinned
 
     # -- CudaCopies --------------------------------------------------------------------------------------------
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def host(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host tensor; whether the loader asked for pinned memory is recorded by its address."""
+        t = torch.empty(shape, dtype=dtype)
+        with self._lock:
+            self.host_pinned[t.data_ptr()] = pinned
+        return t
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype)
