@@ -71,8 +71,28 @@ def _dtype_name(dtype) -> str | None:
     return normalize_dtype(str(dtype), "float32")
 
 
+def _planned_cpu_quantization(the_plan: Plan, asked: str | None) -> str | None:
+    """The CPU quantization to load a Plan with: the one it was sized for. Asking for another is refused, since
+    the plan's budgets would not be the bytes loaded."""
+    planned = the_plan.workload.cpu_quantization
+    if asked is not None and planned is not None and asked != planned:
+        raise PlanError(
+            f"cpu_quantization={asked!r}, but the plan was made for cpu_quantization={planned!r}: "
+            f"load with {planned!r}, or plan again with {asked!r}."
+        )
+    return asked if asked is not None else planned
+
+
 def resolve_device_map(
-    skeleton: Skeleton, device_map: DeviceMapArg, *, max_memory, dtype: str, quantization, workload, offload_folder=None
+    skeleton: Skeleton,
+    device_map: DeviceMapArg,
+    *,
+    max_memory,
+    dtype: str,
+    quantization,
+    workload,
+    offload_folder=None,
+    cpu_quantization: str | None = None,
 ) -> tuple[dict[str, DeviceId], Plan | None]:
     """The device map to obey. A Plan is taken as is; a strategy name is planned from ``skeleton``; a dict (or a
     single device) is normalised, and validated against the model at placement."""
@@ -95,6 +115,7 @@ def resolve_device_map(
             dtype=dtype,
             quantization=quantization,
             offload_folder=offload_folder,
+            cpu_quantization=cpu_quantization,
             **workload,
         )
         return normalize_map(p.device_map), p
@@ -131,6 +152,7 @@ def load_checkpoint(
     if isinstance(device_map, Plan):
         given = given or device_map.workload.dtype
         quantization = quantization if quantization is not None else device_map.workload.quantization
+        cpu_quantization = _planned_cpu_quantization(device_map, cpu_quantization)
     if isinstance(source, CheckpointModel):
         root = Path(source.headers.directory)
         index = CheckpointIndex.from_headers(source.headers)
@@ -160,6 +182,7 @@ def load_checkpoint(
             quantization=quantization,
             workload=workload,
             offload_folder=offload_folder,
+            cpu_quantization=cpu_quantization,
         )
         if quantization:
             reporter.set_phase("loading")
