@@ -30,6 +30,7 @@ from loaders.fast_linear import CPU_KERNEL_CHOICES
 from loaders.placement import place
 from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
 from loaders.quantized import load_quantized
+from loaders.residency import CPU_RESIDENCY_CHOICES, lock_resident
 from loaders.safetensors_index import CheckpointIndex
 from planner.api import plan as make_plan
 from planner.errors import PlanError
@@ -137,6 +138,7 @@ def load_checkpoint(
     cpu_kernels: str = "auto",
     cpu_quantization: str | None = None,
     cpu_quantized_dir: str | os.PathLike | None = None,
+    cpu_residency: str = "lock",
     **workload,
 ) -> LoadResult:
     """Load a checkpoint onto the devices a device map (or Plan) names; see :func:`load_model` for the arguments.
@@ -146,6 +148,8 @@ def load_checkpoint(
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
+    if cpu_residency not in CPU_RESIDENCY_CHOICES:
+        raise PlanError(f"cpu_residency={cpu_residency!r} is not one of {', '.join(CPU_RESIDENCY_CHOICES)}.")
     t0 = time.perf_counter()
     reset_peak_rss()
     given = _dtype_name(dtype)
@@ -214,6 +218,8 @@ def load_checkpoint(
         stats = placed.stats
         stats.native_linears = executed.native_linears
         stats.cpu_quantization = executed.cpu_quantization
+        if cpu_residency == "lock":
+            stats.residency = lock_resident(model, dict(dmap), placed.reader.maps, placed.reader.base_of)
         stats.seconds = time.perf_counter() - t0
         stats.peak_rss_bytes = peak_rss_bytes()
         model.hf_device_map = dict(dmap)
@@ -255,6 +261,7 @@ def load_model(
     cpu_kernels: str = "auto",
     cpu_quantization: str | None = None,
     cpu_quantized_dir: str | os.PathLike | None = None,
+    cpu_residency: str = "lock",
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
@@ -269,6 +276,8 @@ def load_model(
     ``cpu_quantization``: ``"int8"`` or ``"int4"`` quantizes the linear layers that compute on the CPU (resident or
     streamed from disk) at load, weight-only (:mod:`loaders.cpu_quant`); with ``cpu_quantized_dir`` the quantized
     weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
+    ``cpu_residency``: ``"lock"`` (the default) locks the pages of the weights placed on the CPU, so memory pressure
+    cannot evict them (:mod:`loaders.residency`); ``"map"`` leaves them evictable maps.
     """
     return load_checkpoint(
         path,
@@ -282,6 +291,7 @@ def load_model(
         cpu_kernels=cpu_kernels,
         cpu_quantization=cpu_quantization,
         cpu_quantized_dir=cpu_quantized_dir,
+        cpu_residency=cpu_residency,
         **workload,
     ).model
 
