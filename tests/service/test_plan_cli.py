@@ -233,7 +233,7 @@ def test_plan_sizes_the_native_cpu_quantization(tiny_llama):
     assert r.returncode == 0, r.stderr
     q = Plan.from_json(r.stdout)
     assert q.workload.cpu_quantization == "int4" and q.to_dict() == json.loads(r.stdout)
-    assert q.budgets[0].weights < plain.budgets[0].weights / 3
+    assert q.budgets[0].weights < plain.budgets[0].weights / 2  # the embedding and norms stay fp32
     text = run(*args, "--cpu-quantization", "int4")
     assert text.returncode == 0 and "cpu int4 (native kernels)" in text.stdout
     bad = run("plan", str(tiny_llama), "--gpus", "1x1GiB", "--cpu-quantization", "int8")
