@@ -11,6 +11,9 @@ in place, so a saved file is served straight from its memory map, like a bf16 ch
   ``scales`` float16 ``[N, G]``: ``W[n, k] = scales[n, k // 64] * (code - 8)``. The output head stays int8
   under ``int4``: it is one layer, and its errors reach every logit directly.
 
+The shapes and dtypes come from :func:`planner.sizing.cpu_quantized_layout`, which the planner sizes these layers
+by, so a plan made with ``cpu_quantization`` budgets exactly the bytes allocated here.
+
 bitsandbytes (``quantization=`` in :func:`loaders.load_model`) stays the path for GPU layers.
 """
 
@@ -29,6 +32,10 @@ from torch import nn
 
 from loaders import kernel_ops
 from loaders.kernel_ops import GROUP
+from planner.sizing import CPU_QUANT_GROUP, QuantizedLayout, cpu_quantized_layout
+
+if GROUP != CPU_QUANT_GROUP:  # pragma: no cover - the kernels and the planner's sizing share one group size
+    raise ImportError(f"kernel group {GROUP} differs from the planner's {CPU_QUANT_GROUP}")
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,20 @@ def _groups(k: int) -> int:
     return (k + GROUP - 1) // GROUP
 
 
+def _allocate(weight: torch.Tensor, scheme: str, zeroed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(qweight, scales)`` of the layout the planner sizes (:func:`cpu_quantized_layout`)."""
+    n, k = weight.shape
+    lay = cpu_quantized_layout(n, k, scheme)
+    make = torch.zeros if zeroed else torch.empty
+    return make(lay.qweight_shape, dtype=getattr(torch, lay.qweight_dtype)), torch.empty(
+        lay.scales_shape, dtype=getattr(torch, lay.scales_dtype)
+    )
+
+
+def _matches(t: torch.Tensor | None, shape: tuple[int, ...], dtype: str) -> bool:
+    return t is not None and tuple(t.shape) == shape and t.dtype == getattr(torch, dtype)
+
+
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -106,8 +127,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if fn is None:
         return quantize_int8_torch(weight)
     n, k = weight.shape
-    q = torch.empty((n, _groups(k) * GROUP), dtype=torch.int8)
-    scales = torch.empty(n, dtype=torch.float32)
+    q, scales = _allocate(weight, "int8")
     if (
         fn(
             weight.data_ptr(),
@@ -133,9 +153,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if fn is None:
         return quantize_int4_torch(weight)
     n, k = weight.shape
-    g = _groups(k)
-    packed = torch.empty((n, g * GROUP // 2), dtype=torch.uint8)
-    scales = torch.empty((n, g), dtype=torch.float16)
+    packed, scales = _allocate(weight, "int4")
     if (
         fn(
             weight.data_ptr(),
@@ -158,8 +176,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int8_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_int8` in torch operations (where the native kernels are not loaded)."""
     n, k = weight.shape
-    q = torch.zeros((n, _groups(k) * GROUP), dtype=torch.int8)
-    scales = torch.empty(n, dtype=torch.float32)
+    q, scales = _allocate(weight, "int8", zeroed=True)
     for r0 in range(0, n, _ROWS_PER_CHUNK):
         w = weight[r0 : r0 + _ROWS_PER_CHUNK].to(torch.float32)
         s = w.abs().amax(dim=1) / 127.0
@@ -183,8 +200,7 @@ def quantize_int4_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """
     n, k = weight.shape
     g = _groups(k)
-    packed = torch.empty((n, g * GROUP // 2), dtype=torch.uint8)
-    scales = torch.empty((n, g), dtype=torch.float16)
+    packed, scales = _allocate(weight, "int4")
     for r0 in range(0, n, _ROWS_PER_CHUNK):
         w = weight[r0 : r0 + _ROWS_PER_CHUNK].to(torch.float32)
         rows = w.shape[0]
@@ -317,10 +333,8 @@ def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Li
     }
     for name, (lin, sch) in layers.items():
         q, s = tensors.get(f"{name}.qweight"), tensors.get(f"{name}.scales")
-        g = _groups(lin.in_features)
-        want_q = (lin.out_features, g * GROUP) if sch == "int8" else (lin.out_features, g * GROUP // 2)
-        want_s = (lin.out_features,) if sch == "int8" else (lin.out_features, g)
-        if q is None or s is None or tuple(q.shape) != want_q or tuple(s.shape) != want_s:
+        lay: QuantizedLayout = cpu_quantized_layout(lin.out_features, lin.in_features, sch)
+        if not (_matches(q, lay.qweight_shape, lay.qweight_dtype) and _matches(s, lay.scales_shape, lay.scales_dtype)):
             log.warning("ignoring the quantized file %s: %s is missing or has the wrong shape", path, name)
             return None
     return tensors

@@ -30,6 +30,7 @@ from loaders.fast_linear import CPU_KERNEL_CHOICES
 from loaders.placement import place
 from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
 from loaders.quantized import load_quantized
+from loaders.residency import CPU_RESIDENCY_CHOICES, lock_resident
 from loaders.safetensors_index import CheckpointIndex
 from planner.api import plan as make_plan
 from planner.errors import PlanError
@@ -71,8 +72,28 @@ def _dtype_name(dtype) -> str | None:
     return normalize_dtype(str(dtype), "float32")
 
 
+def _planned_cpu_quantization(the_plan: Plan, asked: str | None) -> str | None:
+    """The CPU quantization to load a Plan with: the one it was sized for. Asking for another is refused, since
+    the plan's budgets would not be the bytes loaded."""
+    planned = the_plan.workload.cpu_quantization
+    if asked is not None and planned is not None and asked != planned:
+        raise PlanError(
+            f"cpu_quantization={asked!r}, but the plan was made for cpu_quantization={planned!r}: "
+            f"load with {planned!r}, or plan again with {asked!r}."
+        )
+    return asked if asked is not None else planned
+
+
 def resolve_device_map(
-    skeleton: Skeleton, device_map: DeviceMapArg, *, max_memory, dtype: str, quantization, workload, offload_folder=None
+    skeleton: Skeleton,
+    device_map: DeviceMapArg,
+    *,
+    max_memory,
+    dtype: str,
+    quantization,
+    workload,
+    offload_folder=None,
+    cpu_quantization: str | None = None,
 ) -> tuple[dict[str, DeviceId], Plan | None]:
     """The device map to obey. A Plan is taken as is; a strategy name is planned from ``skeleton``; a dict (or a
     single device) is normalised, and validated against the model at placement."""
@@ -95,6 +116,7 @@ def resolve_device_map(
             dtype=dtype,
             quantization=quantization,
             offload_folder=offload_folder,
+            cpu_quantization=cpu_quantization,
             **workload,
         )
         return normalize_map(p.device_map), p
@@ -116,6 +138,7 @@ def load_checkpoint(
     cpu_kernels: str = "auto",
     cpu_quantization: str | None = None,
     cpu_quantized_dir: str | os.PathLike | None = None,
+    cpu_residency: str = "lock",
     **workload,
 ) -> LoadResult:
     """Load a checkpoint onto the devices a device map (or Plan) names; see :func:`load_model` for the arguments.
@@ -125,12 +148,15 @@ def load_checkpoint(
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
+    if cpu_residency not in CPU_RESIDENCY_CHOICES:
+        raise PlanError(f"cpu_residency={cpu_residency!r} is not one of {', '.join(CPU_RESIDENCY_CHOICES)}.")
     t0 = time.perf_counter()
     reset_peak_rss()
     given = _dtype_name(dtype)
     if isinstance(device_map, Plan):
         given = given or device_map.workload.dtype
         quantization = quantization if quantization is not None else device_map.workload.quantization
+        cpu_quantization = _planned_cpu_quantization(device_map, cpu_quantization)
     if isinstance(source, CheckpointModel):
         root = Path(source.headers.directory)
         index = CheckpointIndex.from_headers(source.headers)
@@ -160,6 +186,7 @@ def load_checkpoint(
             quantization=quantization,
             workload=workload,
             offload_folder=offload_folder,
+            cpu_quantization=cpu_quantization,
         )
         if quantization and the_plan is not None and any(not k.endswith(".experts") for k in the_plan.cpu_compute):
             raise PlanError(
@@ -198,6 +225,8 @@ def load_checkpoint(
         stats = placed.stats
         stats.native_linears = executed.native_linears
         stats.cpu_quantization = executed.cpu_quantization
+        if cpu_residency == "lock":
+            stats.residency = lock_resident(model, dict(dmap), placed.reader.maps, placed.reader.base_of)
         stats.seconds = time.perf_counter() - t0
         stats.peak_rss_bytes = peak_rss_bytes()
         model.hf_device_map = dict(dmap)
@@ -239,6 +268,7 @@ def load_model(
     cpu_kernels: str = "auto",
     cpu_quantization: str | None = None,
     cpu_quantized_dir: str | os.PathLike | None = None,
+    cpu_residency: str = "lock",
     **workload,
 ) -> torch.nn.Module:
     """Load a sharded safetensors checkpoint onto the devices a device map (or Plan) names.
@@ -253,6 +283,8 @@ def load_model(
     ``cpu_quantization``: ``"int8"`` or ``"int4"`` quantizes the linear layers that compute on the CPU (resident or
     streamed from disk) at load, weight-only (:mod:`loaders.cpu_quant`); with ``cpu_quantized_dir`` the quantized
     weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
+    ``cpu_residency``: ``"lock"`` (the default) locks the pages of the weights placed on the CPU, so memory pressure
+    cannot evict them (:mod:`loaders.residency`); ``"map"`` leaves them evictable maps.
     """
     return load_checkpoint(
         path,
@@ -266,6 +298,7 @@ def load_model(
         cpu_kernels=cpu_kernels,
         cpu_quantization=cpu_quantization,
         cpu_quantized_dir=cpu_quantized_dir,
+        cpu_residency=cpu_residency,
         **workload,
     ).model
 

@@ -49,6 +49,8 @@ class LoadStats:
     native_linears: int = 0
     #: What ``cpu_quantization`` did (a :class:`loaders.cpu_quant.QuantizationStats`), or None.
     cpu_quantization: object | None = None
+    #: What ``cpu_residency`` did (a :class:`loaders.residency.ResidencyStats`), or None.
+    residency: object | None = None
 
     def bytes_by_device_id(self) -> dict[DeviceId, int]:
         """``bytes_per_device`` keyed as device maps and plans key devices: GPU index, "cpu" or "disk"."""

@@ -109,18 +109,17 @@ def _quantization_option(skeleton: Skeleton, hardware: Hardware, workload: Workl
 
     With a GPU that is bitsandbytes (``--quantization``). Without one, every layer computes on the CPU, where
     bitsandbytes is the slowest path and the native int8 / 4-bit kernels the fastest, so the advice names
-    ``--cpu-quantization``. Its check plans with bitsandbytes' byte counts, which bound the native formats' from
-    above or equal them: int8 is one byte per weight plus a float32 scale per row in both (the native rows pad
-    to whole groups of 64 inputs: nothing for widths that are multiples of 64, as common models' are); nf4's float32 scale per 64 weights is
-    larger than int4's float16 one; and bitsandbytes leaves the output head in the compute dtype, which the
-    native schemes store as int8.
+    ``--cpu-quantization``, checked with the native formats' own byte counts.
     """
     cpu_only = not any(is_gpu(d.id) for d in hardware.devices)
     for bnb, native in (("int8", "int8"), ("nf4", "int4")):
-        dtype = workload.dtype if cpu_only or workload.dtype != "float32" else "float16"
-        if _feasible(skeleton, hardware, replace(workload, quantization=bnb, dtype=dtype), strategy):
-            if cpu_only:
+        if cpu_only:
+            dtype = workload.dtype if workload.dtype in ("float32", "bfloat16") else "bfloat16"
+            if _feasible(skeleton, hardware, replace(workload, cpu_quantization=native, dtype=dtype), strategy):
                 return f"quantize to {native} on the CPU's native kernels (--cpu-quantization {native})"
+            continue
+        dtype = workload.dtype if workload.dtype != "float32" else "float16"
+        if _feasible(skeleton, hardware, replace(workload, quantization=bnb, dtype=dtype), strategy):
             return f"quantize to {bnb} (--quantization {bnb})"
     return None
 
@@ -152,7 +151,7 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
         w = replace(workload, dtype="bfloat16")
         if _feasible(skeleton, hardware, w, strategy):
             options.append("run in bf16 (--dtype bf16)")
-    if workload.quantization is None:
+    if workload.quantization is None and workload.cpu_quantization is None:
         option = _quantization_option(skeleton, hardware, workload, strategy)
         if option:
             options.append(option)

@@ -40,12 +40,14 @@ def plan(
     complete: bool = False,
     hardware: Hardware | None = None,
     advise: bool = True,
+    cpu_quantization: str | None = None,
 ) -> Plan:
     """Plan where each block of ``model`` goes. See the package docstring for the accepted inputs.
 
     ``complete=True`` lets a custom map leave modules out for the planner to place. ``hardware`` skips
     resolution of ``max_memory``/``gpus`` (the caller built it). ``advise=False`` skips the search for changes
-    that would fit when nothing does.
+    that would fit when nothing does. ``cpu_quantization`` (``int8``/``int4``) sizes the linear layers in the
+    native CPU formats the loader's ``cpu_quantization`` stores.
     """
     inputs = PlanInputs(
         max_memory=max_memory,
@@ -59,6 +61,7 @@ def plan(
         offload_folder=offload_folder,
         bandwidths=bandwidths,
         complete=complete,
+        cpu_quantization=cpu_quantization,
     )
     return plan_inputs(model, inputs, hardware=hardware, advise=advise)
 

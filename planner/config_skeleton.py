@@ -635,7 +635,8 @@ def config_skeleton(config: Mapping[str, Any], *, name: str | None = None) -> Sk
     base = family.base_prefix
 
     def params(prefix: str, specs: list[tuple[str, tuple[int, ...], bool]]) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(f"{prefix}.{n}", shape, dtype, "parameter", q) for n, shape, q in specs)
+        # GPT-2's linear layers are Conv1D ([in, out]), which bitsandbytes replaces and cpu_quantization does not
+        return tuple(TensorSpec(f"{prefix}.{n}", shape, dtype, "parameter", q, q and not gpt2) for n, shape, q in specs)
 
     embed_name = f"{base}.wte" if gpt2 else f"{base}.embed_tokens"
     embed = [TensorSpec(f"{embed_name}.weight", (vocab, hidden), dtype, "parameter", False)]

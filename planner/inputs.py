@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.devices import parse_device
+from planner.devices import is_gpu, parse_device
 from planner.errors import PlanError
 from planner.hardware import build_hardware
-from planner.sizing import normalize_dtype, normalize_quantization
+from planner.sizing import normalize_cpu_quantization, normalize_dtype, normalize_quantization
 from planner.skeleton import load_skeleton
 from planner.types import DeviceId, Hardware, Skeleton, Workload
 from planner.units import parse_size
@@ -108,6 +108,7 @@ class PlanInputs:
     offload_folder: str | os.PathLike | None = None
     bandwidths: Mapping[str, float] | None = None
     complete: bool = False
+    cpu_quantization: str | None = None
 
     @classmethod
     def from_text(
@@ -124,6 +125,7 @@ class PlanInputs:
         offload_folder: str | None = None,
         bandwidth: list[str] | None = None,
         complete: bool = False,
+        cpu_quantization: str | None = None,
     ) -> PlanInputs:
         """From flags or ``LOADMASTER_*`` settings: ``DEV=SIZE`` and ``KIND=RATE`` entries, a strategy name, JSON
         or ``@file.json``."""
@@ -139,6 +141,7 @@ class PlanInputs:
             offload_folder=offload_folder,
             bandwidths=parse_bandwidths(bandwidth),
             complete=complete,
+            cpu_quantization=cpu_quantization,
         )
 
     def hardware(self) -> Hardware:
@@ -149,7 +152,9 @@ class PlanInputs:
         return hardware
 
     def workload(self, skeleton: Skeleton) -> Workload:
-        return make_workload(skeleton, self.dtype, self.quantization, self.batch_size, self.context)
+        return make_workload(
+            skeleton, self.dtype, self.quantization, self.batch_size, self.context, self.cpu_quantization
+        )
 
     def checked_strategy(self) -> Strategy:
         """The strategy with a JSON map read and every device of a custom map in its canonical spelling."""
@@ -183,21 +188,39 @@ def make_workload(
     quantization: str | None = None,
     batch_size: int = 1,
     context: int | None = None,
+    cpu_quantization: str | None = None,
 ) -> Workload:
-    """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32)."""
+    """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32).
+
+    ``cpu_quantization`` (the native int8/int4 CPU formats) computes with float32 or bfloat16 activations: a
+    float16 run is refused here, as the loader would refuse it."""
     _check_count("batch_size", batch_size)
     _check_count("context", context)
     quant = normalize_quantization(quantization)
+    cpu_quant = normalize_cpu_quantization(cpu_quantization)
+    if quant and cpu_quant:
+        raise PlanError(
+            f"cpu_quantization={cpu_quant!r} and quantization={quant!r} were both given. quantization= is "
+            "bitsandbytes for GPU layers, cpu_quantization= is for CPU and disk layers with no GPU in the map; "
+            "pass the one that matches the devices."
+        )
     default_dtype = (
         skeleton.default_dtype if skeleton.default_dtype in ("float16", "bfloat16", "float32") else "float32"
     )
     if quant and dtype is None:
         default_dtype = "float16" if default_dtype == "float32" else default_dtype
+    run = normalize_dtype(dtype, default_dtype)
+    if cpu_quant and run not in ("float32", "bfloat16"):
+        raise PlanError(
+            f"cpu_quantization={cpu_quant!r} computes with float32 or bfloat16 activations, not {run}: "
+            "plan with --dtype bf16 or fp32."
+        )
     return Workload(
-        dtype=normalize_dtype(dtype, default_dtype),
+        dtype=run,
         quantization=quant,
         batch_size=batch_size,
         context=context if context is not None else DEFAULT_CONTEXT,
+        cpu_quantization=cpu_quant,
     )
 
 
@@ -209,4 +232,11 @@ def resolve_inputs(model: Any, inputs: PlanInputs, hardware: Hardware | None = N
         hardware = inputs.hardware()
     elif not hardware.devices:
         raise PlanError("no devices to plan for; give max_memory (e.g. {'cpu': '16GiB'}) or --gpus")
+    gpus = [d.id for d in hardware.devices if is_gpu(d.id)]
+    if workload.cpu_quantization and gpus:
+        raise PlanError(
+            f"cpu_quantization={workload.cpu_quantization!r} is for layers that compute on the CPU, but GPUs "
+            f"{', '.join(str(g) for g in gpus)} are among the devices: give --max-memory with only cpu (and disk), "
+            "or use --quantization (bitsandbytes) for GPU layers."
+        )
     return ResolvedInputs(skeleton, hardware, workload, inputs.checked_strategy(), inputs.complete)

@@ -7,6 +7,14 @@ The byte counts are those bitsandbytes and transformers really allocate (checked
   small per-tensor quant state;
 - everything that is not the weight of a linear layer (embeddings, norms, biases, the output head) stays in the
   compute dtype, as transformers' integration does.
+
+The native CPU formats (``cpu_quantization``, :mod:`loaders.cpu_quant`) are sized by :func:`cpu_quantized_layout`,
+the one definition of their layouts, which the loader allocates by:
+- int8: int8 ``[N, G*64]`` (each row of K inputs zero-padded to G = ceil(K/64) groups) plus one float32 scale per
+  row;
+- int4: uint8 ``[N, G*32]`` (two codes per byte) plus one float16 scale per row and group;
+- every ``nn.Linear`` weight is replaced, the output head included (int8 under int4; a tied head gets its own
+  quantized copy, and the embedding keeps its weight); biases, norms and embeddings stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from planner.moe import expert_bytes, moe_layers, sparse_read
 from planner.types import DTYPE_BYTES, FLOAT_DTYPES, Block, Skeleton, TensorSpec, Workload
 
 QUANTIZATIONS = ("int8", "nf4", "fp4")
+CPU_QUANTIZATIONS = ("int8", "int4")
+#: Inputs per group of the native formats: int8 rows pad to whole groups, int4 keeps one scale per group.
+CPU_QUANT_GROUP = 64
 RUN_DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
     "fp32": "float32",
@@ -68,6 +79,48 @@ def normalize_quantization(q: str | None) -> str | None:
     return _QUANT_ALIASES[key]
 
 
+def normalize_cpu_quantization(q: str | None) -> str | None:
+    if q is None or str(q).strip().lower() in ("", "none", "no"):
+        return None
+    key = str(q).strip().lower()
+    if key not in CPU_QUANTIZATIONS:
+        raise PlanError(
+            f"unknown cpu_quantization {q!r}; use int8 or int4 (the native CPU formats), or none. "
+            "bitsandbytes' int8, nf4 and fp4 for GPU layers are --quantization."
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """The two tensors a native CPU-quantized linear layer holds instead of its ``[out, in]`` weight."""
+
+    qweight_shape: tuple[int, int]
+    qweight_dtype: str
+    scales_shape: tuple[int, ...]
+    scales_dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            math.prod(self.qweight_shape) * DTYPE_BYTES[self.qweight_dtype]
+            + math.prod(self.scales_shape) * DTYPE_BYTES[self.scales_dtype]
+        )
+
+
+def cpu_quantized_layout(out_features: int, in_features: int, scheme: str) -> QuantizedLayout:
+    """What ``cpu_quantization=scheme`` stores for an ``[out_features, in_features]`` weight (see the module
+    docstring); the loader allocates exactly these shapes."""
+    groups = (in_features + CPU_QUANT_GROUP - 1) // CPU_QUANT_GROUP
+    if scheme == "int8":
+        return QuantizedLayout((out_features, groups * CPU_QUANT_GROUP), "int8", (out_features,), "float32")
+    if scheme == "int4":
+        return QuantizedLayout(
+            (out_features, groups * CPU_QUANT_GROUP // 2), "uint8", (out_features, groups), "float16"
+        )
+    raise PlanError(f"unknown cpu_quantization {scheme!r}; use one of {', '.join(CPU_QUANTIZATIONS)}")
+
+
 def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
     """Bytes ``t`` occupies once loaded for ``workload``.
 
@@ -77,6 +130,8 @@ def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
     if t.dtype not in DTYPE_BYTES:
         raise PlanError(f"tensor {t.name} has unsupported dtype {t.dtype!r}")
     n = math.prod(t.shape)
+    if workload.cpu_quantization and t.cpu_quantizable and len(t.shape) == 2:
+        return cpu_quantized_layout(int(t.shape[0]), int(t.shape[1]), workload.cpu_quantization).nbytes
     if workload.quantization and t.quantizable and len(t.shape) == 2:
         if workload.quantization == "int8":
             return n + int(t.shape[0]) * 4
@@ -86,8 +141,33 @@ def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
     return int(n * DTYPE_BYTES[t.dtype])
 
 
-def block_bytes(block: Block, workload: Workload) -> int:
-    return sum([tensor_bytes(t, workload) for t in block.tensors])
+def head_cpu_quantized_bytes(skeleton: Skeleton, block: Block, workload: Workload) -> int:
+    """Bytes ``cpu_quantization`` adds to (or saves in) the output head's block, beside :func:`tensor_bytes`.
+
+    The head is an ``nn.Linear`` the loader quantizes like the others, but int8 under int4 too. Its own weight is
+    replaced (the difference is returned); a head tied to the embedding has no tensor of its own in the skeleton,
+    and gets a quantized copy while the embedding keeps its weight (the copy's bytes are returned)."""
+    if not workload.cpu_quantization or not block.is_head:
+        return 0
+    scheme = "int8"
+    own = [t for t in block.tensors if t.name == f"{block.name}.weight" and len(t.shape) == 2]
+    if own:
+        t = own[0]
+        return cpu_quantized_layout(int(t.shape[0]), int(t.shape[1]), scheme).nbytes - tensor_bytes(t, workload)
+    weight = f"{block.name}.weight"
+    specs = {t.name: t for t in skeleton.tensors()} if skeleton.tied_groups else {}
+    for group in skeleton.tied_groups:
+        if weight in group:
+            source = next((specs[n] for n in group if n in specs and len(specs[n].shape) == 2), None)
+            if source is not None:
+                return cpu_quantized_layout(int(source.shape[0]), int(source.shape[1]), scheme).nbytes
+    return 0
+
+
+def block_bytes(block: Block, workload: Workload, skeleton: Skeleton | None = None) -> int:
+    """A block's weights for ``workload``; ``skeleton`` (for the tied head under ``cpu_quantization``)."""
+    extra = head_cpu_quantized_bytes(skeleton, block, workload) if skeleton is not None else 0
+    return sum([tensor_bytes(t, workload) for t in block.tensors]) + extra
 
 
 def kv_bytes_per_layer(skeleton: Skeleton, workload: Workload, layer: int | None = None) -> int:
@@ -187,6 +267,7 @@ def size_blocks(skeleton: Skeleton, workload: Workload) -> list[SizedBlock]:
             if n is None:
                 n = sized[key] = tensor_bytes(t, workload)
             w += n
+        w += head_cpu_quantized_bytes(skeleton, b, workload)
         if b.is_embedding and not b.is_head:
             rows = max(b.tensors[0].shape[0], 1) if b.tensors and b.tensors[0].shape else 1
             read = int(w / rows) * workload.batch_size

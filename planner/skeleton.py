@@ -315,6 +315,7 @@ def _walk(model: torch.nn.Module, no_split: set[str]) -> tuple[list[Block], tupl
             continue
         prefix = mname + "." if mname else ""
         quantizable_weight = bool(params) and isinstance(mod, linear_types) and mod is not out_emb
+        cpu_quantizable_weight = bool(params) and isinstance(mod, nn.Linear) and mod is not out_emb
         for group, is_param in ((params, True), (buffers, False)):
             if not group:
                 continue
@@ -331,8 +332,14 @@ def _walk(model: torch.nn.Module, no_split: set[str]) -> tuple[list[Block], tupl
                 if dtype is None:
                     dtype = dtype_names[t.dtype] = str(t.dtype).replace("torch.", "")
                 if is_param:
+                    is_weight = tname == "weight" and t.dim() == 2
                     spec = TensorSpec(
-                        full, tuple(t.shape), dtype, "parameter", quantizable_weight and tname == "weight"
+                        full,
+                        tuple(t.shape),
+                        dtype,
+                        "parameter",
+                        quantizable_weight and tname == "weight",
+                        cpu_quantizable_weight and is_weight,
                     )
                 else:
                     spec = TensorSpec(
@@ -509,9 +516,9 @@ def _with_checkpoint(skel: Skeleton, headers: CheckpointHeaders, base_prefix: st
                 if h.shape != t.shape:
                     shape_mismatch.append(f"{t.name}: model {list(t.shape)}, checkpoint {list(h.shape)}")
                 if h.dtype != t.dtype:
-                    t = TensorSpec(t.name, t.shape, h.dtype, t.kind, t.quantizable)
+                    t = t._replace(dtype=h.dtype)
             elif t.name in fused_dtype and fused_dtype[t.name] != t.dtype:
-                t = TensorSpec(t.name, t.shape, fused_dtype[t.name], t.kind, t.quantizable)
+                t = t._replace(dtype=fused_dtype[t.name])
             new_tensors.append(t)
         blocks.append(Block(blk.name, tuple(new_tensors), blk.no_split, blk.layer_index, blk.is_head, blk.is_embedding))
     if shape_mismatch:
@@ -587,7 +594,7 @@ def skeleton_from_headers(
             bname = key[: m.end()]
             idx = int(m.group(1))
             layer_blocks.setdefault(bname, (idx, []))[1].append(
-                TensorSpec(key, h.shape, h.dtype, "parameter", is_weight)
+                TensorSpec(key, h.shape, h.dtype, "parameter", is_weight, is_weight)
             )
         else:
             parent = key.rpartition(".")[0]

@@ -36,7 +36,9 @@ class TensorSpec(NamedTuple):
 
     ``kind`` is ``parameter``, ``buffer`` or ``buffer_nonpersistent`` (a buffer that is not in the checkpoint but
     still occupies memory on its device). ``quantizable`` marks the weight of a linear layer that bitsandbytes
-    would replace; everything else stays in the compute dtype under quantization.
+    would replace; everything else stays in the compute dtype under quantization. ``cpu_quantizable`` marks the
+    ``[out, in]`` weight of an ``nn.Linear`` below the head, which ``cpu_quantization`` replaces (GPT-2's
+    ``Conv1D`` is ``quantizable`` but not this); the head is sized by its block (:func:`planner.sizing.size_blocks`).
 
     A NamedTuple rather than a dataclass: a 70B model has hundreds of them and MoE models hundreds of thousands,
     and building a tuple is several times cheaper than a frozen dataclass, which the planning time shows.
@@ -47,6 +49,7 @@ class TensorSpec(NamedTuple):
     dtype: str
     kind: str = "parameter"
     quantizable: bool = False
+    cpu_quantizable: bool = False
 
     @property
     def numel(self) -> int:
@@ -184,6 +187,8 @@ class Workload:
     quantization: str | None = None  # None, "int8", "nf4", "fp4"
     batch_size: int = 1
     context: int = 2048
+    #: None, "int8" or "int4": the native weight-only formats of CPU and disk layers (``loaders.cpu_quant``).
+    cpu_quantization: str | None = None
 
 
 @dataclass

@@ -52,12 +52,6 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
         "(default auto: where they build)",
     ),
     (
-        "--cpu-quantization",
-        str,
-        "int8 or int4: weight-only quantization, at load, of the linear layers that compute "
-        "on the CPU or stream from disk (GPU layers: --quantization)",
-    ),
-    (
         "--cpu-quantized-dir",
         str,
         "folder to save --cpu-quantization's weights in as safetensors, so the next load "

@@ -42,6 +42,12 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--complete", action="store_true", help="let the planner place modules a custom map leaves out")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: the checkpoint's)")
     g.add_argument("--quantization", default=None, help="bitsandbytes int8, nf4 or fp4")
+    g.add_argument(
+        "--cpu-quantization",
+        default=None,
+        help="int8 or int4: weight-only quantization, at load, of the linear layers that compute "
+        "on the CPU or stream from disk, sized as the native kernels store them (GPU layers: --quantization)",
+    )
     g.add_argument("--batch-size", type=int, default=1, help="sequences generated at once (default 1)")
     g.add_argument("--context", type=int, default=None, help="tokens per sequence, prompt + output (default 2048)")
     g.add_argument(
@@ -71,6 +77,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         offload_folder=args.offload_folder,
         bandwidth=args.bandwidth,
         complete=args.complete,
+        cpu_quantization=args.cpu_quantization,
     )
 
 
@@ -108,6 +115,7 @@ def _compress_runs(device_map: dict[str, Any]) -> list[tuple[str, Any]]:
 def format_plan(plan: Plan) -> str:
     w = plan.workload
     q = f", {w.quantization}" if w.quantization else ""
+    q += f", cpu {w.cpu_quantization} (native kernels)" if w.cpu_quantization else ""
     lines = [
         f"Plan for {plan.model}{f' at commit {plan.revision}' if plan.revision else ''} ({plan.architecture}): strategy {plan.strategy}, {w.dtype}{q}, "
         f"batch {w.batch_size} x context {w.context}",

@@ -154,6 +154,7 @@ class ServiceSettings(BaseSettings):
             offload_folder=self.offload_folder,
             bandwidth=self.bandwidth or None,
             complete=self.complete,
+            cpu_quantization=self.cpu_quantization,
         )
 
     def check_plan_flags(self) -> PlanInputs:

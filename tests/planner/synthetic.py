@@ -19,7 +19,7 @@ def llama_like(
     head_dim = hidden // heads
 
     def linear(n: str, out_f: int, in_f: int) -> TensorSpec:
-        return TensorSpec(f"{n}.weight", (out_f, in_f), dtype, "parameter", True)
+        return TensorSpec(f"{n}.weight", (out_f, in_f), dtype, "parameter", True, True)
 
     blocks = [
         Block(

@@ -110,14 +110,14 @@ def test_nothing_fits_names_the_shortfall_and_the_changes_that_would_fit():
 
 def test_nothing_fits_on_a_cpu_only_machine_advises_the_native_cpu_quantization():
     """Without a GPU every layer computes on the CPU, where bitsandbytes is the slow path: the advice names
-    --cpu-quantization, and the int8 it names does fit (planned with int8's byte counts)."""
+    --cpu-quantization, and the int8 it names does fit (planned with the native int8 format's byte counts)."""
     big = llama_like(layers=8, hidden=512, intermediate=1376, vocab=4096)
     mm = {"cpu": "40MiB"}
     with pytest.raises(PlanError) as e:
         plan(big, max_memory=mm, dtype="bf16", context=256)
     msg = str(e.value)
     assert "--cpu-quantization int8" in msg and "--quantization" not in msg.replace("--cpu-quantization", "")
-    plan(big, max_memory=mm, dtype="bf16", context=256, quantization="int8")
+    plan(big, max_memory=mm, dtype="bf16", context=256, cpu_quantization="int8")
     # with a GPU in the map, bitsandbytes stays the advice
     with pytest.raises(PlanError) as e:
         plan(big, max_memory={0: "20MiB", "cpu": "20MiB"}, dtype="bf16", context=256, gpu_reserve=0)

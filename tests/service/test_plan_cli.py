@@ -223,3 +223,18 @@ def test_flags_and_environment_settings_read_to_the_same_plan_inputs(monkeypatch
     monkeypatch.setenv("LOADMASTER_MAX_MEMORY", "cpu")
     with pytest.raises(PlanError, match="DEV=SIZE"):
         ServiceSettings().plan_inputs()
+
+
+def test_plan_sizes_the_native_cpu_quantization(tiny_llama):
+    """``--cpu-quantization`` plans the bytes the loader stores (JSON round trip keeps it); with a GPU it exits 2."""
+    args = ("plan", str(tiny_llama), "--max-memory", "cpu=1GiB", "--context", "64", "--dtype", "fp32")
+    plain = Plan.from_json(run(*args, "--json").stdout)
+    r = run(*args, "--cpu-quantization", "int4", "--json")
+    assert r.returncode == 0, r.stderr
+    q = Plan.from_json(r.stdout)
+    assert q.workload.cpu_quantization == "int4" and q.to_dict() == json.loads(r.stdout)
+    assert q.budgets[0].weights < plain.budgets[0].weights / 2  # the embedding and norms stay fp32
+    text = run(*args, "--cpu-quantization", "int4")
+    assert text.returncode == 0 and "cpu int4 (native kernels)" in text.stdout
+    bad = run("plan", str(tiny_llama), "--gpus", "1x1GiB", "--cpu-quantization", "int8")
+    assert bad.returncode == 2 and "--quantization (bitsandbytes) for GPU layers" in bad.stderr

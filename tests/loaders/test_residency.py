@@ -1,0 +1,52 @@
+"""Resident CPU weights are locked in memory (``cpu_residency="lock"``, the default): the process's locked bytes
+grow by their size without copying them, disk blocks are not locked, the locks go with the model, and the logits
+are those of an unlocked load."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import loaders
+from loaders.residency import resident_tensors
+from planner.errors import PlanError
+from tests.loaders.helpers import prompt
+
+
+def _locked_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path):
+    dm = {"model.layers.1": "disk", "": "cpu"}
+    kw = dict(device_map=dm, offload_folder=tmp_path / "off", show_progress=False, dtype="float32")
+    plain = loaders.load_model(tiny_llama, cpu_residency="map", **kw)
+    assert plain.load_stats.residency is None
+    before = _locked_bytes()
+    model = loaders.load_model(tiny_llama, **kw)
+    st = model.load_stats.residency
+    resident = resident_tensors(model, dm)
+    want = sum(t.numel() * t.element_size() for _, t in resident)
+    assert st is not None and st.error is None and st.locked_bytes == want
+    assert not any(name.startswith("model.layers.1.") for name, _ in resident)
+    assert any(name.startswith("model.layers.0.") for name, _ in resident)
+    # pages, so a little more than the bytes (each range rounds out to whole pages)
+    locked = _locked_bytes() - before
+    assert want <= locked <= want + 2 * 4096 * len(resident)
+    ids = prompt(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain(ids).logits)
+    del model
+    gc.collect()
+    assert _locked_bytes() - before < want
+
+
+def test_unknown_residency_is_refused(tiny_llama):
+    with pytest.raises(PlanError, match="cpu_residency='pinned' is not one of lock, map"):
+        loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_residency="pinned")
