@@ -195,6 +195,7 @@ class PlanWorkload(_Answer):
     quantization: str | None
     batch_size: int
     context: int
+    cpu_quantization: str | None = None
 
 
 class PlanBudget(_Answer):
@@ -241,6 +242,9 @@ class PlanResponse(_Answer):
     placement: dict[str, int | str]
     fingerprint: str | None
     revision: str | None
+    cpu_compute: list[str] = Field(
+        default_factory=list, description="Device-map keys on cpu that compute there (routed experts, CPU layers)."
+    )
     what_if: WhatIfAnswer | None = None
 
 

@@ -137,3 +137,20 @@ def test_request_schemas_say_what_the_server_takes(document: dict[str, Any]) -> 
         assert extra is not True and {"type": "null"} in extra["anyOf"], name
     assert schemas["PlanRequest"]["additionalProperties"] is False
     assert schemas["TGIRequest"]["examples"] and schemas["ChatCompletionRequest"]["examples"]
+
+
+def test_the_plan_response_models_name_every_field_the_planner_serialises() -> None:
+    """The /plan response models are strict (``extra: forbid``), so a field added to the planner's records and not
+    to them makes every /plan answer violate the document; this catches it without a server."""
+    from dataclasses import fields
+
+    from planner.types import DeviceBudget, Plan, Prediction, Workload
+    from service.response_models import PlanBudget, PlanPrediction, PlanResponse, PlanWorkload
+
+    def names(record: type) -> set[str]:
+        return {f.name for f in fields(record)}
+
+    assert set(PlanResponse.model_fields) - {"what_if"} == names(Plan)
+    assert set(PlanWorkload.model_fields) == names(Workload)
+    assert set(PlanBudget.model_fields) == names(DeviceBudget) | {"total", "free"}
+    assert set(PlanPrediction.model_fields) == names(Prediction)
