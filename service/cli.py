@@ -144,6 +144,10 @@ def curl_example(settings: ServiceSettings) -> str:
     )
 
 
+#: Seconds a thread holds the GIL before another that waits for it is let in (Python's default: 0.005).
+SWITCH_INTERVAL_S = 0.001
+
+
 def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) -> int:
     """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish.
 
@@ -155,6 +159,9 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     from service.model_loading import check_model_source
 
     _configure_logging(settings.log_level)
+    # Worker threads (body parsing, tokenization, detokenization) hold the GIL in bursts; the event loop waits up to
+    # the switch interval for each handover, so a shorter one keeps /health and streams answering while they run.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if settings.threads:
         import torch
 

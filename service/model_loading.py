@@ -128,7 +128,21 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
             f"Model directory {str(path)!r} does not exist; pass a directory with config.json and *.safetensors."
         )
     confine_model_files(path, serve_roots(settings, path), ALLOWED_ROOT_OPTION)
+    refuse_lengths_beyond_positions(settings, path)
     return path.resolve()
+
+
+def refuse_lengths_beyond_positions(settings: ServiceSettings, path: Path) -> None:
+    """An explicit ``--max-total-tokens`` (flag or environment) beyond the model's positions is refused, not
+    lowered: the user asked for sequences the model cannot hold. The default (2048) is still capped quietly at
+    load, since nobody asked for it."""
+    positions = model_position_limit(path)
+    if positions and "max_total_tokens" in settings.model_fields_set and settings.max_total_tokens > positions:
+        raise ValueError(
+            f"--max-total-tokens {settings.max_total_tokens} is more than the {positions} positions the model "
+            f"holds (max_position_embeddings in {path.name}/config.json); give at most {positions}, and "
+            f"--max-input-tokens below it."
+        )
 
 
 #: How the setting that widens the served model's roots is spelled in refusals.
@@ -161,6 +175,7 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         snapshot = download(prepare_download(hub), progress)
         path, commit = snapshot.path, snapshot.commit
         confine_model_files(path, serve_roots(settings, path), ALLOWED_ROOT_OPTION)
+        refuse_lengths_beyond_positions(settings, path)
     else:
         path = resolve_model_dir(settings)
     inputs = settings.plan_inputs()
