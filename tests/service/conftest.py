@@ -29,6 +29,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric_samples(text: str) -> dict[str, float]:
+    """Every sample of a ``/metrics`` page, parsed by prometheus-client's own parser, keyed as it is written:
+    ``name{label="value",...}`` (labels in page order), or the bare name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
 class LiveServer:
     """A uvicorn server on 127.0.0.1:<free port> in a background thread, with the app it serves."""
 

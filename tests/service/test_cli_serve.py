@@ -42,6 +42,19 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float, pol
         time.sleep(poll)
 
 
+def _serve_100m(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``loadmaster serve`` on the 100M Llama (8 GiB of CPU) with extra ``flags``; the process, its URL and
+    the log file that carries its output."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*argv, "--max-memory", "cpu=8GiB", *flags], stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
+        )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
 def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> None:
     monkeypatch.setenv("LOADMASTER_MODEL", str(tiny_llama))
     monkeypatch.setenv("LOADMASTER_MAX_BATCH_SIZE", "7")
@@ -131,31 +144,7 @@ def test_invalid_flag_values_exit_2_before_serving(
 
 
 def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path: Path) -> None:
-    port = free_port()
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "service.cli",
-                "serve",
-                str(llama_100m_dir()),
-                "--port",
-                str(port),
-                "--max-memory",
-                "cpu=8GiB",
-                "--grace-period",
-                "60",
-                "--max-total-tokens",
-                "256",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            cwd=REPO,
-        )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = _serve_100m(tmp_path, "--grace-period", "60", "--max-total-tokens", "256")
     try:
         _wait_ready(url, proc, log, timeout=120, poll=0.1)
 
@@ -208,33 +197,7 @@ def test_grace_period_end_gives_streams_an_error_event_and_requests_a_json_503(t
     """SIGTERM with requests far from done: at the end of the grace period the stream's last event is a
     ``not_ready`` error and the plain request is answered with a JSON 503, not a cut connection; then the process
     exits."""
-    port = free_port()
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "service.cli",
-                "serve",
-                str(llama_100m_dir()),
-                "--port",
-                str(port),
-                "--max-memory",
-                "cpu=8GiB",
-                "--grace-period",
-                "1",
-                "--max-total-tokens",
-                "1024",
-                "--threads",
-                "1",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            cwd=REPO,
-        )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = _serve_100m(tmp_path, "--grace-period", "1", "--max-total-tokens", "1024", "--threads", "1")
     try:
         _wait_ready(url, proc, log, timeout=600, poll=0.2)
 

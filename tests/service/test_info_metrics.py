@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.service.conftest import LiveServer, settings_for
+from tests.service.conftest import LiveServer, metric_samples, settings_for
 from tests.service.test_engine import _FailingForward, allocate_a_pebibyte
 
 
@@ -34,17 +34,8 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     assert (info["load_stats"]["native_linears"] > 0) == fp32.available
 
 
-def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_metrics_count_requests_tokens_and_memory(client: httpx.Client) -> None:
-    before = _samples(client.get("/metrics").text)
+    before = metric_samples(client.get("/metrics").text)
     r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5}})
     assert r.status_code == 200
     client.post("/generate", json={"inputs": ""})  # a 422
@@ -54,7 +45,7 @@ def test_metrics_count_requests_tokens_and_memory(client: httpx.Client) -> None:
     for line in text.splitlines():  # every sample line is `name{labels} number`
         if line and not line.startswith("#"):
             assert re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+', line), line
-    after = _samples(text)
+    after = metric_samples(text)
     key_ok = 'loadmaster_requests_total{route="/generate",status="200"}'
     key_bad = 'loadmaster_requests_total{route="/generate",status="422"}'
     assert after[key_ok] == before.get(key_ok, 0) + 1
@@ -159,7 +150,7 @@ def test_disk_offloaded_weights_are_reported_under_disk(half_on_disk, tiny_llama
     memory = info["memory"]
     assert memory["disk"]["measured"]["weights"] == on_disk == memory["disk"]["planned"]["weights"]
     assert memory["cpu"]["measured"]["weights"] == total - on_disk
-    gauges = _samples(httpx.get(half_on_disk.url + "/metrics").text)
+    gauges = metric_samples(httpx.get(half_on_disk.url + "/metrics").text)
     assert gauges['loadmaster_memory_bytes{device="disk",kind="measured"}'] == on_disk
     assert gauges['loadmaster_memory_bytes{device="cpu",kind="measured"}'] == total - on_disk
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from service.model_loading import load_model
-from tests.service.conftest import LiveServer, settings_for
+from tests.service.conftest import LiveServer, metric_samples, settings_for
 
 GENERATION_ROUTES = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
 
@@ -273,19 +273,10 @@ def test_access_log_has_one_line_per_request(client: httpx.Client, caplog: pytes
     assert bad["status"] == 422 and bad["generated_tokens"] == 0 and bad["ttft_s"] is None
 
 
-def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_cancelled_stream_is_499_with_its_tokens(
     client: httpx.Client, server: LiveServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    before = _samples(client.get("/metrics").text)
+    before = metric_samples(client.get("/metrics").text)
     with caplog.at_level(logging.INFO, logger="loadmaster.access"):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             body = {"inputs": "Once", "parameters": {"max_new_tokens": 200}}
@@ -304,7 +295,7 @@ def test_cancelled_stream_is_499_with_its_tokens(
             threading.Event().wait(0.05)
     assert len(mine) == 1 and mine[0]["status"] == 499, mine
     assert 3 <= mine[0]["generated_tokens"] < 200
-    after = _samples(client.get("/metrics").text)
+    after = metric_samples(client.get("/metrics").text)
     key = 'loadmaster_requests_total{route="/generate_stream",status="499"}'
     assert after[key] == before.get(key, 0) + 1
     assert after["loadmaster_cancelled_requests_total"] == before.get("loadmaster_cancelled_requests_total", 0) + 1
