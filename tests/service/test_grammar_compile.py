@@ -45,7 +45,7 @@ def slow_schema(properties: int, depth: int) -> str:
 
 @pytest.fixture(scope="module")
 def strict(tiny_llama: Path) -> Iterator[LiveServer]:
-    s = LiveServer(settings_for(tiny_llama, grammar_timeout=0.5)).start()
+    s = LiveServer(settings_for(tiny_llama, grammar_timeout=0.5)).start()  # the slow schemas take ~2 s or more
     yield s
     s.stop()
 
@@ -66,7 +66,7 @@ def test_a_schema_too_slow_to_compile_is_refused_naming_the_field_and_health_kee
     prober = threading.Thread(target=_probe_health, args=(strict.url, stop, times), daemon=True)
     prober.start()
     try:
-        schema = json.loads(slow_schema(20, 3))
+        schema = json.loads(slow_schema(20, 4))
         body = {
             "model": "x",
             "messages": [{"role": "user", "content": "Hi"}],
@@ -80,7 +80,7 @@ def test_a_schema_too_slow_to_compile_is_refused_naming_the_field_and_health_kee
 
         tgi = {
             "inputs": "Hi",
-            "parameters": {"max_new_tokens": 4, "grammar": {"type": "json", "value": json.loads(slow_schema(20, 3))}},
+            "parameters": {"max_new_tokens": 4, "grammar": {"type": "json", "value": json.loads(slow_schema(20, 4))}},
         }
         r = httpx.post(strict.url + "/generate", json=tgi, timeout=120)
         assert r.status_code == 422, r.text
