@@ -9,7 +9,9 @@
 With ``--peers`` the same prompts also go, in fresh processes, to transformers' batched ``generate`` (all prompts in
 one left-padded call), its continuous batching (``generate_batch``, what ``transformers serve
 --continuous-batching`` runs) and a lone ``generate`` (:mod:`bench.peers.transformers_cb`), and the table gives
-each server level's ratio to them. ``--repeats`` keeps the best of that many runs of every contender.
+each server level's ratio to them; llama.cpp gets the same prompts as token ids on the same weights written as GGUF,
+batched by its C API (:mod:`bench.peers.llamacpp`, installed on first use). ``--repeats`` keeps the best of that
+many runs of every contender.
 
 After the throughput levels the same server measures latency (:mod:`bench.serve_latency`): time to first token
 with and without the prefix cache, and the inter-token latency of running streams while a ~4k-token prompt is
@@ -192,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model directory (default: the random-weight Llama of --size)")
     p.add_argument("--size", default="100m", choices=["100m", "1b"], help="benchmark Llama when --model is unset")
     p.add_argument("--repeats", type=int, default=1, help="runs of each contender; the best is kept")
-    p.add_argument("--peers", action="store_true", help="also run transformers' batched generate and CB")
+    p.add_argument(
+        "--peers", action="store_true", help="also run transformers' batched generate and CB, and llama.cpp batched"
+    )
     p.add_argument("--offload-half", action="store_true", help="serve with half the decoder layers on disk")
     p.add_argument("--skip-baseline", action="store_true", help="skip the one-request-at-a-time generate baseline")
     p.add_argument("--clients", default="1,4,16")
@@ -252,6 +256,27 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": args.threads,
             },
             timeout=7200,
+        )
+        print(f"peers: {peers}", flush=True)
+        print("peers: llama.cpp batched (the same prompts as token ids, one llama_batch per step) ...", flush=True)
+        from bench.common import model_cache_dir
+        from bench.peers import llamacpp
+
+        llamacpp.ensure_installed()
+        peers.update(
+            run_isolated(
+                "bench.peers.llamacpp",
+                {
+                    "model": str(model_dir),
+                    "cache": str(model_cache_dir()),
+                    "dtype": args.dtype,
+                    "texts": texts[: max(levels)],
+                    "max_new_tokens": args.max_new_tokens,
+                    "repeats": args.repeats,
+                    "threads": args.threads or 2,
+                },
+                timeout=3600,
+            )
         )
         print(f"peers: {peers}", flush=True)
 
@@ -326,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         ("transformers continuous batching", "continuous_batching_tps"),
         ("transformers CB, lone request", "continuous_batching_lone_tps"),
         ("transformers generate, lone", "generate_lone_tps"),
+        ("llama.cpp batched", "llamacpp_batched_tps"),
+        ("llama.cpp, lone sequence", "llamacpp_lone_tps"),
     ):
         if key in peers:
             print(f"{name:<34} {peers[key]:>9.1f} tokens/s")
@@ -333,7 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         tps = r["tokens_per_s"]
         peer = "continuous_batching_tps" if r["clients"] > 1 else "continuous_batching_lone_tps"
         ratios = {}
-        for key in (peer, "generate_batched_tps" if r["clients"] > 1 else "generate_lone_tps"):
+        many = r["clients"] > 1
+        for key in (
+            peer,
+            "generate_batched_tps" if many else "generate_lone_tps",
+            "llamacpp_batched_tps" if many else "llamacpp_lone_tps",
+        ):
             if peers.get(key):
                 ratios[key] = round(tps / peers[key], 3)
         r["vs_peers"] = ratios
