@@ -15,8 +15,8 @@ int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 ``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
 (``service.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
 
-``--peers`` adds CTranslate2's int8 on the same checkpoint to the rounds (``bench/peers/kernels_ctranslate2.py``;
-pip-installed on first use, never in CI).
+``--peers`` adds CTranslate2's int8 (``bench/peers/kernels_ctranslate2.py``) and llama.cpp's q8_0
+(``bench/peers/llamacpp.py``) on the same checkpoint to the rounds (pip-installed on first use, never in CI).
 
 On a machine shared with other jobs, wall-clock tokens/s mostly measures the share of the cores each process
 got. With ``--threads 1`` every contender also reports tokens per CPU-second (the median gap in the process's
@@ -41,6 +41,7 @@ from bench.common import emit, llama_dir, machine, print_table, run_isolated, ti
 
 SCHEMES = ("bf16", "int8", "int4")
 CT2 = "ctranslate2-int8"  # the peer --peers adds (bench/peers/kernels_ctranslate2.py)
+LLAMACPP = "llama.cpp-q8_0"  # and llama.cpp's 8-bit (bench/peers/llamacpp.py)
 
 
 def _weight_bytes_per_token(model) -> int:
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="bf16 checkpoint (default: the bench 1B Llama)")
     ap.add_argument("--agreement", action="store_true", help="also report greedy agreement on the demo model")
     ap.add_argument(
-        "--peers", action="store_true", help="also run CTranslate2's int8 (pip-installed here if missing) in the rounds"
+        "--peers", action="store_true", help="also run CTranslate2 int8 and llama.cpp q8_0 (pip-installed if missing)"
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -200,10 +201,11 @@ def main(argv=None) -> int:
     contenders = list(schemes)
     if args.peers:
         from bench.common import model_cache_dir
-        from bench.peers import kernels_ctranslate2
+        from bench.peers import kernels_ctranslate2, llamacpp
 
         kernels_ctranslate2.ensure_installed()
-        contenders.append(CT2)
+        llamacpp.ensure_installed()
+        contenders += [CT2, LLAMACPP]
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
         for r in range(args.rounds):
@@ -215,9 +217,12 @@ def main(argv=None) -> int:
                     "new_tokens": args.new_tokens,
                     "saved": saved,
                 }
-                if s == CT2:
-                    spec.update(cache=str(model_cache_dir()), prompt_len=16)
-                res = run_isolated("bench.peers.kernels_ctranslate2" if s == CT2 else "bench.quant", spec)
+                if s in (CT2, LLAMACPP):
+                    spec.update(cache=str(model_cache_dir()), prompt_len=16, type="q8_0")
+                module = {CT2: "bench.peers.kernels_ctranslate2", LLAMACPP: "bench.peers.llamacpp"}.get(
+                    s, "bench.quant"
+                )
+                res = run_isolated(module, spec)
                 if "error" in res:
                     raise SystemExit(f"{s}: {res['error']}")
                 runs[s].append(res)
@@ -266,6 +271,12 @@ def main(argv=None) -> int:
         ],
     )
     payload = {"machine": machine(), "model": str(path), "rows": rows}
+    ours = next((r["decode_tok_s"] for r in rows if r["scheme"] == "int8"), None)
+    for peer in (CT2, LLAMACPP):  # the 8-bit target: at least 0.9x each peer's 8-bit
+        theirs = next((r["decode_tok_s"] for r in rows if r["scheme"] == peer), None)
+        if ours and theirs:
+            payload.setdefault("int8_vs_peers", {})[peer] = round(ours / theirs, 3)
+            print(f"int8 against {peer}: {ours / theirs:.2f}x  (target >= 0.9x)")
     if args.agreement:
         from service.demo_model import build_demo_model
 

@@ -11,8 +11,9 @@ Each round starts a real ``loadmaster serve`` process and times, from just befor
 
 The page cache is warm (the shards are read once first). The targets (issue 10) are ready <= 2.5 s and first
 token <= 3 s. The server's own log lines (``--log-level info``) are kept per round, so the phase that took the time
-can be read off them; the best round (lowest ready) is the headline. llama.cpp's ``llama-server`` is timed the same
-way by ``bench/peers/llamacpp.py`` where it is built.
+can be read off them; the best round (lowest ready) is the headline. llama.cpp is timed in the same rounds with
+``--peers`` (:func:`bench.peers.llamacpp.time_to_ready`: a fresh Python process that loads the bf16 GGUF
+of the same weights through llama.cpp's C API and makes one token; interpreter start included).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-quantized-dir", default=None, help="with --cpu-quantization: map saved weights from here")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", type=Path, default=None, help="write the rounds as JSON here")
+    ap.add_argument("--peers", action="store_true", help="also time llama.cpp on the same weights (bf16 GGUF)")
     args = ap.parse_args(argv)
     if args.model is None:
         from bench.common import llama_dir
@@ -125,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_quantized_dir:
         extra += ["--cpu-quantized-dir", args.cpu_quantized_dir]
     warm_page_cache(model)
-    rounds = []
+    if args.peers:
+        from bench.common import model_cache_dir
+        from bench.peers import llamacpp
+
+        llamacpp.ensure_installed()
+    rounds, peer_rounds = [], []
     for i in range(args.rounds):
         torch_s = time_import_torch()
         r = serve_round(model, args.threads, extra, args.timeout)
@@ -136,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             f"import torch {torch_s:.2f} s",
             flush=True,
         )
+        if args.peers:  # rounds alternate, so drift on a shared machine hits both alike
+            peer = llamacpp.time_to_ready(model, model_cache_dir(), "bf16", args.threads)
+            peer_rounds.append(peer)
+            print(
+                f"round {i + 1}: llama.cpp ready {peer['ready_s']:.2f} s, first token {peer['first_token_s']:.2f} s",
+                flush=True,
+            )
     best = min(rounds, key=lambda r: r["ready_s"])
     print("server log of the best round:")
     for line in best["log"]:
@@ -145,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{min(r['first_token_s'] for r in rounds):.2f} s (target {TARGET_FIRST_TOKEN_S}), import torch "
         f"{min(r['import_torch_s'] for r in rounds):.2f} s; load average {os.getloadavg()[0]:.1f}"
     )
+    if peer_rounds:
+        print(
+            f"llama.cpp (its C API from a fresh Python process, interpreter start included), best of "
+            f"{len(peer_rounds)}: ready {min(r['ready_s'] for r in peer_rounds):.2f} s, first token "
+            f"{min(r['first_token_s'] for r in peer_rounds):.2f} s"
+        )
     if args.out:
         from bench.common import write_json
 
-        write_json(args.out, {"model": str(model), "threads": args.threads, "extra": extra, "rounds": rounds})
+        record = {"model": str(model), "threads": args.threads, "extra": extra, "rounds": rounds}
+        write_json(args.out, {**record, "llamacpp_rounds": peer_rounds})
     return 0
 
 
