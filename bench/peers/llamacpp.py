@@ -1,7 +1,7 @@
 """Peer for the decode and serving benchmarks: llama.cpp on the same weights, the same prompts and the same threads.
 
 Outside CI. ``ensure_installed()`` pip-installs ``llama-cpp-python`` (llama.cpp's library with its Python binding,
-built from source with this CPU's instruction set: 20-40 minutes on 2 cores) and ``gguf`` into the running
+built from source for this CPU's instruction set: about 4 minutes on 2 idle cores) and ``gguf`` into the running
 interpreter's environment; neither is a project dependency. Each checkpoint is written once as GGUF by
 :mod:`bench.peers.gguf_export` into ``<cache>/gguf/<model>-<type>.gguf`` (``f32``, ``bf16`` or ``q8_0``).
 
@@ -41,6 +41,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PACKAGES = ("llama-cpp-python", "gguf")
+#: llama.cpp built for this CPU's instruction set, without its tests and examples (the library is what runs).
+BUILD_FLAGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 #: Which GGUF weight type matches which of our dtypes.
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
 #: The binding's log callback that silences llama.cpp (made once; a collected callback would crash it).
@@ -51,8 +53,12 @@ def ensure_installed() -> None:
     """pip-install llama.cpp's binding (built for this CPU) and ``gguf`` if missing (benchmarks only)."""
     missing = [p for p, mod in zip(PACKAGES, ("llama_cpp", "gguf")) if importlib.util.find_spec(mod) is None]
     if missing:
-        log.warning("installing %s for the peer benchmark (llama.cpp compiles for 20-40 minutes)", missing)
-        env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON"))
+        log.warning("installing %s for the peer benchmark (llama.cpp compiles for a few minutes)", missing)
+        env = dict(
+            os.environ,
+            CMAKE_ARGS=os.environ.get("CMAKE_ARGS", BUILD_FLAGS),
+            CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count()),
+        )
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True, env=env)
 
 
