@@ -81,7 +81,9 @@ class StageSlot(torch.nn.Module):
         if self.role == "extra_embed":
             if self.real is not None and not head:
                 return self.real(x)
-            return torch.zeros((*x.shape, self.hidden), dtype=self.ctx.incoming.dtype)  # type: ignore[union-attr]
+            incoming = self.ctx.incoming
+            assert incoming is not None, "a stage ran without the hidden states it should have received"
+            return torch.zeros((*x.shape, self.hidden), dtype=incoming.dtype, device=incoming.device)
         if self.role == "layer":
             if self.real is not None and not head:
                 return self.real(x, *args, **kwargs)

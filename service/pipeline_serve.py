@@ -178,6 +178,8 @@ def join_group(settings: ServiceSettings) -> tuple[int, int]:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # this rank's GPU: where NCCL's tensors (and the wire of its Link) live
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=settings.pipeline_timeout))
     return dist.get_rank(), world
 
