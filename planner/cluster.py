@@ -243,6 +243,7 @@ def _try_stage(sub: Skeleton, hw: Hardware, workload: Workload, boundary: int, s
             quantization=workload.quantization,
             batch_size=workload.batch_size,
             context=workload.context,
+            cpu_quantization=workload.cpu_quantization,
             hardware=replace(hw, devices=devices),
             advise=False,
         )
@@ -262,12 +263,15 @@ def plan_cluster(
     strategy: str = "auto",
     micro_batches: int | None = None,
     inter_host_bandwidth: float = DEFAULT_INTER_HOST_BANDWIDTH,
+    cpu_quantization: str | None = None,
 ) -> ClusterPlan:
     """Plan ``model`` as a pipeline over ``hosts`` (one stage each, in rank order).
 
     ``hosts``: each a :class:`~planner.inputs.PlanInputs` (its ``max_memory``/``gpus``/bandwidths; the workload
     fields are taken from the arguments here) or a ready :class:`~planner.types.Hardware`. ``micro_batches``
     defaults to ``min(batch_size, number of hosts)``: enough to keep every stage busy when the batch allows.
+    ``cpu_quantization`` (``int8``/``int4``) sizes each stage's CPU and disk layers in the native CPU formats its
+    loader stores, so that a stage's resident bytes are its plan's.
     """
     if not hosts:
         raise PlanError("a cluster needs at least one host; give --nodes N or a non-empty hosts list")
@@ -276,7 +280,7 @@ def plan_cluster(
     if not isinstance(inter_host_bandwidth, (int, float)) or inter_host_bandwidth <= 0:
         raise PlanError(f"inter-host bandwidth must be a positive number of bytes/s, got {inter_host_bandwidth!r}")
     skeleton = resolve_skeleton(model)
-    workload = make_workload(skeleton, dtype, quantization, batch_size, context)
+    workload = make_workload(skeleton, dtype, quantization, batch_size, context, cpu_quantization)
     m = micro_batches if micro_batches is not None else min(batch_size, len(hosts))
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise PlanError(f"micro_batches must be a whole number of at least 1, got {m!r}")

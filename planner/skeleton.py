@@ -709,6 +709,14 @@ def describe_checkpoint(
     return _describe(read_config_json(d / CONFIG_NAME), headers, dtype, name=name, source=str(d))
 
 
+def describe_config(
+    doc: Mapping[str, Any], headers: CheckpointHeaders, dtype: str | None, *, name: str, source: str
+) -> CheckpointModel:
+    """:func:`describe_checkpoint` from a config document and headers the caller holds: a pipeline stage describes
+    its own sub-model (fewer layers) with the headers of its own tensors, renamed to the sub-model's names."""
+    return _describe(doc, headers, dtype, name=name, source=source)
+
+
 def _describe(
     doc: Mapping[str, Any], headers: CheckpointHeaders, dtype: str | None, *, name: str, source: str
 ) -> CheckpointModel:

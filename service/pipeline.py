@@ -75,9 +75,10 @@ def check_same_identity(mine: dict[str, str]) -> None:
         raise PipelineMismatchError(f"pipeline identity too long to exchange ({len(data)} > {_IDENTITY_BYTES} bytes)")
     buf = torch.zeros(_IDENTITY_BYTES, dtype=torch.uint8)
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = buf.to(wire_device())  # NCCL collectives take GPU tensors
     gathered = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, buf)
-    ranks = [json.loads(bytes(t.tolist()).rstrip(b"\0")) for t in gathered]
+    ranks = [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in gathered]
     ref = ranks[0]
     for r, other in enumerate(ranks[1:], start=1):
         diff = [f"{k} {other.get(k)!r} (rank 0: {ref[k]!r})" for k in ref if other.get(k) != ref[k]]
@@ -93,17 +94,18 @@ def share_plan(plan: ClusterPlan | None, error: str | None = None) -> ClusterPla
     stopped its planning, which every rank then raises (as a :class:`~planner.errors.PlanError`)."""
     from planner.errors import PlanError
 
+    wire = wire_device()
     if dist.get_rank() == 0:
         data = (plan.to_json(indent=None) if plan is not None else str(error)).encode()
-        size = torch.tensor([len(data) if plan is not None else -len(data)], dtype=torch.long)
+        size = torch.tensor([len(data) if plan is not None else -len(data)], dtype=torch.long, device=wire)
         dist.broadcast(size, 0)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire), 0)
     else:
-        size = torch.zeros(1, dtype=torch.long)
+        size = torch.zeros(1, dtype=torch.long, device=wire)
         dist.broadcast(size, 0)
-        buf = torch.zeros(abs(int(size)), dtype=torch.uint8)
+        buf = torch.zeros(abs(int(size)), dtype=torch.uint8, device=wire)
         dist.broadcast(buf, 0)
-        data = bytes(buf.tolist())
+        data = bytes(buf.cpu().tolist())
     if int(size) < 0:
         raise PlanError(f"rank 0 could not plan the pipeline: {data.decode()}")
     return ClusterPlan.from_json(data.decode()) if plan is None else plan
@@ -125,20 +127,33 @@ class Header:
         return cls(*(int(v) for v in t.tolist()))
 
 
+def wire_device() -> torch.device:
+    """Where point-to-point tensors must live for the group's backend: NCCL sends GPU tensors (this rank's current
+    GPU), gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Link:
-    """Point-to-point sends to the next rank and receives from the previous one; at most a few sends in flight."""
+    """Point-to-point sends to the next rank and receives from the previous one; at most a few sends in flight.
+
+    Tensors cross on :func:`wire_device` and are handed back on the CPU: the engine's control data is read there,
+    and a stage's execution hooks move hidden states onto the device of the layer that takes them, as in one
+    process (with gloo, as on this machine, nothing moves)."""
 
     def __init__(self, rank: int, world: int):
         self.next = (rank + 1) % world
         self.prev = (rank - 1) % world
         self.pending: list[dist.Work] = []
+        self.device = wire_device()
 
     def send(self, header: Header, *tensors: torch.Tensor) -> None:
         if len(self.pending) > 64:
             self.flush()
         try:
             for t in (header.tensor(), *tensors):
-                self.pending.append(dist.isend(t.contiguous(), self.next))
+                self.pending.append(dist.isend(t.to(self.device).contiguous(), self.next))
         except RuntimeError as e:  # a peer already gone can fail the send itself, not only its wait
             raise PipelineBrokenError(f"pipeline rank {self.next} stopped receiving ({e}); restart the group") from e
 
@@ -152,14 +167,14 @@ class Link:
             self.pending.clear()
 
     def recv_header(self) -> Header:
-        t = torch.zeros(5, dtype=torch.long)
+        t = torch.zeros(5, dtype=torch.long, device=self.device)
         self._recv(t)
-        return Header.of(t)
+        return Header.of(t.cpu())
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(t)
-        return t
+        return t.cpu()
 
     def _recv(self, t: torch.Tensor) -> None:
         """A receive that a dead peer (connection closed) or a hung one (the group's timeout) turns into

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("loadmaster pipeline: error: --max-new-tokens and --timeout must be positive\n")
         return 2
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":  # this rank's GPU: where NCCL's tensors (and the wire of its Link) live
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -456,8 +456,9 @@ class PipelineModel:
         """Per stage: its rank, layers, memory planned and measured, and busy fraction (for ``/info``)."""
         stages = []
         for st, stats in zip(self.plan.stages, self.stats):
-            planned = {
-                "weights": sum(b.weights for b in st.plan.budgets),
+            planned = {  # weights held in memory (RAM or GPU); those the stage plan leaves on disk apart
+                "weights": sum(b.weights for b in st.plan.budgets if b.device != "disk"),
+                "disk": sum(b.weights for b in st.plan.budgets if b.device == "disk"),
                 "kv_cache": sum(b.kv_cache for b in st.plan.budgets),
                 "total": sum(b.total for b in st.plan.budgets),
             }

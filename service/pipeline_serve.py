@@ -58,6 +58,7 @@ def plan_for_settings(settings: ServiceSettings, path: Path, world: int) -> Clus
         strategy=inputs.strategy,  # a custom map is refused by the cluster planner with its message
         micro_batches=settings.micro_batches,
         inter_host_bandwidth=parse_rate(settings.inter_host_bandwidth),
+        cpu_quantization=inputs.cpu_quantization,
     )
 
 
@@ -77,6 +78,7 @@ AGREED_SETTINGS = (
     "max_total_tokens",
     "micro_batches",
     "inter_host_bandwidth",
+    "cpu_quantization",
 )
 
 
@@ -139,23 +141,28 @@ def check_pipeline_settings(settings: ServiceSettings) -> int:
     from service.model_loading import hub_ref
 
     parse_rate(settings.inter_host_bandwidth)  # a bad rate stops every rank now, with its message
-    unsupported = [
-        flag
-        for flag, given in (
-            ("--cpu-quantization", settings.cpu_quantization is not None),
-            ("--cpu-quantized-dir", settings.cpu_quantized_dir is not None),
-            ("--cpu-kernels native", settings.cpu_kernels == "native"),
-            ("--offload-folder", settings.offload_folder is not None),
-        )
-        if given
-    ]
-    if unsupported:  # a stage loads plain weights into memory: these would be silently ignored
-        raise ValueError(f"{', '.join(unsupported)}: not supported with --pipeline yet (stages load plain weights)")
     if settings.demo:
         raise ValueError("--demo serves one process; for a pipeline give the model directory (the same on every host)")
     if hub_ref(settings) is not None:
         raise ValueError("--pipeline serves a local model directory (the same path on every host), not a Hub id")
     return world
+
+
+def load_settings_stage(settings: ServiceSettings, path: Path, plan: ClusterPlan, index: int) -> Any:
+    """This rank's stage, loaded through the ordinary loader with the serve flags that decide how a host holds its
+    layers (offload folder, CPU quantization and its saved copies, native kernels), as one process
+    would load its plan."""
+    from loaders.pipeline_stage import load_stage
+
+    return load_stage(
+        path,
+        plan,
+        index,
+        offload_folder=settings.offload_folder,
+        cpu_kernels=settings.cpu_kernels,
+        cpu_quantization=settings.cpu_quantization,
+        cpu_quantized_dir=settings.cpu_quantized_dir,
+    )
 
 
 def join_group(settings: ServiceSettings) -> tuple[int, int]:
@@ -171,6 +178,8 @@ def join_group(settings: ServiceSettings) -> tuple[int, int]:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # this rank's GPU: where NCCL's tensors (and the wire of its Link) live
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=settings.pipeline_timeout))
     return dist.get_rank(), world
 
@@ -179,7 +188,6 @@ def serve_stage_rank(settings: ServiceSettings, rank: int, world: int) -> int:
     """Ranks 1..k-1: plan, check against rank 0, load this stage, serve it until rank 0 says stop."""
     import torch.distributed as dist
 
-    from loaders.pipeline_stage import load_stage
     from planner.errors import LoadmasterError
     from service.model_loading import resolve_model_dir
     from service.pipeline import PipelineBrokenError, PipelineMismatchError
@@ -188,7 +196,7 @@ def serve_stage_rank(settings: ServiceSettings, rank: int, world: int) -> int:
     try:
         path = resolve_model_dir(settings)
         plan = agree_on_plan(settings, path, world)
-        stage = load_stage(path, plan, rank)
+        stage = load_settings_stage(settings, path, plan, rank)
         log.info("rank %d serves stage %d (layers %d-%d)", rank, rank, stage.stage.first_layer, stage.stage.last_layer)
         serve_engine_stage(stage)
     except (PipelineBrokenError, PipelineMismatchError, LoadmasterError, ValueError, OSError) as exc:
@@ -216,7 +224,6 @@ class Rank0:
         import time
 
         from loaders import load_tokenizer
-        from loaders.pipeline_stage import load_stage
         from loaders.progress import LoadStats
         from service.model_loading import LoadedModel, LoadPhase, resolve_model_dir
         from service.pipeline_engine import PipelineModel
@@ -227,16 +234,22 @@ class Rank0:
         progress(LoadPhase(phase="planning"))
         plan = agree_on_plan(settings, path, self.world)
         progress(LoadPhase(phase="loading"))
-        stage = load_stage(path, plan, 0)
+        stage = load_settings_stage(settings, path, plan, 0)
         model = PipelineModel(stage, plan, plan.micro_batches, heartbeat_s=min(2.0, settings.pipeline_timeout / 3))
         model.on_broken(lambda message: _on_broken(self.app, message))
         self.model = model
         model.start_heartbeat()
         stats = LoadStats(
             seconds=time.perf_counter() - t0,
-            bytes_per_device={"cpu": stage.resident_bytes},
+            bytes_per_device=dict(stage.stats.bytes_per_device),
             bytes_read=stage.bytes_read,
+            zero_copy_bytes=stage.stats.zero_copy_bytes,
+            offload_bytes_written=stage.stats.offload_bytes_written,
+            native_linears=stage.stats.native_linears,
+            cpu_quantization=stage.stats.cpu_quantization,
+            residency=stage.stats.residency,
         )
+        model.load_stats = stats  # /info's load_stats: stage 0's load (placement, quantization, native kernels)
         return LoadedModel(
             model=model,
             tokenizer=tokenizer,
