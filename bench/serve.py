@@ -260,10 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peers: {peers}", flush=True)
         print("peers: llama.cpp batched (the same prompts as token ids, one llama_batch per step) ...", flush=True)
         from bench.common import model_cache_dir
-        from bench.peers import llamacpp
 
-        llamacpp.ensure_installed()
-        peers.update(
+        peers.update(  # the worker installs llama.cpp first if it is missing
             run_isolated(
                 "bench.peers.llamacpp",
                 {

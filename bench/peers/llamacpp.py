@@ -202,6 +202,7 @@ def decode_worker(spec: dict) -> dict:
 
 def batched_worker(spec: dict) -> dict:
     """The benchmark's prompts together, and the first alone; best of ``repeats`` each."""
+    ensure_installed()
     from tokenizers import Tokenizer
 
     model_dir = Path(spec["model"])

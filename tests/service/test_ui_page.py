@@ -248,16 +248,20 @@ def test_live_figures_change_while_requests_run(session: PageSession, ui_server:
     seen: list[dict[str, str]] = []
     done = threading.Event()
 
+    # The page polls once a second; on a fast machine one round of requests can end between two polls, so each
+    # client keeps sending for a few seconds (at least one request each).
+    load_until = time.monotonic() + 4.0
+
     def load() -> None:
         with httpx.Client(base_url=ui_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
-            threads = [
-                threading.Thread(
-                    target=lambda: c.post(
-                        "/generate", json={"inputs": "the plan is", "parameters": {"max_new_tokens": 120}}
-                    )
-                )
-                for _ in range(6)
-            ]
+
+            def client() -> None:
+                while True:
+                    c.post("/generate", json={"inputs": "the plan is", "parameters": {"max_new_tokens": 120}})
+                    if time.monotonic() > load_until:
+                        return
+
+            threads = [threading.Thread(target=client) for _ in range(6)]
             for t in threads:
                 t.start()
             for t in threads:
