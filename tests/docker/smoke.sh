@@ -134,9 +134,11 @@ else
 fi
 # GPU images load bitsandbytes models through transformers, which needs accelerate at run time: prove both are
 # installed and work in this image with a real 4-bit load of the demo model (bitsandbytes' CPU backend here).
-quant="$(docker exec "$NAME" python -c 'import accelerate, bitsandbytes as bnb, loaders; m = loaders.load_model("/models/demo-model", device_map={"": "cpu"}, dtype="float32", quantization="nf4", show_progress=False); print(sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()))' 2>&1 | tail -n 1)"
+# The count carries a label: progress bars on stderr may end the combined output after it.
+quant_out="$(docker exec "$NAME" python -c 'import accelerate, bitsandbytes as bnb, loaders; m = loaders.load_model("/models/demo-model", device_map={"": "cpu"}, dtype="float32", quantization="nf4", show_progress=False); print("nf4-linears:", sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()), flush=True)' 2>&1 || true)"
+quant="$(printf '%s\n' "$quant_out" | sed -n 's/^.*nf4-linears: //p' | tail -n 1)"
 case "$quant" in
-    ''|0|*[!0-9]*) say "FAILED: a bitsandbytes nf4 load in the image: $quant"; exit 1 ;;
+    ''|0|*[!0-9]*) say "FAILED: a bitsandbytes nf4 load in the image: $(printf '%s\n' "$quant_out" | tail -n 5)"; exit 1 ;;
     *) say "quantized load: $quant nf4 linear layers (accelerate and bitsandbytes work in the image)" ;;
 esac
 # The CUDA settings are the image's, whatever the base: the allocator's expandable segments, a start period that
