@@ -153,6 +153,9 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
 
     ``loader`` replaces the one-process load (a pipeline's rank 0 loads its stage); ``prepare(app)`` runs on the app
     before it serves."""
+    from service.startup_imports import skip_triton_without_cuda
+
+    skip_triton_without_cuda()  # before anything imports transformers' models, which would import Triton
     import uvicorn
 
     from service.app import create_app

@@ -21,6 +21,12 @@
 /* For a kernel's inner block, instantiated once per constant row count so its accumulators stay in registers. */
 #define LM_ALWAYS_INLINE inline __attribute__((always_inline))
 
+/* How far ahead of its read position a kernel that streams weights front to back asks for them. The hardware
+ * prefetcher alone left the weight stream 20-40% under its rate on a Sapphire Rapids-class Xeon (bench.kernels);
+ * asking for each cache line this far ahead keeps enough misses in flight. Harmless where the prefetcher keeps up. */
+#define LM_PREFETCH_AHEAD 4096
+static LM_ALWAYS_INLINE void lm_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+
 static inline float lm_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

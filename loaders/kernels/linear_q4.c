@@ -47,6 +47,7 @@ static LM_ALWAYS_INLINE void row_dot(const int8_t *xp, const float *dx, const fl
         int j = 0;
         for (; j + 1 < ng; j += 2) {
             const __m512i v = _mm512_loadu_si512((const void *)(wr + (long)(c0 + j) * (LM_GROUP / 2)));
+            lm_prefetch(wr + (long)(c0 + j) * (LM_GROUP / 2) + LM_PREFETCH_AHEAD);
             const __m512i lo = _mm512_and_si512(v, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int m = 0; m < NM; m++) {
@@ -116,6 +117,7 @@ static LM_ALWAYS_INLINE void row_dot(const int8_t *xp, const float *dx, const fl
         }
         for (int j = 0; j < ng; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(wr + (long)(c0 + j) * (LM_GROUP / 2)));
+            if (!(j & 1)) lm_prefetch(wr + (long)(c0 + j) * (LM_GROUP / 2) + LM_PREFETCH_AHEAD); /* one per line */
             const __m256i lo = _mm256_and_si256(v, low);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int m = 0; m < NM; m++) {

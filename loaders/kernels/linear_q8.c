@@ -37,6 +37,8 @@ static LM_ALWAYS_INLINE void row_dot(const int8_t *xa, const __mmask64 *neg, con
     for (; g + 1 < G; g += 2) {
         const __m512i w0 = _mm512_loadu_si512((const void *)(wr + (long)g * LM_GROUP));
         const __m512i w1 = _mm512_loadu_si512((const void *)(wr + (long)(g + 1) * LM_GROUP));
+        lm_prefetch(wr + (long)g * LM_GROUP + LM_PREFETCH_AHEAD);
+        lm_prefetch(wr + (long)(g + 1) * LM_GROUP + LM_PREFETCH_AHEAD);
         for (int m = 0; m < NM; m++) {
             const long mg = (long)m * G + g;
             const __m512i s0 = _mm512_mask_sub_epi8(w0, neg[mg], zero, w0);
@@ -83,6 +85,7 @@ static LM_ALWAYS_INLINE void row_dot(const int8_t *xa, const int8_t *xs, const f
         const int8_t *wg = wr + (long)g * LM_GROUP;
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+        lm_prefetch(wg + LM_PREFETCH_AHEAD);
         for (int m = 0; m < NM; m++) {
             const long off = ((long)m * G + g) * LM_GROUP;
             const __m256i x0 = _mm256_load_si256((const __m256i *)(xs + off));

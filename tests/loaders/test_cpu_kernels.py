@@ -73,7 +73,9 @@ def test_fp32_matches_exact_product(kernel_path, m, n, k, with_bias):
     # float32 summation error bound: a few ulps of the sum of |terms|
     bound = (x.double().abs() @ w.double().abs().T) * 4 * k * 2.0**-24 + 1e-6
     assert ((out.double() - exact).abs() <= bound).all()
-    assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    # torch's own product carries the same kind of rounding (MKL's order differs by CPU): agree within both bounds
+    reference = torch.nn.functional.linear(x, w, b).double()
+    assert ((out.double() - reference).abs() <= 2 * bound).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
