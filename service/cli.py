@@ -228,8 +228,10 @@ def run_serve(args: argparse.Namespace) -> int:
             return pipeline_serve.serve_stage_rank(settings, rank, world)
         rank0 = pipeline_serve.Rank0(world)
         return rank0.finish(serve(settings, loader=rank0.load, prepare=rank0.prepare))
-    if settings.micro_batches is not None or settings.inter_host_bandwidth is not None:
-        raise ValueError("--micro-batches and --inter-host-bandwidth apply to a pipeline: add --pipeline")
+    if settings.inter_host_bandwidth is not None:
+        raise ValueError("--inter-host-bandwidth applies to a pipeline: add --pipeline")
+    # --micro-batches alone splits steps over this host's GPUs; the engine refuses it at load if the plan does not
+    # put the decoder layers on several (service/device_pipeline_runner.py)
     return serve(settings)
 
 
