@@ -174,7 +174,7 @@ def _layout(model: Any, plain: ModelRunner, standin_runs: int | None) -> tuple[s
     if container is None:
         return "no ModuleList of decoder layers was found in the model"
     if plain.mixed:
-        return "the model mixes full and sliding-window attention layers, whose per-layer masks one capture cannot carry"
+        return "its attention mixes full and sliding-window layers, whose per-layer masks one capture cannot carry"
     count = len(model.get_submodule(container))
     if standin_runs:
         k = min(standin_runs, count)

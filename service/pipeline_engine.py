@@ -372,9 +372,7 @@ class PipelineModel:
             if cache is not None:
                 slots, starts = binding.slots[lo:hi], binding.starts[lo:hi]
                 part = cache.store.bound(slots.tolist(), starts.tolist(), width, span)
-            out = _run_stage_layers(
-                self.stage, part, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi]
-            )
+            out = _run_stage_layers(self.stage, part, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi])
             self.clock.busy_s += time.perf_counter() - t0
             stats = torch.zeros((self.world, len(STAT_FIELDS)), dtype=torch.float64)
             stats[0] = self.clock.row(self.cache)

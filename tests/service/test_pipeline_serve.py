@@ -245,7 +245,9 @@ def test_pipeline_without_torchrun_and_pipeline_flags_without_pipeline_are_refus
     r = subprocess.run([*base, "--inter-host-bandwidth", "1Gb"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "add --pipeline" in r.stderr
     # --micro-batches alone is the device pipeline's; on a plan without several GPUs the load is refused by name
-    r = subprocess.run([*base, "--micro-batches", "2", "--port", "0"], capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run(
+        [*base, "--micro-batches", "2", "--port", "0"], capture_output=True, text=True, timeout=240, env=env
+    )
     assert r.returncode not in (0, 2) and "--micro-batches 2 (LOADMASTER_MICRO_BATCHES)" in r.stdout + r.stderr
     ranked = {**env, "RANK": "0", "WORLD_SIZE": "2"}
     demo = [sys.executable, "-m", "service.cli", "demo", "--pipeline"]
