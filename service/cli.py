@@ -111,7 +111,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         help="serve as one rank of a pipeline: run every rank with the same flags under torchrun; rank 0 serves HTTP",
     )
     p.add_argument("--pipeline-timeout", type=float, default=None, help="seconds a rank may stay silent (default 30)")
-    p.add_argument("--micro-batches", type=int, default=None, help="groups a batch is split into (default: ranks)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="groups a batch is split into: over the ranks (default: ranks), or without --pipeline over the GPUs "
+        "of this host that hold the decoder layers (default: 2 per GPU)",
+    )
     p.add_argument("--inter-host-bandwidth", default=None, help="link between hosts for the prediction, e.g. 100Gb")
     # The planner flags' own defaults would hide the environment: unset means "not given" here.
     parser.set_defaults(strategy=None, batch_size=None, complete=None)

@@ -105,3 +105,28 @@ def test_micro_batches_is_honoured_with_runs_and_refused_by_name_without(tiny_ll
         assert "device pipeline is off" in str(failed.value)
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "flags", [{"dtype": "bfloat16"}, {"cpu_quantization": "int8"}], ids=["bf16-by-width", "int8-cpu-layers"]
+)
+def test_precision_and_quantization_flags_are_honoured_through_the_pipeline(tiny_llama: Path, flags: dict) -> None:
+    """bf16 (rows of different widths run one batched call per width, not packed) and int8 CPU layers: the
+    pipelined server answers 8 concurrent requests with the tokens of a plain server given the same flags."""
+    bodies = [{"inputs": p, "parameters": {"max_new_tokens": 8, "details": True}} for p in PROMPTS[:8]]
+    answers = []
+    for runs in (None, 2):
+        s = LiveServer(settings_for(tiny_llama, max_batch_size=8, standin_device_runs=runs, **flags)).start()
+        try:
+            assert s.runtime.engine.device_pipeline.active == (runs is not None)
+            rs = asyncio.run(_post_all(s.url, bodies))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            answers.append([[t["id"] for t in r.json()["details"]["tokens"]] for r in rs])
+        finally:
+            s.stop()
+    assert answers[0] == answers[1]
+
+
+def test_stand_in_runs_are_refused_next_to_pipeline() -> None:
+    with pytest.raises(ValueError, match=r"standin_device_runs .* unset it to serve with --pipeline"):
+        settings_for(Path("."), standin_device_runs=2, pipeline=True)
