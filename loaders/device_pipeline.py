@@ -16,8 +16,11 @@ a step of m micro-batches over k runs takes about (m + k - 1) run-times instead 
 forward in ``capture`` mode stops at the first layer and keeps what the model hands its layers (hidden states,
 mask, rotary position embeddings, cache, positions); the schedule runs the layers; a forward in ``head`` mode then
 lets the first layer return the final hidden states and the others pass them through, so the model's own final
-norm and head compute the logits. ``delay_s`` is a test-only hook: each run takes at least that long per
-micro-batch, so that overlap is measurable on a machine whose cores the runs share.
+norm and head compute the logits. :func:`find_decoder_layers` and :func:`layer_devices` say where a loaded model's
+decoder layers are and which device of its device map each is on. Every pass runs in inference mode, as the
+serving engine's forwards do, so the KV cache tensors the workers write are the engine's own. ``delay_s`` is a
+test-only hook: each run takes at least that long per micro-batch, so that overlap is measurable on a machine whose
+cores the runs share.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from planner.device_map import covering_key
 
 #: What a run's worker receives: (micro-batch index, hidden states, the layers' keyword arguments, CUDA event).
 _Item = tuple[int, torch.Tensor, dict[str, Any], Any]
@@ -166,7 +171,7 @@ class MicroBatchSchedule:
         if worker.stream is None:  # CPU: the queue's order is the dependency
             kw = _to(kwargs, run.device)
             hidden = _to(hidden, run.device)
-            with torch.no_grad():
+            with torch.inference_mode():
                 for layer in run.layers:
                     hidden = layer(hidden, **kw)
             return hidden, None
@@ -178,7 +183,7 @@ class MicroBatchSchedule:
             if src.device.type == "cuda":
                 src.record_stream(worker.stream)  # the producer's allocator must not reuse it before this copy
             kw = _to(kwargs, run.device)
-            with torch.no_grad():
+            with torch.inference_mode():
                 for layer in run.layers:
                     hidden = layer(hidden, **kw)
             done = torch.cuda.Event()
@@ -230,7 +235,7 @@ class LayerCapture:
         """The hidden states and keyword arguments the model hands its first layer for this call."""
         self.mode, self.captured = "capture", None
         try:
-            with torch.no_grad():
+            with torch.inference_mode():
                 self.model(**forward_kwargs)
         except _Captured:
             pass
@@ -246,7 +251,7 @@ class LayerCapture:
         """The model's output (logits) for final hidden states ``hidden``: its own final norm and head."""
         self.mode, self.result = "head", hidden
         try:
-            with torch.no_grad():
+            with torch.inference_mode():
                 return self.model(**forward_kwargs)
         finally:
             self.mode, self.result = "plain", None
@@ -270,4 +275,42 @@ def pipelined_forward(
     return [capture.head(h, **(head_kwargs(c) if head_kwargs else c)) for h, c in zip(outs, calls)]
 
 
-__all__ = ["DeviceRun", "LayerCapture", "MicroBatchSchedule", "pipelined_forward", "split_runs"]
+def find_decoder_layers(model: torch.nn.Module) -> str | None:
+    """The dotted name of ``model``'s ModuleList of decoder layers (``model.layers``, ``transformer.h``, ...): the
+    first ModuleList with as many entries as the config's hidden layers; ``None`` if there is none."""
+    config = getattr(model, "config", None)
+    count = next(
+        (v for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(v := getattr(config, k, None), int)),
+        None,
+    )
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count and count:
+            return name
+    return None
+
+
+def layer_devices(device_map: Mapping[str, object], container: str, count: int) -> list[object] | None:
+    """Each decoder layer's device in ``device_map`` (transformers' ``hf_device_map`` format: the entry that covers
+    the layer); ``None`` when a layer is split over several devices or the map does not place it."""
+    out: list[object] = []
+    for i in range(count):
+        name = f"{container}.{i}" if container else str(i)
+        holder = covering_key(name, device_map)
+        devices = {device_map[k] for k in device_map if k.startswith(name + ".")}
+        if holder is not None:
+            devices.add(device_map[holder])
+        if len(devices) != 1:
+            return None
+        out.append(devices.pop())
+    return out
+
+
+__all__ = [
+    "DeviceRun",
+    "LayerCapture",
+    "MicroBatchSchedule",
+    "find_decoder_layers",
+    "layer_devices",
+    "pipelined_forward",
+    "split_runs",
+]

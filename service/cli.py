@@ -111,7 +111,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         help="serve as one rank of a pipeline: run every rank with the same flags under torchrun; rank 0 serves HTTP",
     )
     p.add_argument("--pipeline-timeout", type=float, default=None, help="seconds a rank may stay silent (default 30)")
-    p.add_argument("--micro-batches", type=int, default=None, help="groups a batch is split into (default: ranks)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="groups a batch is split into: over the ranks (default: ranks), or without --pipeline over the GPUs "
+        "of this host that hold the decoder layers (default: 2 per GPU)",
+    )
     p.add_argument("--inter-host-bandwidth", default=None, help="link between hosts for the prediction, e.g. 100Gb")
     # The planner flags' own defaults would hide the environment: unset means "not given" here.
     parser.set_defaults(strategy=None, batch_size=None, complete=None)
@@ -231,8 +237,10 @@ def run_serve(args: argparse.Namespace) -> int:
             return pipeline_serve.serve_stage_rank(settings, rank, world)
         rank0 = pipeline_serve.Rank0(world)
         return rank0.finish(serve(settings, loader=rank0.load, prepare=rank0.prepare))
-    if settings.micro_batches is not None or settings.inter_host_bandwidth is not None:
-        raise ValueError("--micro-batches and --inter-host-bandwidth apply to a pipeline: add --pipeline")
+    if settings.inter_host_bandwidth is not None:
+        raise ValueError("--inter-host-bandwidth applies to a pipeline: add --pipeline")
+    # --micro-batches alone splits steps over this host's GPUs; the engine refuses it at load if the plan does not
+    # put the decoder layers on several (service/device_pipeline_runner.py)
     return serve(settings)
 
 

@@ -34,7 +34,7 @@ from service.detokenizer import make_detokenizer
 from service.errors import GenerationError, NotReadyError, OverloadedError, ServiceError
 from service.isolation import isolate_failure
 from service.kv_cache import SlotKVCache
-from service.model_runner import ModelRunner, Row, supports_slot_cache
+from service.model_runner import Row, supports_slot_cache
 from service.prefix_cache import SlotContents, common_prefix
 from service.prompt_logprobs import score_prompt_tokens
 from service.sampling import Choice, SamplingParams, TokenChooser, choose_batch
@@ -363,7 +363,10 @@ class Engine:
 
     ``max_batch_size`` is the number of cache slots (sequences decoded together); ``max_total_tokens`` the
     longest sequence (prompt + generated) a slot holds; ``kv_budget_tokens`` the most tokens all admitted
-    sequences may reserve together (default: every slot full), which is what admission checks.
+    sequences may reserve together (default: every slot full), which is what admission checks. A model whose
+    decoder layers span several GPUs runs each iteration in up to ``micro_batches`` micro-batches over its device
+    runs (:mod:`service.device_pipeline_runner`, which also says when it is not used; ``device_pipeline`` reports
+    it); ``standin_runs`` is that module's test-only hook.
     """
 
     def __init__(
@@ -376,6 +379,8 @@ class Engine:
         max_total_tokens: int | None = None,
         kv_budget_tokens: int | None = None,
         metrics: EngineMetrics | None = None,
+        micro_batches: int | None = None,
+        standin_runs: int | None = None,
     ):
         if not supports_slot_cache(model):
             raise GenerationError(
@@ -395,7 +400,13 @@ class Engine:
         # a model that runs elsewhere too (a pipeline's other stages) makes the slot cache, to mirror it there
         make_cache = getattr(model, "make_slot_cache", None) or SlotKVCache
         self.cache = make_cache(max_batch_size, self.max_total_tokens)
-        self.runner = ModelRunner(model, self.device, self.cache)
+        # the device pipeline's runner when the decoder layers span several GPUs, else the plain one; imported
+        # here, as the loader is, so that the service starts without it
+        from service.device_pipeline_runner import make_runner
+
+        self.runner, self.device_pipeline = make_runner(
+            model, self.device, self.cache, micro_batches=micro_batches, standin_runs=standin_runs
+        )
         self.contents = SlotContents(max_batch_size)
         self.output = TokenOutput(self._emit, self._emit_failure)
         self._pending: deque[_Sequence] = deque()
@@ -464,6 +475,7 @@ class Engine:
             self._thread.join(timeout)
         else:
             self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
+            self.runner.close()
 
     def _wake(self) -> None:
         with self._cv:
@@ -497,6 +509,7 @@ class Engine:
                 self._stopping = True  # later submits are refused instead of waiting forever
             self._fail_all(NotReadyError("The server is shutting down; the request was not completed."))
             self.output.close()
+            self.runner.close()
             self.metrics.engine_state(0, 0)
 
     def _fail_all(self, error: ServiceError) -> None:

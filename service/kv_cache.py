@@ -9,17 +9,24 @@ The capacity (tokens per slot) grows by doubling when a longer sequence needs it
 follows the longest sequence actually served rather than the longest allowed; growth copies the cache, which
 happens at most log2(max_len) times in a server's life.
 
-For one forward the runner says which slots take part and where each row's new tokens go, in one of two layouts:
+A forward does not bind the cache itself: it gets a :class:`BoundSlotCache`, a light transformers ``Cache`` that
+shares the storage and holds its own binding (which slots take part and where each row's new tokens go), made by
+:meth:`SlotKVCache.bound` or :meth:`SlotKVCache.bound_packed`. So several forwards can be in flight at once, each
+with its own rows (the micro-batches of :mod:`service.device_pipeline_runner`, one on each device run), as long as
+they write different slots. A binding has one of two layouts:
 
-- **batched** (:meth:`SlotKVCache.bind`, rows of equal width, e.g. a decode step): :meth:`update` (what every
-  transformers attention layer calls) writes the new keys and values there and returns the rows' keys and values up
-  to the longest row's length; the runner's mask hides, per row, what lies beyond that row's own length. When the
-  rows are consecutive slots (the usual case: slots are handed out lowest first) the returned tensors are views;
-  otherwise they are gathered.
-- **packed** (:meth:`SlotKVCache.bind_packed`, rows of different widths, e.g. decode rows next to a prefill chunk):
-  the rows' tokens are laid end to end as one sequence of batch 1, so no row is padded to another's width;
-  :meth:`update` writes each token at its own (slot, position) and returns every row's keys up to its own length,
-  laid end to end the same way. The runner's block-diagonal mask keeps each row to its own keys.
+- **batched** (rows of equal width, e.g. a decode step): :meth:`BoundSlotCache.update` (what every transformers
+  attention layer calls) writes the new keys and values there and returns the rows' keys and values up to the
+  longest row's length; the runner's mask hides, per row, what lies beyond that row's own length. When the rows are
+  consecutive slots (the usual case: slots are handed out lowest first) the returned tensors are views; otherwise
+  they are gathered.
+- **packed** (rows of different widths, e.g. decode rows next to a prefill chunk): the rows' tokens are laid end to
+  end as one sequence of batch 1, so no row is padded to another's width; ``update`` writes each token at its own
+  (slot, position) and returns every row's keys up to its own length, laid end to end the same way. The runner's
+  block-diagonal mask keeps each row to its own keys.
+
+Storage grows only when a bound view is made (on the engine's thread, before the forward starts), never inside a
+forward, so views in flight never see the storage replaced under them.
 """
 
 from __future__ import annotations
@@ -34,19 +41,20 @@ MIN_CAPACITY = 64
 
 
 @dataclass
-class _Binding:
-    """The rows of the current forward in the batched layout: their slots, where each row's new tokens start, and
-    the key span."""
+class BatchedBinding:
+    """The rows of one forward in the batched layout: their slots, where each row's new tokens start, the width
+    every row writes, and the key span."""
 
     slots: torch.Tensor  # [B] long, on CPU
     starts: torch.Tensor  # [B] long, on CPU
+    width: int  # tokens each row writes (shorter rows are padded)
     span: int  # keys each row attends over (the longest row's length after this forward)
     consecutive: slice | None  # slots[0]..slots[-1] when they are consecutive and ascending
 
 
 @dataclass
 class PackedBinding:
-    """The rows of the current forward in the packed layout: for each fed token, and for each key the forward reads,
+    """The rows of one forward in the packed layout: for each fed token, and for each key the forward reads,
     its slot and position (all ``[N]`` long tensors on the CPU)."""
 
     write_slots: torch.Tensor  # [T]: the slot of each fed token
@@ -59,12 +67,11 @@ class PackedBinding:
         return int(self.read_slots.numel())
 
 
-class SlotKVCache(Cache):
-    """A transformers ``Cache`` over fixed slots. ``update`` writes at each row's position and returns the slots'
-    keys/values up to the bound span (see the module docstring)."""
+class SlotKVCache:
+    """The slots' storage, per attention layer. Forwards run on it through :class:`BoundSlotCache` views (see the
+    module docstring); the engine copies prefixes between slots here."""
 
     def __init__(self, slots: int, max_len: int):
-        super().__init__(layers=[])
         if slots < 1 or max_len < 1:
             raise ValueError(f"a KV cache needs at least one slot and one token per slot (got {slots}, {max_len})")
         self.slots = slots
@@ -72,40 +79,27 @@ class SlotKVCache(Cache):
         self.capacity = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self._binding: _Binding | PackedBinding | None = None
-        self._indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     # -- the runner's side ---------------------------------------------------------------------------------------
-    def bind(self, slots: list[int], starts: list[int], width: int, span: int) -> None:
-        """Set up the next forward: row ``b`` writes ``width`` tokens into slot ``slots[b]`` from ``starts[b]``
+    def bound(self, slots: list[int], starts: list[int], width: int, span: int) -> BoundSlotCache:
+        """A view for one forward: row ``b`` writes ``width`` tokens into slot ``slots[b]`` from ``starts[b]``
         (rows shorter than ``width`` are padded; their padding lands past their length and is overwritten later)."""
-        need = max(s for s in starts) + width
-        if need > self.max_len:
-            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
-        self._grow(need)
+        self._grow(max(starts) + width)
         lo = slots[0]
         consecutive = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
-        self._binding = _Binding(
+        binding = BatchedBinding(
             slots=torch.tensor(slots, dtype=torch.long),
             starts=torch.tensor(starts, dtype=torch.long),
+            width=width,
             span=span,
             consecutive=consecutive,
         )
-        self._indices = {}
-        self._width = width
+        return BoundSlotCache(self, binding)
 
-    def bind_packed(self, binding: PackedBinding) -> None:
-        """Set up the next forward in the packed layout (see :class:`PackedBinding`)."""
-        need = int(binding.write_positions.max()) + 1
-        if need > self.max_len:
-            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
-        self._grow(need)
-        self._binding = binding
-        self._indices = {}
-
-    def unbind(self) -> None:
-        self._binding = None
-        self._indices = {}
+    def bound_packed(self, binding: PackedBinding) -> BoundSlotCache:
+        """A view for one forward in the packed layout (see :class:`PackedBinding`)."""
+        self._grow(int(binding.write_positions.max()) + 1)
+        return BoundSlotCache(self, binding)
 
     @torch.inference_mode()
     def copy_prefix(self, source: int, target: int, start: int, end: int) -> None:
@@ -116,7 +110,12 @@ class SlotKVCache(Cache):
             for t in store.values():
                 t[target, :, start:end].copy_(t[source, :, start:end])
 
+    def bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
+
     def _grow(self, need: int) -> None:
+        if need > self.max_len:
+            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
         if need <= self.capacity:
             return
         capacity = max(MIN_CAPACITY, self.capacity)
@@ -130,16 +129,36 @@ class SlotKVCache(Cache):
                 store[layer] = new
         self.capacity = capacity
 
+    def _layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer_idx``'s keys and values storage, made on its first write where and as the layer computes."""
+        if layer_idx not in self.keys:
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class BoundSlotCache(Cache):
+    """A transformers ``Cache`` for one forward: the shared :class:`SlotKVCache` storage and this forward's own
+    binding. ``update`` writes at each row's position and returns the slots' keys/values up to the bound span
+    (see the module docstring). Made by :meth:`SlotKVCache.bound` / :meth:`SlotKVCache.bound_packed`."""
+
+    def __init__(self, store: SlotKVCache, binding: BatchedBinding | PackedBinding):
+        super().__init__(layers=[])
+        self.store = store
+        self.binding = binding
+        self._indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
     def _index(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Slot and position indices of every written token ``[B, width]``, and the slots ``[B]``, on ``device``
         (packed: slots and positions of the written tokens, then of the keys read)."""
         if device not in self._indices:
-            b = self._binding
+            b = self.binding
             if isinstance(b, PackedBinding):
                 packed = (b.write_slots, b.write_positions, b.read_slots, b.read_positions)
                 self._indices[device] = tuple(t.to(device) for t in packed)
                 return self._indices[device]
-            positions = b.starts.unsqueeze(1) + torch.arange(self._width).unsqueeze(0)
+            positions = b.starts.unsqueeze(1) + torch.arange(b.width).unsqueeze(0)
             rows = b.slots.unsqueeze(1).expand_as(positions)
             self._indices[device] = (rows.to(device), positions.to(device), b.slots.to(device))
         return self._indices[device]
@@ -148,14 +167,8 @@ class SlotKVCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self._binding
-        if b is None:
-            raise RuntimeError("SlotKVCache.update called outside a bound forward; call bind() first")
-        if layer_idx not in self.keys:
-            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
-            self.keys[layer_idx] = key_states.new_zeros(shape)
-            self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        b = self.binding
+        keys, values = self.store._layer(layer_idx, key_states, value_states)  # noqa: SLF001 - its own storage
         if isinstance(b, PackedBinding):
             write_slots, write_positions, read_slots, read_positions = self._index(keys.device)
             # [1, H, T, D] -> [T, H, D]; advanced indices on dims 0 and 2 put the indexed dim first
@@ -174,14 +187,11 @@ class SlotKVCache(Cache):
         return keys[:, :, : b.span].index_select(0, slots), values[:, :, : b.span].index_select(0, slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._binding.span if self._binding is not None else 0
+        return self.binding.span
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.max_len
+        return self.store.max_len
 
     @property
     def is_compileable(self) -> bool:
         return False
-
-    def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())

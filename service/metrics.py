@@ -97,6 +97,16 @@ class Metrics:
         self._in_flight = Gauge(
             "loadmaster_requests_in_flight", "Generation requests admitted and not finished.", registry=r
         )
+        self._pipeline_runs = Gauge(
+            "loadmaster_device_pipeline_runs",
+            "Device runs of decoder layers the micro-batch schedule drives in this process (0: not in use).",
+            registry=r,
+        )
+        self._pipeline_micro_batches = Gauge(
+            "loadmaster_device_pipeline_micro_batches",
+            "Most micro-batches one engine step is split into over the device runs (0: not in use).",
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of the last minute, for tokens/s
         self.memory_reader: MemoryReader | None = None
@@ -122,6 +132,11 @@ class Metrics:
     def engine_state(self, batch_size: int, queue_length: int) -> None:
         self._batch_size.set(batch_size)
         self._queue_length.set(queue_length)
+
+    def device_pipeline(self, runs: int, micro_batches: int) -> None:
+        """The engine's device pipeline, set once it starts."""
+        self._pipeline_runs.set(runs)
+        self._pipeline_micro_batches.set(micro_batches)
 
     def queued(self, seconds: float) -> None:
         self._queue_duration.observe(seconds)

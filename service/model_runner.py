@@ -10,19 +10,25 @@ keys of the other rows, attention work (not weight reads) that a decode row next
 
 The runner builds the position ids and the attention mask itself (row ``b``'s token ``t`` sees keys
 ``0 .. start_b + t`` of its own slot, and, for a sliding-window model, only the window's), hands transformers a
-prepared 4D mask (which it uses as given) and the :class:`~service.kv_cache.SlotKVCache`, and asks for the logits it
-needs only (``logits_to_keep``). The model is called as it is loaded, so device-map hooks, disk offload and the
-native kernels all run as for any forward, once per call for every row.
+prepared 4D mask (which it uses as given) and a view of the :class:`~service.kv_cache.SlotKVCache` bound to these
+rows (:class:`~service.kv_cache.BoundSlotCache`), and asks for the logits it needs only (``logits_to_keep``). The
+model is called as it is loaded, so device-map hooks, disk offload and the native kernels all run as for any forward,
+once per call for every row.
+
+Building a call (:meth:`ModelRunner.prepare`, a list of :class:`ModelCall`) is apart from running it and from
+reading its logits back (:meth:`ModelRunner.collect`), so that the device pipeline
+(:mod:`service.device_pipeline_runner`) runs the very same calls, micro-batch by micro-batch, on its schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from service.kv_cache import PackedBinding, SlotKVCache
+from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
 
 
 @dataclass
@@ -45,6 +51,47 @@ class RunOutput:
     every: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class ModelCall:
+    """One forward as the model takes it, over rows ``members`` (indices into the rows being run): token ids,
+    position ids, the prepared mask, the slot cache bound to these rows, and which logits to keep. ``kept[i]`` is
+    how many logits member ``i`` gets back (1, or its width when it asked for every token's)."""
+
+    members: list[int]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | dict[str, torch.Tensor]
+    cache: BoundSlotCache
+    keep: int | torch.Tensor
+    kept: list[int]
+    packed: bool
+
+    def kwargs(self, device: torch.device) -> dict[str, Any]:
+        """The model's keyword arguments for this call."""
+        return dict(
+            input_ids=self.ids.to(device),
+            attention_mask=self.mask,
+            position_ids=self.positions.to(device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=self.keep,
+        )
+
+    def row_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's kept logits ``[kept, vocab]`` out of the call's ``[B, kept, vocab]`` logits."""
+        if not self.packed:
+            return [logits[i, logits.shape[1] - n :] for i, n in enumerate(self.kept)]
+        out, at = [], 0
+        for n in self.kept:
+            out.append(logits[0, at : at + n])
+            at += n
+        return out
+
+    def shifted(self, offset: int) -> ModelCall:
+        """The same call over rows ``offset`` further on (a micro-batch's calls in its whole iteration)."""
+        return replace(self, members=[m + offset for m in self.members])
+
+
 class ModelRunner:
     """Runs the model over :class:`Row`\\ s with the engine's slot cache."""
 
@@ -64,7 +111,8 @@ class ModelRunner:
         #: batch-mates, which changes the order of attention's sums, and bf16/fp16 rounding then lets a row's greedy
         #: tokens depend on its neighbours (fp32 stays within 1e-5). Those get one batched forward per row width.
         self.packed = getattr(model, "runs_packed_rows", True) and self.mask_dtype == torch.float32
-        #: Forwards run so far (tests count them: one per engine iteration).
+        #: Model calls run so far (tests count them: one per engine iteration, unless rows of several widths run
+        #: one call per width).
         self.forwards = 0
 
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
@@ -74,36 +122,49 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, rows: Sequence[Row]) -> RunOutput:
         """Feed every row's tokens in one forward (batched or packed, see the module docstring)."""
+        calls = self.prepare(rows)
+        self.forwards += len(calls)
+        return self.collect(rows, calls, [self._call(c) for c in calls])
+
+    def close(self) -> None:
+        """Nothing to stop (the device pipeline's runner stops its workers here)."""
+
+    def prepare(self, rows: Sequence[Row]) -> list[ModelCall]:
+        """The forward(s) that feed ``rows``: one batched call for rows of one width, one packed call for rows of
+        different widths, or, for a model that does not take the packed layout, one batched call per row width (a
+        row asking for every token's logits alone)."""
         if not rows:
             raise ValueError("a forward needs at least one row")
         widths = {len(r.tokens) for r in rows}
         if min(widths) < 1:
             raise ValueError("every row feeds at least one token")
         if len(widths) == 1 and not any(r.every_logits for r in rows):
-            return RunOutput(self._batched(rows)[:, -1, :])
+            return [self._batched(rows, list(range(len(rows))))]
         if self.packed:
-            return self._packed(rows)
-        return self._by_width(rows)
-
-    def _by_width(self, rows: Sequence[Row]) -> RunOutput:
-        """One batched forward per row width (a row asking for every token's logits alone), for a model that does
-        not take the packed layout."""
+            return [self._packed(rows)]
         groups: dict[int | tuple[int], list[int]] = {}
         for b, r in enumerate(rows):
             groups.setdefault((b,) if r.every_logits else len(r.tokens), []).append(b)
+        return [
+            self._batched([rows[b] for b in members], members, every=rows[members[0]].every_logits)
+            for members in groups.values()
+        ]
+
+    @staticmethod
+    def collect(rows: Sequence[Row], calls: Sequence[ModelCall], logits: Sequence[torch.Tensor]) -> RunOutput:
+        """The :class:`RunOutput` of ``rows`` from each call's logits (in the order of ``calls``)."""
         last: list[torch.Tensor | None] = [None] * len(rows)
         every: dict[int, torch.Tensor] = {}
-        for members in groups.values():
-            logits = self._batched([rows[b] for b in members], every=rows[members[0]].every_logits)
-            for i, b in enumerate(members):
-                last[b] = logits[i, -1]
+        for call, out in zip(calls, logits):
+            for b, row_logits in zip(call.members, call.row_logits(out)):
+                last[b] = row_logits[-1]
                 if rows[b].every_logits:
-                    every[b] = logits[i]
+                    every[b] = row_logits
         return RunOutput(last=torch.stack(last), every=every)
 
-    def _batched(self, rows: Sequence[Row], every: bool = False) -> torch.Tensor:
-        """Rows of one width ``[B, width]``; the logits after each row's last token ``[B, 1, vocab]`` (after every
-        token, ``[B, width, vocab]``, with ``every``)."""
+    def _batched(self, rows: Sequence[Row], members: list[int], every: bool = False) -> ModelCall:
+        """Rows of one width ``[B, width]``; keeps the logits after each row's last token (after every token, with
+        ``every``)."""
         width = len(rows[0].tokens)
         ids = torch.tensor([list(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
@@ -113,10 +174,12 @@ class ModelRunner:
         keys = torch.arange(span).view(1, 1, span)
         query = positions.unsqueeze(2)  # [B, T, 1]
         causal = keys <= query
-        self.cache.bind([r.slot for r in rows], [r.start for r in rows], width, span)
-        return self._call(ids, positions, self._mask(causal, keys, query), 0 if every else 1)
+        cache = self.cache.bound([r.slot for r in rows], [r.start for r in rows], width, span)
+        mask = self._mask(causal, keys, query)
+        kept = [width if every else 1] * len(rows)
+        return ModelCall(members, ids, positions, mask, cache, 0 if every else 1, kept, packed=False)
 
-    def _packed(self, rows: Sequence[Row]) -> RunOutput:
+    def _packed(self, rows: Sequence[Row]) -> ModelCall:
         """Rows end to end as one sequence ``[1, T]`` (see the module docstring)."""
         lengths = torch.tensor([len(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
@@ -138,7 +201,7 @@ class ModelRunner:
             for b, r in enumerate(rows)
         ]
         keep = torch.cat(keep_parts)  # ascending: rows are in order
-        self.cache.bind_packed(
+        cache = self.cache.bound_packed(
             PackedBinding(
                 write_slots=slots[token_row],
                 write_positions=positions,
@@ -146,16 +209,11 @@ class ModelRunner:
                 read_positions=key_positions,
             )
         )
-        logits = self._call(ids, positions.unsqueeze(0), self._mask(causal, keys, query), keep.to(self.device))[0]
-        out = RunOutput(last=logits.new_empty((len(rows), logits.shape[-1])))
-        at = 0
-        for b, part in enumerate(keep_parts):
-            n = len(part)
-            out.last[b] = logits[at + n - 1]
-            if rows[b].every_logits:
-                out.every[b] = logits[at : at + n]
-            at += n
-        return out
+        mask = self._mask(causal, keys, query)
+        kept = [len(part) for part in keep_parts]
+        return ModelCall(
+            list(range(len(rows))), ids, positions.unsqueeze(0), mask, cache, keep.to(self.device), kept, packed=True
+        )
 
     def _mask(
         self, causal: torch.Tensor, keys: torch.Tensor, query: torch.Tensor
@@ -167,27 +225,9 @@ class ModelRunner:
             return {"full_attention": self._prepared(causal), "sliding_attention": self._prepared(windowed)}
         return self._prepared(windowed)
 
-    def _call(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | dict[str, torch.Tensor],
-        keep: int | torch.Tensor,
-    ) -> torch.Tensor:
-        """The model's forward over the bound cache; returns its logits ``[B, kept, vocab]``."""
-        self.forwards += 1
-        try:
-            out = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask,
-                position_ids=positions.to(self.device),
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
-        finally:
-            self.cache.unbind()
-        return out.logits
+    def _call(self, call: ModelCall) -> torch.Tensor:
+        """The model's forward for ``call``; its logits ``[B, kept, vocab]``."""
+        return self.model(**call.kwargs(self.device)).logits
 
     def _prepared(self, allowed: torch.Tensor) -> torch.Tensor:
         """``[B, T, span]`` booleans as the 4D mask the attention implementation takes (bool for SDPA, additive

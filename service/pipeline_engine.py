@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from loaders.pipeline_stage import StageModel
 from planner.cluster import ClusterPlan
-from service.kv_cache import SlotKVCache
+from service.kv_cache import BatchedBinding, BoundSlotCache, SlotKVCache
 from service.pipeline import Link, PipelineBrokenError
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def _recv_masks(link: Link, kind: int, shape: tuple[int, ...], dtype: torch.dtyp
 
 def _run_stage_layers(
     stage: StageModel,
-    cache: SlotKVCache | None,
+    cache: BoundSlotCache | None,
     rows: int,
     width: int,
     mask: Any,
@@ -120,7 +120,8 @@ def _run_stage_layers(
     hidden: torch.Tensor | None,
     ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This stage's layers over one micro-batch (the cache already bound); the hidden states they produce."""
+    """This stage's layers over one micro-batch (``cache``: the slot cache bound to its rows); the hidden states
+    they produce."""
     stage.ctx.mode, stage.ctx.incoming, stage.ctx.outgoing = "layers", hidden, None
     if ids is None:
         ids = torch.zeros((rows, width), dtype=torch.long)
@@ -204,15 +205,12 @@ def _forward_here(
     hidden = link.recv((rows, width, stage.hidden_size), stage.dtype)
     stats = link.recv((world, len(STAT_FIELDS)), torch.float64)
     t0 = time.perf_counter()
+    bound = None
     if cached:
         if cache is None:
             raise RuntimeError("a cached forward arrived before the cache was set up")
-        cache.bind(slots.tolist(), starts.tolist(), width, span)
-    try:
-        out = _run_stage_layers(stage, cache if cached else None, rows, width, mask, positions, hidden)
-    finally:
-        if cached:
-            cache.unbind()
+        bound = cache.bound(slots.tolist(), starts.tolist(), width, span)
+    out = _run_stage_layers(stage, bound, rows, width, mask, positions, hidden)
     clock.busy_s += time.perf_counter() - t0
     stats[rank] = clock.row(cache)
     _, mask_tensors = _send_masks(mask)
@@ -298,7 +296,7 @@ class PipelineModel:
         input_ids: torch.Tensor,
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
-        cache: SlotKVCache | None = None,
+        cache: BoundSlotCache | None = None,
         use_cache: bool = False,
         logits_to_keep: int | torch.Tensor = 0,
         **_: Any,
@@ -358,31 +356,30 @@ class PipelineModel:
                 log.warning("the pipeline broke while stopping")
 
     def _ring(
-        self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, cache: SlotKVCache | None
+        self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, cache: BoundSlotCache | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = ids.shape
-        binding = cache._binding if cache is not None else None  # noqa: SLF001 - the runner bound it for this call
+        binding = cache.binding if cache is not None else None
+        if binding is not None and not isinstance(binding, BatchedBinding):
+            raise TypeError("the ring ships batched bindings only (runs_packed_rows is False)")
         span = binding.span if binding is not None else width
         m = min(self.micro_batches, rows) if cache is not None else 1
         bounds = [(rows * j // m, rows * (j + 1) // m) for j in range(m)]
         for lo, hi in bounds:
             t0 = time.perf_counter()
             part_mask = _rows_of(mask, lo, hi)
+            part = None
             if cache is not None:
                 slots, starts = binding.slots[lo:hi], binding.starts[lo:hi]
-                cache.bind(slots.tolist(), starts.tolist(), width, span)
-            out = _run_stage_layers(
-                self.stage, cache, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi]
-            )
+                part = cache.store.bound(slots.tolist(), starts.tolist(), width, span)
+            out = _run_stage_layers(self.stage, part, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi])
             self.clock.busy_s += time.perf_counter() - t0
             stats = torch.zeros((self.world, len(STAT_FIELDS)), dtype=torch.float64)
-            stats[0] = self.clock.row(cache)
+            stats[0] = self.clock.row(self.cache)
             kind, mask_tensors = _send_masks(part_mask)
             header = ServeHeader(FORWARD, (hi - lo, width, span, kind, int(cache is not None)))
             extra = [slots, starts] if cache is not None else []
             self.link.send(header, *extra, *mask_tensors, positions[lo:hi], out, stats)
-        if cache is not None:
-            cache.bind(binding.slots.tolist(), binding.starts.tolist(), width, span)  # as the runner left it
         hidden_parts, position_parts = [], []
         for _ in bounds:
             h = _recv_header(self.link)

@@ -166,6 +166,18 @@ class KernelReport(_Answer):
     kernels: dict[str, KernelState | None]
 
 
+class DevicePipelineInfo(_Answer):
+    """The micro-batch schedule over this host's GPUs (``service.device_pipeline_runner``)."""
+
+    active: bool
+    reason: str
+    runs: int
+    devices: list[str]
+    layers: list[list[int]]
+    micro_batches: int
+    standin: bool
+
+
 class InfoResponse(_Answer):
     """``GET /info``: the version, load state and limits; with the model loaded, what was loaded and how."""
 
@@ -184,6 +196,9 @@ class InfoResponse(_Answer):
     cpu_kernels: KernelReport | None = None
     pipeline: dict[str, Any] | None = Field(
         None, description="Served with --pipeline: every stage's rank, layers, memory planned and measured, busy time."
+    )
+    device_pipeline: DevicePipelineInfo | None = Field(
+        None, description="Whether steps run in micro-batches over the GPUs of this host, over which runs, and why."
     )
 
 

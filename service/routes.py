@@ -328,6 +328,8 @@ async def info(request: Request) -> dict[str, Any]:
             "cpu_kernels": kernel_report(s.cpu_kernels),
         }
     )
+    if runtime.engine is not None:  # the micro-batch schedule over this host's GPUs: on or off, and why
+        out["device_pipeline"] = runtime.engine.device_pipeline.to_dict()
     if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction
         out["pipeline"] = model.pipeline_report()
     return out

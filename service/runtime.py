@@ -72,7 +72,11 @@ class Runtime:
             max_queue=s.max_concurrent_requests,
             max_total_tokens=max_total,
             metrics=self.metrics,
+            # under --pipeline, --micro-batches splits the ring's batches (the model is the ring's rank 0)
+            micro_batches=None if s.pipeline else s.micro_batches,
+            standin_runs=s.standin_device_runs,
         )
+        self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()
         self.engine = engine
 

@@ -79,8 +79,19 @@ class ServiceSettings(BaseSettings):
     # A pipeline: one stage per torchrun rank (service/pipeline_serve.py).
     pipeline: bool = Field(False, description="Serve as one rank of a pipeline under torchrun (rank 0 serves HTTP).")
     pipeline_timeout: float = Field(30.0, gt=0, description="Seconds a pipeline rank may stay silent.")
-    micro_batches: int | None = Field(None, ge=1, description="Groups a pipelined batch is split into.")
+    micro_batches: int | None = Field(
+        None,
+        ge=1,
+        description="Groups a pipelined batch is split into: over --pipeline ranks, or over the GPUs of this host "
+        "when the plan puts the decoder layers on several (default 2 per GPU run).",
+    )
     inter_host_bandwidth: str | None = Field(None, description="Link between pipeline hosts (prediction), e.g. 100Gb.")
+
+    #: Test only, no flag: split the decoder layers into this many stand-in device runs that all compute on the
+    #: CPU, so the device pipeline serves on a machine without GPUs (service/device_pipeline_runner.py).
+    standin_device_runs: int | None = Field(
+        None, ge=2, description="TEST ONLY: serve through the device pipeline over N stand-in runs on the CPU."
+    )
 
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
@@ -121,6 +132,15 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_standins(self) -> ServiceSettings:
+        if self.standin_device_runs is not None and self.pipeline:
+            raise ValueError(
+                "standin_device_runs (LOADMASTER_STANDIN_DEVICE_RUNS, test only) splits one process's layers; "
+                "unset it to serve with --pipeline"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_limits(self) -> ServiceSettings:

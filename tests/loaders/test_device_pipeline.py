@@ -13,7 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from loaders.device_pipeline import LayerCapture, MicroBatchSchedule, pipelined_forward, split_runs
+from loaders.device_pipeline import (
+    LayerCapture,
+    MicroBatchSchedule,
+    find_decoder_layers,
+    layer_devices,
+    pipelined_forward,
+    split_runs,
+)
 
 PROMPTS = ["The old lighthouse keeper", "Hello there", "Once upon a time in a quiet village"]
 
@@ -81,3 +88,15 @@ def test_bad_inputs_are_refused_by_name() -> None:
         split_runs([torch.nn.Identity(), torch.nn.Identity()], ["cpu"])
     with pytest.raises(ValueError, match="delay_s must be >= 0"):
         MicroBatchSchedule(split_runs([torch.nn.Identity()], ["cpu"]), delay_s=-1)
+
+
+def test_decoder_layers_and_their_devices_are_read_from_the_model_and_its_map(
+    tiny_llama: Path, tiny_gpt2: Path
+) -> None:
+    assert find_decoder_layers(AutoModelForCausalLM.from_pretrained(tiny_llama)) == "model.layers"
+    assert find_decoder_layers(AutoModelForCausalLM.from_pretrained(tiny_gpt2)) == "transformer.h"
+    two_gpus = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+    assert layer_devices(two_gpus, "model.layers", 2) == [0, 1]
+    assert layer_devices({"": "cpu"}, "model.layers", 2) == ["cpu", "cpu"]
+    assert layer_devices({"model": 0, "model.layers.1.mlp": 1}, "model.layers", 2) is None  # layer 1 is split
+    assert layer_devices({"model.layers.0": 0}, "model.layers", 2) is None  # layer 1 is not placed
