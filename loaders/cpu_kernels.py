@@ -52,7 +52,7 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("isa.c", "linear_bf16.c", "linear_f32.c", "linear_q8.c", "linear_q4.c", "quantize_weights.c")
 HEADERS = ("common.h",)
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
-ISA_CHOICES = ("auto", "avx512", "avx2", "torch")
+ISA_CHOICES = ("auto", "amx", "avx512", "avx2", "torch")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,23 @@ class Isa:
 #: Best first. AVX-512 here means the Zen 4 / Sapphire Rapids set (VNNI and BF16 included); an older AVX-512 CPU
 #: takes the AVX2 path, which every kernel has.
 ISAS: dict[str, Isa] = {
+    # AVX-512 plus the AMX tile unit (Sapphire Rapids and later): bf16 products run on AMX-BF16 tiles, 16 rows of
+    # x per tile, so a batch of decode rows costs about what one costs; every other kernel is the AVX-512 one.
+    "amx": Isa(
+        "amx",
+        (
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512vnni",
+            "-mavx512bf16",
+            "-mfma",
+            "-mf16c",
+            "-mamx-tile",
+            "-mamx-bf16",
+        ),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma", "f16c", "amx_tile", "amx_bf16"),
+    ),
     "avx512": Isa(
         "avx512",
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma", "-mf16c"),

@@ -142,7 +142,9 @@ static inline void lm_quantize_rows(const void *x, long ldx, int bf16, int M, in
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AMX_BF16__)
+#define LM_ISA "amx"
+#elif defined(__AVX512F__)
 #define LM_ISA "avx512"
 #else
 #define LM_ISA "avx2"

@@ -12,6 +12,7 @@
  * - AVX2 + FMA: a bf16 is the top half of a float32, so a 32-bit lane holding two bf16 values yields the odd one
  *   by masking the low half and the even one by shifting it up: two fused multiply-adds per 16 values, no
  *   conversion instruction.
+ * - AMX (the "amx" build: AVX-512 plus AMX-BF16, Sapphire Rapids and later): see amx_linear below.
  * The rows of W are split among OpenMP threads (torch's runtime, torch's thread count).
  */
 #include "common.h"
@@ -103,19 +104,159 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
 }
 #endif
 
-/* Returns 0 on success. x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N]. */
-int lm_linear_bf16(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
-                   uint16_t *y, long ldy, int M, int N, int K, int threads) {
-    if (M < 1 || N < 1 || K < 1 || threads < 1) return 1;
-    const int nblocks = (N + ROWS - 1) / ROWS;
+/* Rows [n_begin, N) of y with the vector kernel above. */
+static void vector_rows(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias, uint16_t *y,
+                        long ldy, int M, int n_begin, int N, int K, int threads) {
+    const int nblocks = (N - n_begin + ROWS - 1) / ROWS;
+    if (nblocks <= 0) return;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int b = 0; b < nblocks; b++) {
-        const int n0 = b * ROWS;
+        const int n0 = n_begin + b * ROWS;
         const int nrows = N - n0 < ROWS ? N - n0 : ROWS;
         for (int m0 = 0; m0 < M; m0 += MAXM) {
             const int nm = M - m0 < MAXM ? M - m0 : MAXM;
             block(x + (long)m0 * ldx, ldx, w, ldw, bias, y + (long)m0 * ldy, ldy, n0, nrows, nm, K);
         }
     }
+}
+
+#if defined(__AMX_BF16__)
+/*
+ * AMX: y^T = W x^T on the tile unit. One TDPBF16PS multiplies a 16 x 32 tile of W (16 rows of W, read in place with
+ * W's row stride) by a 32 x 16 tile of x^T (x repacked once per call into the unit's pair layout: for each pair of
+ * inputs k, k+1, the 16 rows' values side by side) into a 16 x 16 float32 tile of y^T. 16 rows of x per tile, so
+ * a batch of 16 decode rows costs about what one row costs: the weight stream, not arithmetic, stays the limit.
+ * Each output element is its own float32 sum over k in the same order whatever the other rows of x are, so a
+ * row's result does not depend on its batch (and every batch size takes this path). Rows of W past the last
+ * multiple of 16 take the vector kernel, for every batch size alike. Linux hands a thread the tile registers only
+ * after the process asks for them (arch_prctl); if it refuses, every call takes the vector kernel.
+ */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16 /* rows of W, and of x, per tile */
+#define AMX_K 32    /* bf16 inputs per tile row (64 bytes) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static int amx_permission(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+
+/* Store C tile `t` (a compile-time constant in each case) and write its 16 x 16 block of y, bias added. */
+#define AMX_STORE(t) _tile_stored(t, c, 64)
+static void amx_write(const float *c, const uint16_t *bias, uint16_t *y, long ldy, int n0, int m0, int M) {
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const float b = bias ? lm_bf16_to_f32(bias[n0 + r]) : 0.0f;
+        for (int j = 0; j < AMX_ROWS && m0 + j < M; j++) y[(long)(m0 + j) * ldy + n0 + r] = lm_f32_to_bf16(c[r * 16 + j] + b);
+    }
+}
+
+/* Rows [0, nfull) of y (nfull a multiple of 16), for M <= 32 rows of x: two 16-row blocks of W per step (C tiles
+ * 0, 1 for x rows 0-15 and 2, 3 for rows 16-31; W in tiles 4, 5; x^T in 6, 7). */
+static int amx_linear(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias, uint16_t *y,
+                      long ldy, int M, int nfull, int K, int threads) {
+    const int kpad = (K + AMX_K - 1) / AMX_K * AMX_K;
+    const int mblocks = (M + AMX_ROWS - 1) / AMX_ROWS;
+    const size_t block_elems = (size_t)kpad * AMX_ROWS; /* one x^T block: kpad/2 rows of 16 pairs */
+    uint16_t *xp = aligned_alloc(64, block_elems * 2 * (size_t)mblocks);
+    if (!xp) return 3;
+    memset(xp, 0, block_elems * 2 * (size_t)mblocks);
+    for (int m = 0; m < M; m++) {
+        uint16_t *b = xp + (size_t)(m / AMX_ROWS) * block_elems + (size_t)(m % AMX_ROWS) * 2;
+        const uint16_t *xr = x + (long)m * ldx;
+        for (int k = 0; k < K; k++) b[(size_t)(k / 2) * 32 + (k & 1)] = xr[k];
+    }
+    const int kfull = K / AMX_K * AMX_K;
+    const int pairs = (nfull / AMX_ROWS + 1) / 2;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = AMX_ROWS;
+        }
+        _tile_loadconfig(&cfg);
+        float c[AMX_ROWS * 16] __attribute__((aligned(64)));
+        uint16_t tail[2][AMX_ROWS * AMX_K] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int p = 0; p < pairs; p++) {
+            const int n0 = p * 2 * AMX_ROWS;
+            const int two = n0 + AMX_ROWS < nfull;
+            const uint16_t *w0 = w + (long)n0 * ldw, *w1 = w + (long)(n0 + AMX_ROWS) * ldw;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int k = 0; k < kpad; k += AMX_K) {
+                if (k < kfull) {
+                    _tile_loadd(4, w0 + k, ldw * 2);
+                    if (two) _tile_loadd(5, w1 + k, ldw * 2);
+                } else { /* K's last partial tile: copied beside zeros, so nothing past a row's end is read */
+                    memset(tail, 0, sizeof tail);
+                    for (int r = 0; r < AMX_ROWS; r++) {
+                        memcpy(tail[0] + r * AMX_K, w0 + (long)r * ldw + k, (size_t)(K - k) * 2);
+                        if (two) memcpy(tail[1] + r * AMX_K, w1 + (long)r * ldw + k, (size_t)(K - k) * 2);
+                    }
+                    _tile_loadd(4, tail[0], AMX_K * 2);
+                    if (two) _tile_loadd(5, tail[1], AMX_K * 2);
+                }
+                _tile_loadd(6, xp + (size_t)k * AMX_ROWS, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) _tile_dpbf16ps(1, 5, 6);
+                if (mblocks > 1) {
+                    _tile_loadd(7, xp + block_elems + (size_t)k * AMX_ROWS, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            AMX_STORE(0);
+            amx_write(c, bias, y, ldy, n0, 0, M);
+            if (mblocks > 1) {
+                AMX_STORE(2);
+                amx_write(c, bias, y, ldy, n0, AMX_ROWS, M);
+            }
+            if (two) {
+                AMX_STORE(1);
+                amx_write(c, bias, y, ldy, n0 + AMX_ROWS, 0, M);
+                if (mblocks > 1) {
+                    AMX_STORE(3);
+                    amx_write(c, bias, y, ldy, n0 + AMX_ROWS, AMX_ROWS, M);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+#endif
+
+/* Returns 0 on success. x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N]. */
+int lm_linear_bf16(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
+                   uint16_t *y, long ldy, int M, int N, int K, int threads) {
+    if (M < 1 || N < 1 || K < 1 || threads < 1) return 1;
+    int n_vector = 0; /* rows from here on take the vector kernel */
+#if defined(__AMX_BF16__)
+    if (M <= 2 * AMX_ROWS && amx_permission()) {
+        n_vector = N / AMX_ROWS * AMX_ROWS;
+        if (n_vector > 0) {
+            const int rc = amx_linear(x, ldx, w, ldw, bias, y, ldy, M, n_vector, K, threads);
+            if (rc != 0) return rc;
+        }
+    }
+#endif
+    vector_rows(x, ldx, w, ldw, bias, y, ldy, M, n_vector, N, K, threads);
     return 0;
 }
