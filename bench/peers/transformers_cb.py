@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         out["continuous_batching_tps"] = round(args.clients * n / best(lambda: cb(ids)), 2)
         out["continuous_batching_lone_tps"] = round(n / best(lambda: cb(ids[:1])), 2)
     out.update(
-        size=args.size, dtype=args.dtype, clients=args.clients, max_new_tokens=n, threads=torch.get_num_threads()
+        model=str(model_dir),
+        size=None if args.model else args.size,  # a given model directory is named by its path, not by --size
+        dtype=args.dtype,
+        clients=args.clients,
+        max_new_tokens=n,
+        threads=torch.get_num_threads(),
     )
     print(RESULT_PREFIX + json.dumps(out), flush=True)
     return 0
