@@ -345,26 +345,51 @@ def build(isa: str, cc: str | None = None) -> Path:
 
 
 def build_all(cc: str | None = None) -> list[Path]:
-    """Every path built into the cache (what an image's build stage runs)."""
-    return [build(isa, cc) for isa in ISAS]
+    """Every path built into the cache (what an image's build stage runs). A path the compiler cannot build (AMX
+    with an old compiler) is left out with a warning; it raises only if no path builds."""
+    built: list[Path] = []
+    errors: list[str] = []
+    for isa in ISAS:
+        try:
+            built.append(build(isa, cc))
+        except RuntimeError as exc:
+            errors.append(f"{isa}: {exc}")
+            log.warning("native CPU kernels, %s path not built: %s", isa, exc)
+    if not built:
+        raise RuntimeError("no native kernel path could be built: " + "; ".join(errors))
+    return built
 
 
 def _load() -> tuple[KernelStatus, _Library | None]:
     try:
         isa, why = select_isa()
+        auto = requested_isa() == "auto"
     except ValueError as exc:
         return KernelStatus(False, str(exc)), None
     if isa is None:
         return KernelStatus(False, why), None
-    try:
-        path = build(isa)
-        lib = _Library(path, isa)
-    except RuntimeError as exc:
-        msg = str(exc) if "no C compiler" in str(exc) else f"building the kernels failed: {exc}"
-        return KernelStatus(False, msg, isa=isa), None
-    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        return KernelStatus(False, f"building or loading the kernels failed: {exc}", isa=isa), None
-    return KernelStatus(True, f"native kernels on the {isa} path ({why})", str(path), isa), lib
+    # Picked from the flags, a path whose build fails (a compiler too old for AMX, say) gives way to the next one
+    # this CPU runs; a forced path does not.
+    runnable = runnable_isas()
+    candidates = runnable[runnable.index(isa) :] if auto and isa in runnable else [isa]
+    failed: KernelStatus | None = None
+    for candidate in candidates:
+        try:
+            path = build(candidate)
+            lib = _Library(path, candidate)
+        except RuntimeError as exc:
+            if "no C compiler" in str(exc):
+                return KernelStatus(False, str(exc), isa=candidate), None
+            failed = KernelStatus(False, f"building the kernels failed: {exc}", isa=candidate)
+        except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+            failed = KernelStatus(False, f"building or loading the kernels failed: {exc}", isa=candidate)
+        else:
+            note = "" if candidate == isa else f"; the {isa} path failed to build, so the next one runs"
+            return KernelStatus(
+                True, f"native kernels on the {candidate} path ({why}{note})", str(path), candidate
+            ), lib
+        log.warning("native CPU kernels, %s path: %s", candidate, failed.reason)
+    return failed, None  # type: ignore[return-value]  # candidates is never empty
 
 
 def _ensure() -> KernelStatus:

@@ -328,3 +328,32 @@ def test_a_library_for_another_path_is_refused(tmp_path, monkeypatch):
     wrong = cpu_kernels.build(isas[1])
     with pytest.raises(OSError, match=f"holds the {isas[1]} path, not {isas[0]}"):
         cpu_kernels._Library(wrong, isas[0])
+
+
+@needs_kernel
+def test_a_path_that_fails_to_build_gives_way_to_the_next(tmp_path, monkeypatch):
+    """A compiler too old for the best path (AMX, say) must not cost the CPU its native kernels: picked from the
+    flags, the next runnable path is built and used, and ``build_all`` leaves the failing path out; forced, the
+    failure is reported as it is."""
+    monkeypatch.setenv("LOADMASTER_KERNEL_CACHE", str(tmp_path))
+    runnable = cpu_kernels.runnable_isas()
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs one native path ({runnable}); there is no next one to give way to")
+    best, second = runnable[0], runnable[1]
+    real_flags = cpu_kernels._flags
+    monkeypatch.setattr(
+        cpu_kernels, "_flags", lambda isa: [*real_flags(isa), "-mno-such-flag"] if isa == best else real_flags(isa)
+    )
+    monkeypatch.setenv("LOADMASTER_CPU_ISA", "auto")
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    assert st.available and st.isa == second, st
+    assert f"the {best} path failed to build" in st.reason
+    built = cpu_kernels.build_all()
+    assert len(built) == len(cpu_kernels.ISAS) - 1
+    monkeypatch.setenv("LOADMASTER_CPU_ISA", best)
+    cpu_kernels.reset()
+    st = cpu_kernels.status()
+    assert not st.available and "building the kernels failed" in st.reason and st.isa == best
+    monkeypatch.undo()
+    cpu_kernels.reset()
