@@ -207,9 +207,12 @@ def main(argv=None) -> int:
         llamacpp.ensure_installed()
         contenders += [CT2, LLAMACPP]
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
+    failed_peers: dict[str, str] = {}  # a peer that crashes is left out of later rounds and named in the output
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
         for r in range(args.rounds):
             for s in contenders:
+                if s in failed_peers:
+                    continue
                 spec = {
                     "scheme": s,
                     "path": str(path),
@@ -223,6 +226,10 @@ def main(argv=None) -> int:
                     s, "bench.quant"
                 )
                 res = run_isolated(module, spec)
+                if "error" in res and s in (CT2, LLAMACPP):
+                    failed_peers[s] = res["error"].splitlines()[0]
+                    print(f"round {r + 1} {s}: failed ({failed_peers[s]}); left out", flush=True)
+                    continue
                 if "error" in res:
                     raise SystemExit(f"{s}: {res['error']}")
                 runs[s].append(res)
@@ -234,6 +241,8 @@ def main(argv=None) -> int:
                 )
     rows = []
     for s in contenders:
+        if not runs[s]:
+            continue
         best = max(runs[s], key=lambda x: x["decode_tok_s"])
         rows.append(
             {
@@ -270,7 +279,9 @@ def main(argv=None) -> int:
             ("ready_best_s", "ready (best) s"),
         ],
     )
-    payload = {"machine": machine(), "model": str(path), "rows": rows}
+    payload = {"machine": machine(), "model": str(path), "rows": rows, "failed_peers": failed_peers}
+    for peer, why in failed_peers.items():
+        print(f"{peer} was left out: {why}")
     ours = next((r["decode_tok_s"] for r in rows if r["scheme"] == "int8"), None)
     for peer in (CT2, LLAMACPP):  # the 8-bit target: at least 0.9x each peer's 8-bit
         theirs = next((r["decode_tok_s"] for r in rows if r["scheme"] == peer), None)

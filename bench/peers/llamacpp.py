@@ -93,6 +93,10 @@ class LlamaCpp:
             _QUIET_LOG = lc.llama_log_callback(lambda *_: None)
         lc.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))  # its load log, not ours
         mparams = lc.llama_model_default_params()
+        if os.environ.get("LOADMASTER_LLAMACPP_REPACK", "1") == "0":
+            # Its weight repacking (AMX tiles for q8_0 on CPUs that have them) crashed llama.cpp 0.3.36 with an
+            # illegal instruction (tilezero with no tile configuration) on one Xeon; this is what its users turn off.
+            mparams.use_extra_bufts = False
         model = lc.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {path}")
