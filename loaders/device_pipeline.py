@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from planner.device_map import covering_key
+from planner.devices import is_gpu
 
 #: What a run's worker receives: (micro-batch index, hidden states, the layers' keyword arguments, CUDA event).
 _Item = tuple[int, torch.Tensor, dict[str, Any], Any]
@@ -67,8 +68,7 @@ def split_runs(layers: Sequence[torch.nn.Module], labels: Sequence[object]) -> l
         if runs and runs[-1].label == str(label):
             runs[-1].layers.append(layer)
             continue
-        gpu = isinstance(label, int) and not isinstance(label, bool)
-        device = torch.device("cuda", label) if gpu else torch.device("cpu")
+        device = torch.device("cuda", label) if is_gpu(label) else torch.device("cpu")
         runs.append(DeviceRun(device, [layer], i, str(label)))
     return runs
 

@@ -39,6 +39,7 @@ from loaders.device_pipeline import (
     pipelined_forward,
     split_runs,
 )
+from planner.devices import is_gpu
 from service.kv_cache import SlotKVCache
 from service.model_runner import ModelRunner, Row, RunOutput
 
@@ -68,14 +69,17 @@ class DevicePipelineReport:
 class PipelinedRunner:
     """Runs :class:`Row`\\ s like :class:`ModelRunner`, micro-batch by micro-batch over the model's device runs."""
 
-    def __init__(self, plain: ModelRunner, capture: LayerCapture, labels: Sequence[object], micro_batches: int):
-        if micro_batches < 1:
+    def __init__(
+        self, plain: ModelRunner, capture: LayerCapture, labels: Sequence[object], micro_batches: int | None = None
+    ):
+        if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.plain = plain
         self.device = plain.device
         self.capture = capture
         self.runs = split_runs(capture.layers, labels)
-        self.micro_batches = micro_batches
+        #: Most micro-batches per iteration (default: MICRO_BATCHES_PER_RUN per device run).
+        self.micro_batches = micro_batches or MICRO_BATCHES_PER_RUN * len(self.runs)
         self.schedule = MicroBatchSchedule(self.runs)
         #: Model calls run so far (each micro-batch's call is one), as :attr:`ModelRunner.forwards` counts them.
         self.forwards = 0
@@ -141,9 +145,8 @@ def make_runner(
         if micro_batches is not None:
             raise ValueError(f"--micro-batches {micro_batches} cannot be honoured: {refusal}. Drop --micro-batches.")
         return plain, DevicePipelineReport(active=False, reason=refusal)
-    runs = split_runs(capture.layers, labels)
-    m = micro_batches or MICRO_BATCHES_PER_RUN * len(runs)
-    runner = PipelinedRunner(plain, capture, labels, m)
+    runner = PipelinedRunner(plain, capture, labels, micro_batches)
+    runs, m = runner.runs, runner.micro_batches
     report = DevicePipelineReport(
         active=True,
         reason=(
@@ -185,8 +188,8 @@ def _layout(model: Any, plain: ModelRunner, standin_runs: int | None) -> tuple[s
     labels = layer_devices(device_map, container, count)
     if labels is None:
         return "the device map splits a decoder layer over devices or does not place one"
-    gpus = sorted({d for d in labels if isinstance(d, int) and not isinstance(d, bool)})
-    others = sorted({str(d) for d in labels if not (isinstance(d, int) and not isinstance(d, bool))})
+    gpus = sorted({d for d in labels if is_gpu(d)})
+    others = sorted({str(d) for d in labels if not is_gpu(d)})
     if others and gpus:
         return f"decoder layers on {', '.join(others)} next to GPUs: offloaded layers run one device at a time"
     if len(gpus) < 2:

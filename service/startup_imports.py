@@ -11,6 +11,7 @@ no-Triton paths, which they have for machines without it. With a CUDA device, no
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -20,8 +21,6 @@ def skip_triton_without_cuda() -> bool:
     """Mark Triton as not importable when torch sees no CUDA device and nothing has imported it yet; returns
     whether it did. ``LOADMASTER_KEEP_TRITON=1`` keeps it importable (e.g. for a process that compiles for a GPU
     it attaches later)."""
-    import os
-
     if os.environ.get("LOADMASTER_KEEP_TRITON") == "1" or "triton" in sys.modules:
         return False
     import torch
