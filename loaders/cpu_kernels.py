@@ -106,6 +106,11 @@ class Kernel:
     def symbol(self) -> str:
         return f"lm_{self.name}"
 
+    @property
+    def multi(self) -> str:
+        """The entry that runs several products sharing one input in one call (float kernels only)."""
+        return f"{self.name}_multi"
+
 
 #: The float kernels, by weight dtype.
 KERNELS: dict[torch.dtype, Kernel] = {
@@ -124,6 +129,9 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _ARGTYPES = {
     "linear_bf16": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "linear_f32": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    # x, ldx, count, then per product arrays: weights, their row strides, biases, outputs, output strides, rows
+    "linear_bf16_multi": [_P, _L, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I],
+    "linear_f32_multi": [_P, _L, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I],
     "linear_q8": [_P, _L, _I, _P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
     "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],

@@ -1,4 +1,5 @@
-"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_q8`` and ``linear_q4``.
+"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8`` and
+``linear_q4``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
 checked by the dispatcher), a fake implementation (shapes and dtypes propagate through fake tensors and the meta
@@ -12,6 +13,8 @@ kernel takes (long prefills), where the weight is dequantized for that call and 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch.nn import functional as F
 
@@ -19,9 +22,11 @@ from loaders import cpu_kernels
 from loaders.cpu_kernels import KERNELS, QUANT_KERNELS
 
 GROUP = 64  # inputs per activation group and per 4-bit scale group; LM_GROUP in kernels/common.h
+MULTI_MAX = 8  # products per linear_multi call; LM_MULTI_MAX in kernels/common.h
 
 _lib = torch.library.Library("loadmaster", "DEF")
 _lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("linear_multi(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]")
 _lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
 _lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
 
@@ -96,6 +101,57 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     torch._check(x.shape[-1] == weight.shape[1], lambda: "loadmaster::linear: x and weight disagree on in_features")
     torch._check(x.dtype == weight.dtype, lambda: "loadmaster::linear: x and weight dtypes differ")
     return x.new_empty(_out_shape(x, weight.shape[0]))
+
+
+def _linear_multi_cpu(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Every ``x @ W_i^T (+ b_i)`` in one native call when the float kernel takes them all (the same dtype, x's
+    features, contiguous rows); each result equals :func:`_linear_cpu`'s for that weight bit for bit. Otherwise one
+    product at a time."""
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"loadmaster::linear_multi: {len(weights)} weights but {len(biases)} biases")
+    k = x.shape[-1]
+    kernel = KERNELS.get(x.dtype)
+    fn = _fn(kernel.multi) if kernel is not None else None
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    native = (
+        fn is not None
+        and len(weights) <= MULTI_MAX
+        and 0 < m <= kernel.max_rows
+        and k > 0
+        and all(w.dtype is x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1 for w in weights)
+    )
+    if not native:
+        return [_linear_cpu(x, w, b) for w, b in zip(weights, biases)]
+    count = len(weights)
+    outs = [torch.empty((m, w.shape[0]), dtype=x.dtype) for w in weights]
+    kept = [None if b is None else b.to(x.dtype).contiguous() for b in biases]  # alive until the call returns
+    pointers = ctypes.c_void_p * count
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        count,
+        pointers(*(w.data_ptr() for w in weights)),
+        (ctypes.c_long * count)(*(w.stride(0) for w in weights)),
+        pointers(*(None if b is None else b.data_ptr() for b in kept)),
+        pointers(*(o.data_ptr() for o in outs)),
+        (ctypes.c_long * count)(*(w.shape[0] for w in weights)),
+        (ctypes.c_int * count)(*(w.shape[0] for w in weights)),
+        m,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"lm_{kernel.multi} rejected x={tuple(x.shape)} and {count} weights")
+    return [o.view(_out_shape(x, w.shape[0])) for o, w in zip(outs, weights)]
+
+
+def _linear_multi_fake(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    return [_linear_fake(x, w, b) for w, b in zip(weights, biases)]
 
 
 # -- quantized kernels -------------------------------------------------------------------------------------------
@@ -204,13 +260,16 @@ def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
 
 
 _lib.impl("linear", _linear_cpu, "CPU")
+_lib.impl("linear_multi", _linear_multi_cpu, "CPU")
 _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
 torch.library.register_fake("loadmaster::linear", _linear_fake, lib=_lib)
+torch.library.register_fake("loadmaster::linear_multi", _linear_multi_fake, lib=_lib)
 torch.library.register_fake("loadmaster::linear_q8", _quant_fake, lib=_lib)
 torch.library.register_fake("loadmaster::linear_q4", _quant_fake, lib=_lib)
 
 linear = torch.ops.loadmaster.linear.default
+linear_multi = torch.ops.loadmaster.linear_multi.default
 linear_q8 = torch.ops.loadmaster.linear_q8.default
 linear_q4 = torch.ops.loadmaster.linear_q4.default
 

@@ -18,6 +18,9 @@
  * 4-bit weights, one weight scale per group of each output channel. 64 int8 values fill one zmm register. */
 #define LM_GROUP 64
 
+/* The most products one *_multi call takes (a layer's q, k, v; its gate and up). */
+#define LM_MULTI_MAX 8
+
 /* For a kernel's inner block, instantiated once per constant row count so its accumulators stay in registers. */
 #define LM_ALWAYS_INLINE inline __attribute__((always_inline))
 

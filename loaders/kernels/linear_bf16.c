@@ -139,21 +139,25 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
 }
 #endif
 
+/* Block `b` of rows [n_begin, N) of y with the vector kernel above (ROWS rows of W against every row of x). */
+static inline void vector_block(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
+                                uint16_t *y, long ldy, int M, int n_begin, int N, int K, int b) {
+    const int n0 = n_begin + b * ROWS;
+    const int nrows = N - n0 < ROWS ? N - n0 : ROWS;
+    const uint16_t *next = n0 + ROWS + ROWS <= N ? w + (long)(n0 + ROWS) * ldw : NULL;
+    for (int m0 = 0; m0 < M; m0 += MAXM) {
+        const int nm = M - m0 < MAXM ? M - m0 : MAXM;
+        block(x + (long)m0 * ldx, ldx, w, ldw, bias, y + (long)m0 * ldy, ldy, n0, nrows, nm, K, next);
+    }
+}
+
 /* Rows [n_begin, N) of y with the vector kernel above. */
 static void vector_rows(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias, uint16_t *y,
                         long ldy, int M, int n_begin, int N, int K, int threads) {
     const int nblocks = (N - n_begin + ROWS - 1) / ROWS;
     if (nblocks <= 0) return;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < nblocks; b++) {
-        const int n0 = n_begin + b * ROWS;
-        const int nrows = N - n0 < ROWS ? N - n0 : ROWS;
-        const uint16_t *next = n0 + ROWS + ROWS <= N ? w + (long)(n0 + ROWS) * ldw : NULL;
-        for (int m0 = 0; m0 < M; m0 += MAXM) {
-            const int nm = M - m0 < MAXM ? M - m0 : MAXM;
-            block(x + (long)m0 * ldx, ldx, w, ldw, bias, y + (long)m0 * ldy, ldy, n0, nrows, nm, K, next);
-        }
-    }
+    for (int b = 0; b < nblocks; b++) vector_block(x, ldx, w, ldw, bias, y, ldy, M, n_begin, N, K, b);
 }
 
 #if defined(__AMX_BF16__)
@@ -294,5 +298,37 @@ int lm_linear_bf16(const uint16_t *x, long ldx, const uint16_t *w, long ldw, con
     }
 #endif
     vector_rows(x, ldx, w, ldw, bias, y, ldy, M, n_vector, N, K, threads);
+    return 0;
+}
+
+/*
+ * Several products that read the same x (a layer's q, k and v projections, or its gate and up projections):
+ * y_i = x @ W_i^T (+ bias_i) for i < count, in one parallel loop over all their blocks, so the thread team forks
+ * once for them and both threads stay busy to the end of the last one. Each y_i is bit for bit what
+ * lm_linear_bf16 gives for W_i alone (same blocks, same sums). W_i: [ns[i], K] with row stride ldws[i]; biases[i]
+ * may be NULL. Returns 0 on success.
+ */
+int lm_linear_bf16_multi(const uint16_t *x, long ldx, int count, const uint16_t *const *ws, const long *ldws,
+                         const uint16_t *const *biases, uint16_t *const *ys, const long *ldys, const int *ns, int M,
+                         int K, int threads) {
+    if (count < 1 || count > LM_MULTI_MAX || M < 1 || K < 1 || threads < 1) return 1;
+    for (int i = 0; i < count; i++)
+        if (ns[i] < 1) return 1;
+#if defined(__AMX_BF16__)
+    for (int i = 0; i < count; i++) { /* the tile path has its own loop; one call per product keeps it */
+        const int rc = lm_linear_bf16(x, ldx, ws[i], ldws[i], biases[i], ys[i], ldys[i], M, ns[i], K, threads);
+        if (rc != 0) return rc;
+    }
+#else
+    int first[LM_MULTI_MAX + 1]; /* first[i]: the index of product i's first block in the shared loop */
+    first[0] = 0;
+    for (int i = 0; i < count; i++) first[i + 1] = first[i] + (ns[i] + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < first[count]; g++) {
+        int i = 0;
+        while (g >= first[i + 1]) i++;
+        vector_block(x, ldx, ws[i], ldws[i], biases[i], ys[i], ldys[i], M, 0, ns[i], K, g - first[i]);
+    }
+#endif
     return 0;
 }

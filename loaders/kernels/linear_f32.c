@@ -136,19 +136,44 @@ static inline void block(const float *x, long ldx, const float *w, long ldw, con
 }
 
 /* Returns 0 on success. x: [M, K] (row stride ldx), w: [N, K] (row stride ldw), bias: [N] or NULL, y: [M, N]. */
+/* Block `b` of y (nr rows of W against every row of x). */
+static inline void f32_block(const float *x, long ldx, const float *w, long ldw, const float *bias, float *y, long ldy,
+                             int M, int N, int K, int nr, int b) {
+    const int n0 = b * nr;
+    const int nrows = N - n0 < nr ? N - n0 : nr;
+    for (int g0 = 0; g0 < M; g0 += MAX_GROUP) {
+        const int gm = M - g0 < MAX_GROUP ? M - g0 : MAX_GROUP;
+        block(x + (long)g0 * ldx, ldx, w, ldw, bias, y + (long)g0 * ldy, ldy, n0, nrows, nr, gm, N, K);
+    }
+}
+
 int lm_linear_f32(const float *x, long ldx, const float *w, long ldw, const float *bias, float *y, long ldy,
                   int M, int N, int K, int threads) {
     if (M < 1 || N < 1 || K < 1 || threads < 1) return 1;
     const int nr = M == 1 ? NR_ONE : NR_WIDE;
     const int nblocks = (N + nr - 1) / nr;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int b = 0; b < nblocks; b++) {
-        const int n0 = b * nr;
-        const int nrows = N - n0 < nr ? N - n0 : nr;
-        for (int g0 = 0; g0 < M; g0 += MAX_GROUP) {
-            const int gm = M - g0 < MAX_GROUP ? M - g0 : MAX_GROUP;
-            block(x + (long)g0 * ldx, ldx, w, ldw, bias, y + (long)g0 * ldy, ldy, n0, nrows, nr, gm, N, K);
-        }
+    for (int b = 0; b < nblocks; b++) f32_block(x, ldx, w, ldw, bias, y, ldy, M, N, K, nr, b);
+    return 0;
+}
+
+/* Several products that read the same x, in one parallel loop over all their blocks (see lm_linear_bf16_multi);
+ * each y_i is bit for bit what lm_linear_f32 gives for W_i alone. */
+int lm_linear_f32_multi(const float *x, long ldx, int count, const float *const *ws, const long *ldws,
+                        const float *const *biases, float *const *ys, const long *ldys, const int *ns, int M, int K,
+                        int threads) {
+    if (count < 1 || count > LM_MULTI_MAX || M < 1 || K < 1 || threads < 1) return 1;
+    for (int i = 0; i < count; i++)
+        if (ns[i] < 1) return 1;
+    const int nr = M == 1 ? NR_ONE : NR_WIDE;
+    int first[LM_MULTI_MAX + 1];
+    first[0] = 0;
+    for (int i = 0; i < count; i++) first[i + 1] = first[i] + (ns[i] + nr - 1) / nr;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < first[count]; g++) {
+        int i = 0;
+        while (g >= first[i + 1]) i++;
+        f32_block(x, ldx, ws[i], ldws[i], biases[i], ys[i], ldys[i], M, ns[i], K, nr, g - first[i]);
     }
     return 0;
 }

@@ -15,7 +15,7 @@ from torch import nn
 
 import loaders
 from loaders import cpu_kernels, kernel_ops
-from loaders.fast_linear import NativeCPULinear, use_native_linears
+from loaders.fast_linear import NativeCPULinear, SharedInputGroup, use_native_linears
 from tests.loaders.helpers import prompt, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -202,6 +202,76 @@ def test_model_on_the_kernel_matches_transformers(tiny_llama_bf16, tmp_path):
     g_ours = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     g_ref = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(g_ours, g_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_products_sharing_an_input_equal_their_separate_calls(kernel_path, dtype, m):
+    """``linear_multi`` (one native call for q, k and v, say) gives each product bit for bit what its own call
+    gives, biases and odd widths included."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1, 200, generator=g).to(dtype)
+    weights = [torch.randn(n, 200, generator=g).to(dtype) for n in (64, 13, 36)]
+    biases = [None, torch.randn(13, generator=g).to(dtype), None]
+    together = kernel_ops.linear_multi(x, weights, biases)
+    assert [tuple(o.shape) for o in together] == [(m, 1, 64), (m, 1, 13), (m, 1, 36)]
+    for out, w, b in zip(together, weights, biases):
+        assert torch.equal(out, kernel_ops.linear(x, w, b))
+        assert torch.allclose(out.float(), torch.nn.functional.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="2 weights but 1 biases"):
+        kernel_ops.linear_multi(x, weights[:2], biases[:1])
+
+
+def _grouped_model(tiny_llama, dtype: str):
+    return loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype=dtype, show_progress=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sibling_projections_share_one_call_and_change_nothing(tiny_llama, dtype):
+    """q/k/v and gate/up of every layer form groups; logits and greedy tokens are exactly those of the same model
+    with every projection called on its own."""
+    model = _grouped_model(tiny_llama, dtype)
+    layers = model.config.num_hidden_layers
+    groups = {id(m.shared_input_group) for m in model.modules() if getattr(m, "shared_input_group", None)}
+    assert len(groups) == 2 * layers
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.shared_input_group is attention.v_proj.shared_input_group is not None
+    ids = prompt(model.config.vocab_size, batch=3)
+    with torch.inference_mode():
+        grouped = model(ids).logits
+        step = model(ids[:, :1]).logits  # one row per sequence: the decode shape, where the kernels run
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for m in model.modules():
+            if isinstance(m, NativeCPULinear):
+                m.shared_input_group = None
+        assert torch.equal(model(ids).logits, grouped)
+        assert torch.equal(model(ids[:, :1]).logits, step)
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), tokens)
+
+
+@needs_kernel
+def test_a_sibling_called_on_another_input_computes_its_own(tiny_llama):
+    """What the first call kept is only handed to a sibling called with that very tensor."""
+    model = _grouped_model(tiny_llama, "float32")
+    attention = model.model.layers[0].self_attn
+    group = attention.q_proj.shared_input_group
+    assert isinstance(group, SharedInputGroup)
+    width = attention.q_proj.in_features
+    a, b = torch.randn(2, 1, width), torch.randn(2, 1, width)
+    with torch.inference_mode():
+        q = attention.q_proj(a)
+        k_other = attention.k_proj(b)  # not a: computed for b, and a's kept results are dropped
+        assert torch.equal(q, kernel_ops.linear(a, attention.q_proj.weight, attention.q_proj.bias))
+        assert torch.equal(k_other, kernel_ops.linear(b, attention.k_proj.weight, attention.k_proj.bias))
+        assert torch.equal(attention.v_proj(a), kernel_ops.linear(a, attention.v_proj.weight, attention.v_proj.bias))
+        # the regular order: q computes all three, k and v take theirs
+        q = attention.q_proj(b)
+        assert group._kept.value[0] is b  # k's and v's products were computed with q's, and wait for them
+        k, v = attention.k_proj(b), attention.v_proj(b)
+        for out, proj in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj)):
+            assert torch.equal(out, kernel_ops.linear(b, proj.weight, proj.bias))
+        assert getattr(group._kept, "value", None) is None  # nothing held once every member took its result
 
 
 def test_torch_choice_and_unknown_choice(tiny_llama, tmp_path):
