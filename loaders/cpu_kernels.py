@@ -4,8 +4,9 @@ Why native code: at decode time a linear layer multiplies one row (or a few) by 
 once per token, so its speed is the memory bandwidth it reaches. torch's CPU paths reach about half of it for
 bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. The sources in ``kernels/`` read the
 weight rows in place and get close to the streaming rate; because they read a weight where it lies, a weight
-that is a view of a safetensors file mapping stays zero-copy. Four kernels: bf16, fp32, and weight-only int8 and
-4-bit (:mod:`loaders.cpu_quant` lays those weights out).
+that is a view of a safetensors file mapping stays zero-copy. Four linear kernels: bf16, fp32, and weight-only int8
+and 4-bit (:mod:`loaders.cpu_quant` lays those weights out); and decode attention over the slot cache
+(:mod:`loaders.decode_attention`).
 
 **Instruction sets.** Every source has an AVX-512 path and an AVX2 (+FMA, F16C) path. The path is picked from the
 CPU's flags (:func:`select_isa`), or forced with ``LOADMASTER_CPU_ISA=avx512|avx2|torch``; anywhere else (no
@@ -49,7 +50,15 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("isa.c", "linear_bf16.c", "linear_f32.c", "linear_q8.c", "linear_q4.c", "quantize_weights.c")
+SOURCES = (
+    "isa.c",
+    "linear_bf16.c",
+    "linear_f32.c",
+    "linear_q8.c",
+    "linear_q4.c",
+    "quantize_weights.c",
+    "attention_decode.c",
+)
 HEADERS = ("common.h",)
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 ISA_CHOICES = ("auto", "amx", "avx512", "avx2", "torch")
@@ -125,7 +134,7 @@ QUANT_KERNELS: dict[str, Kernel] = {
     "int4": Kernel("linear_q4", max_rows=4096),
 }
 
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _ARGTYPES = {
     "linear_bf16": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "linear_f32": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
@@ -136,6 +145,9 @@ _ARGTYPES = {
     "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],
     "quantize_q4": [_P, _L, _I, _I, _I, _P, _L, _P, _L, _I],
+    # q and its 2 strides, k and its 3, v and its 3, mask and its row stride, out and its 2; B, H, KV, L, D, scale,
+    # bf16, threads
+    "decode_attention": [_P, _L, _L] + [_P, _L, _L, _L] * 2 + [_P, _L, _P, _L, _L] + [_I] * 5 + [_F, _I, _I],
 }
 
 

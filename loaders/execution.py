@@ -3,7 +3,7 @@
 * Host without GPUs: ``"cpu"`` and ``"disk"`` modules run as plain modules (disk tensors are memory maps); the only
   hooks are :class:`loaders.readahead.DiskReadahead`'s on disk blocks. Linear layers are then quantized when asked
   (:mod:`loaders.cpu_quant`), and small linear products run on the native CPU kernels (:mod:`loaders.fast_linear`)
-  where they build.
+  where they build, as does decode steps' attention (:mod:`loaders.decode_attention`).
 * With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
   the caller's device, and offloaded blocks are streamed (:mod:`loaders.streaming`); routed experts the plan puts
   on the CPU, and the layers its ``cpu_compute`` lists, compute there (:mod:`loaders.cpu_experts`), on the native
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from loaders.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.cpu_quant import QuantizationStats, quantize_cpu_linears
+from loaders.decode_attention import use_native_attention
 from loaders.device_map import entry_of, ordered_entries
 from loaders.fast_linear import use_native_linears
 from loaders.placement import PlacedModel
@@ -36,6 +37,8 @@ class Execution:
 
     native_linears: int = 0
     cpu_quantization: QuantizationStats | None = None
+    #: Whether decode steps' attention runs on the native kernel (:mod:`loaders.decode_attention`).
+    native_attention: bool = False
 
 
 def apply_execution(
@@ -82,7 +85,9 @@ def apply_execution(
         quant_stats = quantize_cpu_linears(
             model, cpu_quantization, checkpoint_files=list(checkpoint_files), save_dir=cpu_quantized_dir
         )
-    return Execution(use_native_linears(model, cpu_kernels), quant_stats)
+    native = use_native_linears(model, cpu_kernels)
+    attention = cpu_kernels != "torch" and use_native_attention(model)
+    return Execution(native, quant_stats, native_attention=attention)
 
 
 __all__ = ["Execution", "apply_execution"]

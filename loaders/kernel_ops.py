@@ -1,5 +1,5 @@
-"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8`` and
-``linear_q4``.
+"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8``,
+``linear_q4`` and ``decode_attention``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
 checked by the dispatcher), a fake implementation (shapes and dtypes propagate through fake tensors and the meta
@@ -29,6 +29,7 @@ _lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("linear_multi(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]")
 _lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
 _lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
+_lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
 _bound: dict[str, object] = {}
@@ -259,19 +260,103 @@ def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
     return x.new_empty(_out_shape(x, qweight.shape[0]))
 
 
+# -- decode attention ---------------------------------------------------------------------------------------------
+def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+    b, h, width, d = query.shape
+    if width != 1:
+        raise ValueError(f"loadmaster::decode_attention takes one query token per row, got {width}")
+    if key.dim() != 4 or key.shape != value.shape or key.shape[0] != b or key.shape[3] != d or h % key.shape[1]:
+        raise ValueError(
+            f"loadmaster::decode_attention: query {tuple(query.shape)} does not fit key {tuple(key.shape)} "
+            f"and value {tuple(value.shape)} ([B, H, 1, D] and [B, KV, L, D] with H a multiple of KV)"
+        )
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"loadmaster::decode_attention takes float32 or bfloat16 query, key and value of one dtype, not "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if mask is not None and (mask.dtype is not torch.bool or mask.dim() != 4 or mask.shape[-1] != key.shape[2]):
+        raise ValueError(
+            f"loadmaster::decode_attention: the mask must be bool [B, 1, 1, L], not {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def _decode_attention_torch(query, key, value, mask, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def _decode_attention_cpu(query, key, value, mask, scale: float) -> torch.Tensor:
+    """Softmax attention of each row's one query token over its keys, as ``[B, 1, H, D]`` (the layout transformers'
+    attention functions return). The native kernel when it takes the operands (every last dimension contiguous, a
+    head size it handles), else torch's SDPA."""
+    _check_attention(query, key, value, mask)
+    b, h, _, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    fn = _fn("decode_attention")
+    if mask is not None:
+        mask = mask.expand(b, 1, 1, length)
+    contiguous_rows = all(t.stride(-1) == 1 for t in (query, key, value)) and (mask is None or mask.stride(-1) == 1)
+    if fn is None or not contiguous_rows:
+        return _decode_attention_torch(query, key, value, mask, scale)
+    out = torch.empty((b, 1, h, d), dtype=query.dtype)
+    rc = fn(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        None if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.stride(0),
+        out.data_ptr(),
+        h * d,
+        d,
+        b,
+        h,
+        kv,
+        length,
+        d,
+        scale,
+        int(query.dtype is torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:  # a head size or group the kernel does not take
+        return _decode_attention_torch(query, key, value, mask, scale)
+    return out
+
+
+def decode_available() -> bool:
+    """Whether the native decode-attention kernel is loaded (else the operator runs torch's SDPA)."""
+    return _fn("decode_attention") is not None
+
+
+def _decode_attention_fake(query, key, value, mask, scale: float) -> torch.Tensor:
+    torch._check(query.shape[2] == 1, lambda: "loadmaster::decode_attention takes one query token per row")
+    return query.new_empty((query.shape[0], 1, query.shape[1], query.shape[3]))
+
+
 _lib.impl("linear", _linear_cpu, "CPU")
 _lib.impl("linear_multi", _linear_multi_cpu, "CPU")
 _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
+_lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 torch.library.register_fake("loadmaster::linear", _linear_fake, lib=_lib)
 torch.library.register_fake("loadmaster::linear_multi", _linear_multi_fake, lib=_lib)
 torch.library.register_fake("loadmaster::linear_q8", _quant_fake, lib=_lib)
 torch.library.register_fake("loadmaster::linear_q4", _quant_fake, lib=_lib)
+torch.library.register_fake("loadmaster::decode_attention", _decode_attention_fake, lib=_lib)
 
 linear = torch.ops.loadmaster.linear.default
 linear_multi = torch.ops.loadmaster.linear_multi.default
 linear_q8 = torch.ops.loadmaster.linear_q8.default
 linear_q4 = torch.ops.loadmaster.linear_q4.default
+decode_attention = torch.ops.loadmaster.decode_attention.default
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

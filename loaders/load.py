@@ -224,6 +224,7 @@ def load_checkpoint(
         model = placed.model
         stats = placed.stats
         stats.native_linears = executed.native_linears
+        stats.native_attention = executed.native_attention
         stats.cpu_quantization = executed.cpu_quantization
         if cpu_residency == "lock":
             stats.residency = lock_resident(model, dict(dmap), placed.reader.maps, placed.reader.base_of)

@@ -47,6 +47,8 @@ class LoadStats:
     bytes_read: int = 0
     #: Linear layers switched to the native CPU kernels (:mod:`loaders.fast_linear`).
     native_linears: int = 0
+    #: Whether decode steps' attention runs on the native CPU kernel (:mod:`loaders.decode_attention`).
+    native_attention: bool = False
     #: What ``cpu_quantization`` did (a :class:`loaders.cpu_quant.QuantizationStats`), or None.
     cpu_quantization: object | None = None
     #: What ``cpu_residency`` did (a :class:`loaders.residency.ResidencyStats`), or None.

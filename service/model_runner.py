@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from loaders.decode_attention import BOOL_MASK_ATTENTION
 from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
 
 
@@ -101,7 +102,7 @@ class ModelRunner:
         self.cache = cache
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None) or "eager"
-        self.bool_mask = implementation == "sdpa"
+        self.bool_mask = implementation in BOOL_MASK_ATTENTION
         self.window = getattr(config, "sliding_window", None) if _uses_sliding_window(config) else None
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
@@ -256,4 +257,4 @@ def supports_slot_cache(model: torch.nn.Module) -> bool:
     if layer_types and any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         return False
     implementation = getattr(config, "_attn_implementation", None) or "eager"
-    return implementation in ("sdpa", "eager")
+    return implementation in (*BOOL_MASK_ATTENTION, "eager")

@@ -17,7 +17,7 @@
  */
 #include "common.h"
 
-#define ROWS 4   /* rows of W per step: independent accumulator chains hide the FMA latency (reduce4 takes 4) */
+#define ROWS 4   /* rows of W per step: independent accumulator chains hide the FMA latency (lm_reduce4 takes 4) */
 
 #if defined(__AVX512F__)
 #define MAXM 4   /* rows of x per pass: 4 x ROWS accumulators + 4 weight vectors fit the 32 zmm registers */
@@ -25,20 +25,6 @@
 static inline __m512bh load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 static inline __m512bh load_bh_tail(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
-}
-
-/* The sums of the 16 lanes of each of a, b, c and d, as 4 floats. The lanes are combined in one fixed order (pairs
- * two apart, then one apart, then the four 128-bit quarters) whatever else the block holds, so a row's result never
- * depends on its batch-mates; and 4 sums cost a dozen instructions instead of a dozen each. */
-static LM_ALWAYS_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* a0 b0 a1 b1 per quarter */
-    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd))); /* a b c d per quarter */
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 /* One block of `nrows` (1..ROWS) rows of W against `nm` (1..MAXM) rows of x. `next` is the first row of the next
@@ -75,7 +61,7 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
     }
     for (int m = 0; m < nm; m++) {
         float s[ROWS];
-        _mm_storeu_ps(s, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        _mm_storeu_ps(s, lm_reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
         for (int r = 0; r < nrows; r++) {
             const float v = bias ? s[r] + lm_bf16_to_f32(bias[n0 + r]) : s[r];
             y[(long)m * ldy + n0 + r] = lm_f32_to_bf16(v);
@@ -85,16 +71,6 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
 
 #else /* AVX2 + FMA */
 #define MAXM 2   /* 2 x ROWS accumulators + even/odd halves of x and W fit the 16 ymm registers */
-
-/* As the AVX-512 reduce4: the 8 lanes of each of a, b, c, d summed in one fixed order, as 4 floats. */
-static LM_ALWAYS_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
-    const __m256d abd = _mm256_castps_pd(ab), cdd = _mm256_castps_pd(cd);
-    const __m256 s = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(abd, cdd)),
-                                   _mm256_castpd_ps(_mm256_unpackhi_pd(abd, cdd)));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
 
 static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ldw, const uint16_t *bias,
                          uint16_t *y, long ldy, int n0, int nrows, int nm, int K, const uint16_t *next) {
@@ -128,7 +104,7 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
     }
     for (int m = 0; m < nm; m++) {
         float sums[ROWS];
-        _mm_storeu_ps(sums, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        _mm_storeu_ps(sums, lm_reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
         for (int r = 0; r < nrows; r++) {
             float s = sums[r];
             for (int k = kfull; k < K; k++) s += lm_bf16_to_f32(x[(long)m * ldx + k]) * lm_bf16_to_f32(wr[r][k]);

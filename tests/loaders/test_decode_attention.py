@@ -1,0 +1,129 @@
+"""Decode attention on the native kernel (``loadmaster::decode_attention``) on every instruction-set path this CPU
+has: against attention computed in float64, independent of the batch, in place over the slot cache's strided
+views, and switched on in loaded models without changing what they compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import loaders
+from loaders import kernel_ops
+from loaders.decode_attention import NATIVE_ATTENTION, decode_attention_forward
+
+#: (query heads, KV heads, head size): multi-head, grouped (GQA, 3 and 8 per KV head), and head sizes that are not
+#: a multiple of the AVX-512 width (80) or are larger (128).
+SHAPES = [(4, 4, 64), (12, 4, 64), (8, 1, 80), (16, 2, 128)]
+
+
+def _operands(b: int, h: int, kv: int, d: int, length: int, dtype: torch.dtype, seed: int):
+    """Query ``[B, H, 1, D]`` as transformers lays it out, keys and values as views of a larger slot storage (as
+    :class:`service.kv_cache.BoundSlotCache` returns them), and a mask with holes (each row keeps a key)."""
+    g = torch.Generator().manual_seed(seed)
+    store_k = torch.randn(b + 3, kv, length + 29, d, generator=g).to(dtype)
+    store_v = torch.randn(b + 3, kv, length + 29, d, generator=g).to(dtype)
+    key, value = store_k[1 : 1 + b, :, :length], store_v[1 : 1 + b, :, :length]
+    query = torch.randn(b, 1, h, d, generator=g).to(dtype).transpose(1, 2)
+    mask = torch.rand(b, 1, 1, length, generator=g) > 0.3
+    mask[:, :, :, 0] = True
+    return query, key, value, mask
+
+
+def _reference(query, key, value, mask, scale):
+    out = F.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("h,kv,d", SHAPES)
+@pytest.mark.parametrize("length", [1, 7, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_attention_in_float64(kernel_path, h, kv, d, length, dtype):
+    b, scale = 5, d**-0.5
+    query, key, value, mask = _operands(b, h, kv, d, length, dtype, seed=h * 1000 + d + length)
+    out = kernel_ops.decode_attention(query, key, value, mask, scale)
+    assert out.shape == (b, 1, h, d) and out.dtype == dtype
+    exact = _reference(query, key, value, mask, scale)
+    # float32 sums: a few ulps of the values; bf16: one rounding of the output (values are O(1))
+    tolerance = 2e-6 if dtype == torch.float32 else 2**-7
+    assert (out.double() - exact).abs().max().item() <= tolerance * max(1.0, exact.abs().max().item())
+    no_mask = kernel_ops.decode_attention(query, key, value, None, scale)
+    assert (no_mask.double() - _reference(query, key, value, None, scale)).abs().max().item() <= tolerance * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_its_batch(native_path, dtype):
+    query, key, value, mask = _operands(9, 12, 4, 64, 100, dtype, seed=7)
+    together = kernel_ops.decode_attention(query, key, value, mask, 0.125)
+    for row in (0, 4, 8):
+        alone = kernel_ops.decode_attention(
+            query[row : row + 1], key[row : row + 1], value[row : row + 1], mask[row : row + 1], 0.125
+        )
+        assert torch.equal(alone[0], together[row])
+
+
+def test_masked_keys_weigh_nothing_whatever_they_hold(native_path):
+    query, key, value, mask = _operands(3, 8, 2, 64, 40, torch.float32, seed=3)
+    before = kernel_ops.decode_attention(query, key, value, mask, 0.125)
+    key, value = key.clone(), value.clone()
+    key[~mask[:, 0, 0, :].unsqueeze(1).expand_as(key[..., 0])] = 1e30
+    value[~mask[:, 0, 0, :].unsqueeze(1).expand_as(value[..., 0])] = float("nan")
+    assert torch.equal(kernel_ops.decode_attention(query, key, value, mask, 0.125), before)
+
+
+def test_operator_checks_its_operands(kernel_path):
+    query, key, value, mask = _operands(2, 4, 2, 64, 10, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="one query token"):
+        kernel_ops.decode_attention(torch.cat([query, query], dim=2), key, value, mask, 0.125)
+    with pytest.raises(ValueError, match="multiple of KV"):
+        kernel_ops.decode_attention(query[:, :3], key, value, mask, 0.125)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel_ops.decode_attention(query, key.bfloat16(), value, mask, 0.125)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        kernel_ops.decode_attention(query, key, value, mask.float(), 0.125)
+    fake = torch.ops.loadmaster.decode_attention(query.to("meta"), key.to("meta"), value.to("meta"), None, 0.125)
+    assert fake.shape == (2, 1, 4, 64)
+
+
+class _Module(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def test_other_calls_run_transformers_sdpa_unchanged(native_path):
+    """Prefill rows (several query tokens), float masks and extra terms are transformers' sdpa, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = _Module().eval()
+    query, key, value, mask = _operands(2, 12, 4, 64, 9, torch.float32, seed=5)
+    prefill = torch.randn(2, 12, 9, 64)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None].expand(2, 1, 9, 9)
+    for q, m in ((prefill, causal), (query, mask.float())):
+        ours, _ = decode_attention_forward(module, q, key, value, m, scaling=0.125)
+        theirs, _ = sdpa_attention_forward(module, q, key, value, m, scaling=0.125)
+        assert torch.equal(ours, theirs)
+    ours, _ = decode_attention_forward(module, query, key, value, mask, scaling=0.125)
+    assert torch.allclose(ours, sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_models_switch_and_decode_as_before(native_path, tiny_llama, dtype, monkeypatch):
+    """A model loaded onto the CPU runs its decode steps on the kernel; greedy tokens and, in fp32, logits (1e-5)
+    are those of the same model on sdpa. ``LOADMASTER_DECODE_ATTENTION=sdpa`` keeps sdpa."""
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype=dtype, show_progress=False)
+    assert model.config._attn_implementation == NATIVE_ATTENTION and model.load_stats.native_attention
+    monkeypatch.setenv("LOADMASTER_DECODE_ATTENTION", "sdpa")
+    plain = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype=dtype, show_progress=False)
+    assert plain.config._attn_implementation == "sdpa" and not plain.load_stats.native_attention
+    ids = torch.tensor([[5, 17, 2, 99, 31, 8]])
+    with torch.no_grad():
+        ours = model.generate(ids, max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        theirs = plain.generate(
+            ids, max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    assert torch.equal(ours.sequences, theirs.sequences)
+    if dtype == "float32":
+        diff = max((a - b).abs().max().item() for a, b in zip(ours.logits, theirs.logits))
+        assert diff <= 1e-5
