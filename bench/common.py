@@ -281,6 +281,17 @@ def machine() -> dict:
     }
 
 
+def spawn_server(
+    model_dir: Path, port: int, log_path: Path, threads: int | None, flags: Sequence[str]
+) -> subprocess.Popen:
+    """Start a benchmark's ``loadmaster serve`` of ``model_dir`` on ``port`` (offline, warnings only, torch on
+    ``threads``), with the benchmark's own ``flags``; its output goes to ``log_path``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port), "--log-level", "warning"]
+    cmd += [*flags, *(["--threads", str(threads)] if threads else [])]
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Wait until a benchmark's ``loadmaster serve`` answers ``/health/ready`` with 200; fail early when it exits or
     reports a failed load."""

@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import wait_ready
+from bench.common import spawn_server, wait_ready
 
-ROOT = Path(__file__).resolve().parent.parent
 PROBE_INTERVAL_S = 0.02
 TARGET_P99_S = 0.100
 
@@ -152,28 +151,11 @@ def long_position_copy(model_dir: Path) -> Path:
 def start_server(
     model_dir: Path, port: int, max_body: int, log_path: Path, threads: int | None, long_input: bool
 ) -> subprocess.Popen:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--max-body-bytes",
-        str(max_body),
-        "--max-memory",
-        "cpu=8GiB",
-        "--log-level",
-        "warning",
-    ]
-    if threads:
-        cmd += ["--threads", str(threads)]
+    flags = ["--max-body-bytes", str(max_body), "--max-memory", "cpu=8GiB"]
     if long_input:  # the plan reserves KV cache for a short workload: no prompt here is ever run
         limit = str(LONG_INPUT_TOKENS)
-        cmd += ["--max-input-tokens", limit, "--max-total-tokens", str(LONG_INPUT_TOKENS + 1), "--context", "2048"]
-    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        flags += ["--max-input-tokens", limit, "--max-total-tokens", str(LONG_INPUT_TOKENS + 1), "--context", "2048"]
+    return spawn_server(model_dir, port, log_path, threads, flags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import wait_ready
+from bench.common import spawn_server, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,37 +114,19 @@ def start_server(
     dtype: str = "float32",
     offload_half: bool = False,
     max_total_tokens: int = 1024,
+    prefix_cache: bool = True,
 ) -> subprocess.Popen:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--max-batch-size",
-        str(max_batch),
-        "--max-concurrent-requests",
-        "256",
-        "--max-total-tokens",
-        str(max_total_tokens),
-        "--max-input-tokens",
-        str(max_total_tokens - 128),
-        "--dtype",
-        dtype,
-        "--log-level",
-        "warning",
-    ]
-    if threads:
-        cmd += ["--threads", str(threads)]
+    """The benchmark's server. The throughput levels run it with ``prefix_cache=False``: their rounds send the same
+    prompts again, which the prefix cache would serve from its slots, and the peers keep nothing between calls."""
+    flags = ["--max-batch-size", str(max_batch), "--max-concurrent-requests", "256", "--dtype", dtype]
+    flags += [] if prefix_cache else ["--no-prefix-cache"]
+    flags += ["--max-total-tokens", str(max_total_tokens), "--max-input-tokens", str(max_total_tokens - 128)]
     if offload_half:
         from bench.offload import half_on_disk_map
 
         device_map, _ = half_on_disk_map(model_dir)
-        cmd += ["--strategy", json.dumps(device_map), "--offload-folder", str(log_path.parent / "offload")]
-    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        flags += ["--strategy", json.dumps(device_map), "--offload-folder", str(log_path.parent / "offload")]
+    return spawn_server(model_dir, port, log_path, threads, flags)
 
 
 def run_clients(url: str, texts: list[str], clients: int, max_new_tokens: int) -> dict[str, Any]:
@@ -297,18 +279,30 @@ def main(argv: list[str] | None = None) -> int:
     log_path = out_path.with_suffix(".server.log")
     limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings") or 4096
     long_tokens = min(args.long_tokens, limit - 256)
-    proc = start_server(
-        model_dir,
-        port,
-        args.max_batch_size,
-        log_path,
-        args.threads,
-        args.dtype,
-        offload_half=args.offload_half,
-        max_total_tokens=min(limit, max(1024, long_tokens + 256)),
-    )
+
+    def serve(prefix_cache: bool) -> subprocess.Popen:
+        return start_server(
+            model_dir,
+            port,
+            args.max_batch_size,
+            log_path,
+            args.threads,
+            args.dtype,
+            offload_half=args.offload_half,
+            max_total_tokens=min(limit, max(1024, long_tokens + 256)),
+            prefix_cache=prefix_cache,
+        )
+
+    def stop(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
     results = []
     latency: dict[str, Any] = {}
+    proc = serve(prefix_cache=False)  # every round's prompts are prefilled, as the peers' are
     try:
         wait_ready(url, proc)
         run_clients(url, texts[:2], 1, 4)  # warm-up
@@ -319,21 +313,22 @@ def main(argv: list[str] | None = None) -> int:
             best = max(runs, key=lambda r: r["tokens_per_s"])
             best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
             results.append(best)
-        if not args.skip_latency:
-            from bench.serve_latency import long_prompt_itl, long_text, prefix_cache_ttft
+    finally:
+        stop(proc)
+    if not args.skip_latency:
+        from bench.serve_latency import long_prompt_itl, long_text, prefix_cache_ttft
 
+        proc = serve(prefix_cache=True)
+        try:
+            wait_ready(url, proc)
             print("server: time to first token, cold and with the prefix cache ...", flush=True)
             latency["prefix_cache"] = prefix_cache_ttft(url)
             print(
                 f"server: inter-token latency of 4 streams while a {long_tokens}-token prompt arrives ...", flush=True
             )
             latency["long_prompt"] = long_prompt_itl(url, long_text(str(model_dir), long_tokens))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        finally:
+            stop(proc)
 
     header = f"{'contender':<26} {'clients':>7} {'tokens/s':>9} {'x base':>7} {'p50 s':>8} {'p99 s':>8} {'errors':>6}"
     print()
@@ -421,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": baseline,
         "peers": peers,
         "offload_half": args.offload_half,
+        "throughput_prefix_cache": False,  # the levels ran with --no-prefix-cache
         "server": results,
         "latency": latency,
         "verdict": verdict,

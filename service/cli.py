@@ -78,6 +78,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     for flag, typ, help_text in SERVE_FLAGS:
         g.add_argument(flag, type=typ, default=None, help=help_text)
     g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of prompt prefixes the cache holds (default on; --no-prefix-cache prefills every prompt "
+        "whole, or LOADMASTER_PREFIX_CACHE=false)",
+    )
+    g.add_argument(
         "--api-key",
         action="append",
         default=None,

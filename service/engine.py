@@ -366,7 +366,9 @@ class Engine:
     sequences may reserve together (default: every slot full), which is what admission checks. A model whose
     decoder layers span several GPUs runs each iteration in up to ``micro_batches`` micro-batches over its device
     runs (:mod:`service.device_pipeline_runner`, which also says when it is not used; ``device_pipeline`` reports
-    it); ``standin_runs`` is that module's test-only hook.
+    it); ``standin_runs`` is that module's test-only hook. ``prefix_cache=False`` turns prefix reuse off: every
+    prompt is prefilled whole, whatever the slots hold (a benchmark of cold prompts; tenants that must not share
+    timing).
     """
 
     def __init__(
@@ -381,6 +383,7 @@ class Engine:
         metrics: EngineMetrics | None = None,
         micro_batches: int | None = None,
         standin_runs: int | None = None,
+        prefix_cache: bool = True,
     ):
         if not supports_slot_cache(model):
             raise GenerationError(
@@ -391,6 +394,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
         self.max_total_tokens = max_total_tokens or _position_limit(model) or 4096
         self.kv_budget_tokens = kv_budget_tokens or max_batch_size * self.max_total_tokens
         self.metrics = metrics or _NoMetrics()
@@ -534,7 +538,7 @@ class Engine:
             self._pending.popleft()
             prompt = seq.request.prompt_ids
             # a prompt whose own logprobs were asked for reuses nothing: a reused token has no logits
-            usable = 0 if seq.request.prompt_logprobs else len(prompt) - 1
+            usable = 0 if seq.request.prompt_logprobs or not self.prefix_cache else len(prompt) - 1
             seq.slot, seq.prefilled = self.contents.take(prompt, usable)
             self.reused_tokens += seq.prefilled
             self._admissions += 1
@@ -607,7 +611,7 @@ class Engine:
         """Whether an earlier sequence still prefilling shares more of this prompt than any slot holds now: then
         this one waits and copies that prefix once computed (identical prompts admitted together prefill once).
         A prompt whose own logprobs were asked for never waits: it is prefilled whole."""
-        if seq.request.prompt_logprobs:
+        if seq.request.prompt_logprobs or not self.prefix_cache:
             return False
         prompt = seq.request.prompt_ids
         usable = len(prompt) - 1
@@ -627,8 +631,9 @@ class Engine:
 
     def _reuse_prefix(self, seq: _Sequence) -> None:
         """Copy the longest prefix of the prompt another slot holds into this sequence's slot, if it is longer
-        than what the slot holds already (not for a prompt whose own logprobs were asked for)."""
-        if seq.request.prompt_logprobs:
+        than what the slot holds already (not for a prompt whose own logprobs were asked for, nor with the prefix
+        cache off)."""
+        if seq.request.prompt_logprobs or not self.prefix_cache:
             return
         prompt = seq.request.prompt_ids
         hit = self.contents.best_source(prompt, len(prompt) - 1, exclude=seq.slot)

@@ -194,6 +194,7 @@ class InfoResponse(_Answer):
     memory: dict[str, Any] | None = Field(None, description="Per device: planned and measured bytes.")
     load_stats: Any = None
     cpu_kernels: KernelReport | None = None
+    prefix_cache: bool = Field(True, description="Whether prompts reuse the KV of prefixes the cache holds.")
     pipeline: dict[str, Any] | None = Field(
         None, description="Served with --pipeline: every stage's rank, layers, memory planned and measured, busy time."
     )

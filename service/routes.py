@@ -310,6 +310,7 @@ async def info(request: Request) -> dict[str, Any]:
             "max_body_bytes": s.max_body_bytes,
         },
         "model_id": None,
+        "prefix_cache": s.prefix_cache,
     }
     if loaded is None:
         return out

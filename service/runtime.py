@@ -75,6 +75,7 @@ class Runtime:
             # under --pipeline, --micro-batches splits the ring's batches (the model is the ring's rank 0)
             micro_batches=None if s.pipeline else s.micro_batches,
             standin_runs=s.standin_device_runs,
+            prefix_cache=s.prefix_cache,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()

@@ -96,6 +96,9 @@ class ServiceSettings(BaseSettings):
     # Limits.
     max_concurrent_requests: int = Field(128, ge=1, description="Queued + running requests; more get 429.")
     max_batch_size: int = Field(32, ge=1, description="Sequences decoded together in one step.")
+    prefix_cache: bool = Field(
+        True, description="Reuse the KV of prompt prefixes the cache's slots hold (false: prefill every prompt whole)."
+    )
     max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")
     max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
     default_max_new_tokens: int = Field(100, ge=1)

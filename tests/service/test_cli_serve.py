@@ -74,6 +74,12 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
         )
     )
     assert s.model == "other-dir" and s.max_batch_size == 3 and s.api_key == ["z"] and s.strategy == "balanced"
+    # a switch: --no-prefix-cache, or LOADMASTER_PREFIX_CACHE=false
+    assert s.prefix_cache is True
+    assert settings_from_args(build_parser().parse_args(["serve", "--no-prefix-cache"])).prefix_cache is False
+    monkeypatch.setenv("LOADMASTER_PREFIX_CACHE", "false")
+    assert settings_from_args(build_parser().parse_args(["serve"])).prefix_cache is False
+    assert settings_from_args(build_parser().parse_args(["serve", "--prefix-cache"])).prefix_cache is True
     # every serve flag has a settings field of the same name
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001 - argparse has no public walk

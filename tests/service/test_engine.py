@@ -253,6 +253,26 @@ def test_a_prompt_sharing_a_finished_requests_prefix_reuses_its_slot(tiny_llama:
     assert [e.id for e in got if isinstance(e, TokenEvent)] == _greedy(model, second, 5)
 
 
+def test_with_the_prefix_cache_off_every_prompt_is_prefilled_whole(tiny_llama: Path) -> None:
+    """``prefix_cache=False``: the same prompt again, and copies submitted together, reuse nothing and decode the
+    same tokens."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok("You are a helpful assistant who answers briefly and well. Question: why")["input_ids"]
+    engine = Engine(model, tok, max_batch_size=3, max_queue=8, prefix_cache=False)
+    engine.start()
+    try:
+        first = _run(engine, [GenerationRequest(prompt_ids=prompt, max_new_tokens=4)])
+        again = _run(engine, [GenerationRequest(prompt_ids=prompt, max_new_tokens=4) for _ in range(3)])
+    finally:
+        engine.stop()
+    assert engine.reused_tokens == 0
+    assert engine.prefilled_tokens == 4 * len(prompt)
+    want = _greedy(model, prompt, 4)
+    for events in first + again:
+        assert [e.id for e in events if isinstance(e, TokenEvent)] == want
+
+
 def test_admission_waits_for_kv_budget_tokens(tiny_llama: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)

@@ -24,6 +24,7 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     weights = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
     assert 0.9 * weights <= cpu["measured"]["weights"] <= weights  # parameters + buffers actually in RAM
     assert info["limits"]["max_batch_size"] == 16 and info["limits"]["max_total_tokens"] == 512
+    assert info["prefix_cache"] is True
     assert info["version"] and info["status"]["status"] == "ready"
     assert info["load_stats"]["seconds"] >= 0
     from loaders import cpu_kernels
