@@ -79,14 +79,14 @@ def _check_model(request: Request, name: str | None) -> str:
     return served
 
 
-async def _start(request: Request, build, user: str | None) -> tuple[list[EngineStream], Any]:
+async def _start(request: Request, build, user: str | None, stream: bool) -> tuple[list[EngineStream], Any]:
     """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     gens = await off_loop(build, validator, request_id_of(request))
     if user:
         log.info("request %s: user %r", request_id_of(request), user)
-    return open_streams(runtime, engine, gens), validator
+    return open_streams(runtime, engine, gens, stream), validator
 
 
 async def _finals_or_response(
@@ -228,7 +228,7 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
 )
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user)
+    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user, bool(body.stream))
     rid = request_id_of(request)
     cid, created = f"cmpl-{rid}", int(time.time())
     n = body.n
@@ -312,7 +312,7 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
 )
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user)
+    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user, bool(body.stream))
     rid = request_id_of(request)
     cid, created = f"chatcmpl-{rid}", int(time.time())
 

@@ -101,7 +101,7 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     engine, validator, _ = runtime.require_ready()
     _check_tgi(body, stream)
     gens = await off_loop(validator.tgi, body, request_id_of(request))
-    return open_streams(runtime, engine, gens)
+    return open_streams(runtime, engine, gens, stream)
 
 
 @router.post(

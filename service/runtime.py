@@ -152,7 +152,10 @@ class Slot:
 class EngineStream:
     """An engine request seen from the event loop: an async iterator of its events, cancellable."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, slot: Slot):
+    def __init__(self, engine: Engine, request: GenerationRequest, slot: Slot, tokens: bool = True):
+        #: Whether each token event reaches the loop (a stream's do); a non-streaming response waits for the final
+        #: event only, so its tokens are counted on the engine side and never wake the loop.
+        self.tokens = tokens
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.slot = slot
@@ -176,6 +179,8 @@ class EngineStream:
                     self.record.ttft_s = time.perf_counter() - self.submitted_at
                     self.record.queue_s = self.request.queued_s
                 self.record.generated_tokens = self.generated
+            if not self.tokens:
+                return
         self.deliver(event)
 
     def deliver(self, event: Event) -> None:
@@ -246,15 +251,18 @@ def _logits_width(model: Any, tokenizer: Any) -> int:
         return int(size) if isinstance(size, int) else len(tokenizer)
 
 
-def open_streams(runtime: Runtime, engine: Engine, requests: list[GenerationRequest]) -> list[EngineStream]:
+def open_streams(
+    runtime: Runtime, engine: Engine, requests: list[GenerationRequest], stream: bool
+) -> list[EngineStream]:
     """Submit every sequence of one HTTP request (``n``, ``best_of``, several prompts), each holding a slot of the
-    concurrency limit; if one cannot be admitted, those already submitted are cancelled and the error raised."""
+    concurrency limit; if one cannot be admitted, those already submitted are cancelled and the error raised.
+    ``stream``: the response streams tokens (else only the final events are delivered, see :class:`EngineStream`)."""
     streams: list[EngineStream] = []
     try:
         for gen in requests:
             slot = runtime.acquire()
             try:
-                streams.append(EngineStream(engine, gen, slot))
+                streams.append(EngineStream(engine, gen, slot, tokens=stream))
             except BaseException:
                 slot.release()
                 raise

@@ -65,6 +65,31 @@ def test_stream_events_match_the_non_streamed_answer(client: httpx.Client) -> No
     assert last["details"]["generated_tokens"] == 10 and last["details"]["input_length"] > 0
 
 
+def test_only_a_stream_wakes_the_event_loop_per_token(client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-streamed answer waits for the final event alone: its tokens are counted on the engine side but never
+    queued for the event loop (one wake-up per token would steal CPU from the decode loop); a stream gets each."""
+    from service.engine import TokenEvent
+    from service.runtime import EngineStream
+
+    delivered: list[tuple[bool, str]] = []
+    real = EngineStream.deliver
+
+    def recording(self: EngineStream, event) -> None:
+        delivered.append((self.tokens, type(event).__name__))
+        real(self, event)
+
+    monkeypatch.setattr(EngineStream, "deliver", recording)
+    params = {"max_new_tokens": 6, "details": True}
+    r = client.post("/generate", json={"inputs": "Hello there", "parameters": params})
+    assert r.status_code == 200 and r.json()["details"]["generated_tokens"] == 6
+    assert delivered == [(False, "FinishEvent")]
+    delivered.clear()
+    r = client.post("/generate_stream", json={"inputs": "Hello there", "parameters": params})
+    assert r.status_code == 200
+    assert [name for _, name in delivered] == [TokenEvent.__name__] * 6 + ["FinishEvent"]
+    assert all(tokens for tokens, _ in delivered)
+
+
 def test_stop_sequence_ends_generation(client: httpx.Client) -> None:
     base = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 12}}).json()
     text = base["generated_text"]
