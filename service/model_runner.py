@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from loaders.decode_attention import BOOL_MASK_ATTENTION
 from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
 
 
@@ -102,7 +101,7 @@ class ModelRunner:
         self.cache = cache
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None) or "eager"
-        self.bool_mask = implementation in BOOL_MASK_ATTENTION
+        self.bool_mask = implementation in _bool_mask_attention()
         self.window = getattr(config, "sliding_window", None) if _uses_sliding_window(config) else None
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
@@ -247,6 +246,15 @@ def _uses_sliding_window(config) -> bool:
     return getattr(config, "use_sliding_window", True) is not False
 
 
+def _bool_mask_attention() -> tuple[str, ...]:
+    """The attention implementations that take sdpa's boolean masks. Imported here, not at the top: the loader's
+    attention module imports transformers' model code, which the server loads on its loading thread, not before it
+    listens."""
+    from loaders.decode_attention import BOOL_MASK_ATTENTION
+
+    return BOOL_MASK_ATTENTION
+
+
 def supports_slot_cache(model: torch.nn.Module) -> bool:
     """Whether the model can run on the slot cache: a causal LM whose attention layers all take a transformers
     ``Cache`` through ``update`` and accept a prepared 4D mask (plain full or sliding-window attention)."""
@@ -257,4 +265,4 @@ def supports_slot_cache(model: torch.nn.Module) -> bool:
     if layer_types and any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         return False
     implementation = getattr(config, "_attn_implementation", None) or "eager"
-    return implementation in (*BOOL_MASK_ATTENTION, "eager")
+    return implementation in (*_bool_mask_attention(), "eager")

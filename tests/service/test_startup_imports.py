@@ -44,3 +44,15 @@ def test_keep_triton_leaves_the_import_alone() -> None:
     done, _, loaded = _probe(LOADMASTER_KEEP_TRITON="1")
     assert done == "False"
     assert loaded in ("True", "False")  # whether Triton is installed at all is this machine's business
+
+
+def test_the_app_imports_no_attention_code_before_it_listens() -> None:
+    """Making the app (what the server does before it listens) leaves the loader's attention module, and the
+    transformers model code it pulls in, to the loading thread."""
+    probe = (
+        "import sys, service.app\n"
+        "print(any(m in sys.modules for m in ('loaders.decode_attention', 'transformers.integrations.sdpa_attention')))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False"]
