@@ -36,7 +36,6 @@ static LM_ALWAYS_INLINE vec vzero(void) { return _mm512_setzero_ps(); }
 static LM_ALWAYS_INLINE vec vset1(float f) { return _mm512_set1_ps(f); }
 static LM_ALWAYS_INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static LM_ALWAYS_INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static LM_ALWAYS_INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static LM_ALWAYS_INLINE float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 static LM_ALWAYS_INLINE vec vloadf(const float *p) { return _mm512_loadu_ps(p); }
 static LM_ALWAYS_INLINE void vstoref(float *p, vec a) { _mm512_storeu_ps(p, a); }
@@ -56,7 +55,6 @@ static LM_ALWAYS_INLINE vec vzero(void) { return _mm256_setzero_ps(); }
 static LM_ALWAYS_INLINE vec vset1(float f) { return _mm256_set1_ps(f); }
 static LM_ALWAYS_INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static LM_ALWAYS_INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static LM_ALWAYS_INLINE vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static LM_ALWAYS_INLINE float vsum(vec a) { return lm_hsum256(a); }
 static LM_ALWAYS_INLINE vec vloadf(const float *p) { return _mm256_loadu_ps(p); }
 static LM_ALWAYS_INLINE void vstoref(float *p, vec a) { _mm256_storeu_ps(p, a); }
