@@ -537,8 +537,7 @@ class Engine:
                 break
             self._pending.popleft()
             prompt = seq.request.prompt_ids
-            # a prompt whose own logprobs were asked for reuses nothing: a reused token has no logits
-            usable = 0 if seq.request.prompt_logprobs or not self.prefix_cache else len(prompt) - 1
+            usable = len(prompt) - 1 if self._may_reuse(seq) else 0
             seq.slot, seq.prefilled = self.contents.take(prompt, usable)
             self.reused_tokens += seq.prefilled
             self._admissions += 1
@@ -607,11 +606,16 @@ class Engine:
             budget -= take
         return chunks, deferred
 
+    def _may_reuse(self, seq: _Sequence) -> bool:
+        """Whether ``seq``'s prompt may take KV another sequence computed: not with the prefix cache off, nor for a
+        prompt whose own logprobs were asked for (a reused token has no logits)."""
+        return self.prefix_cache and not seq.request.prompt_logprobs
+
     def _waits_for_shared_prefix(self, seq: _Sequence) -> bool:
         """Whether an earlier sequence still prefilling shares more of this prompt than any slot holds now: then
         this one waits and copies that prefix once computed (identical prompts admitted together prefill once).
         A prompt whose own logprobs were asked for never waits: it is prefilled whole."""
-        if seq.request.prompt_logprobs or not self.prefix_cache:
+        if not self._may_reuse(seq):
             return False
         prompt = seq.request.prompt_ids
         usable = len(prompt) - 1
@@ -633,7 +637,7 @@ class Engine:
         """Copy the longest prefix of the prompt another slot holds into this sequence's slot, if it is longer
         than what the slot holds already (not for a prompt whose own logprobs were asked for, nor with the prefix
         cache off)."""
-        if seq.request.prompt_logprobs or not self.prefix_cache:
+        if not self._may_reuse(seq):
             return
         prompt = seq.request.prompt_ids
         hit = self.contents.best_source(prompt, len(prompt) - 1, exclude=seq.slot)
