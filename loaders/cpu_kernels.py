@@ -145,9 +145,9 @@ _ARGTYPES = {
     "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],
     "quantize_q4": [_P, _L, _I, _I, _I, _P, _L, _P, _L, _I],
-    # q and its 2 strides, k and its 3, v and its 3, mask and its row stride, out and its 2; B, H, KV, L, D, scale,
-    # bf16, threads
-    "decode_attention": [_P, _L, _L] + [_P, _L, _L, _L] * 2 + [_P, _L, _P, _L, _L] + [_I] * 5 + [_F, _I, _I],
+    # q and its 3 strides, k and its 3, v and its 3, mask and its 2, out and its 3; B, H, KV, T, L, D, scale, bf16,
+    # threads
+    "decode_attention": [_P, _L, _L, _L] * 3 + [_P, _L, _L] + [_P, _L, _L, _L] + [_I] * 6 + [_F, _I, _I],
 }
 
 

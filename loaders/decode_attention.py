@@ -1,4 +1,5 @@
-"""Decode steps' attention on the native CPU kernel, registered with transformers as an attention implementation.
+"""Attention over the slot cache on the native CPU kernel, registered with transformers as an attention
+implementation.
 
 A decode step gives attention one query token per sequence. torch's CPU ``scaled_dot_product_attention`` sets up a
 blocked flash-attention pass for each (row, head) for it; ``loadmaster::decode_attention``
@@ -6,11 +7,17 @@ blocked flash-attention pass for each (row, head) for it; ``loadmaster::decode_a
 once, in place in the cache, for all the query heads that share them, and schedules those tasks dynamically over
 torch's threads. A row's result depends on its own keys only, so it does not depend on its batch.
 
+Prompt rows (several query tokens) in bfloat16 take the kernel too, each token over the keys its mask row lets
+through: that is what lets the engine pack bf16 prompts of different lengths into one forward
+(:mod:`service.model_runner`) and still give each row what it would get alone, whereas SDPA's sums depend on where
+a row's keys sit in the packed sequence. In float32 prompts stay on SDPA (packing keeps them within 1e-5).
+
 :func:`use_native_attention` switches a model from ``"sdpa"`` to :data:`NATIVE_ATTENTION`, an implementation name
 that transformers looks up at each forward (``AttentionInterface``; masks are built as for ``"sdpa"``, through
-``AttentionMaskInterface``). Calls with one query token, on the CPU, in fp32 or bf16, with a boolean mask (or none)
-and nothing else (no dropout, soft-capping, sinks or position bias) go to the kernel; every other call (prefills,
-GPU layers, other dtypes, models that pass extra terms) runs transformers' own ``sdpa`` function unchanged.
+``AttentionMaskInterface``). Calls on the CPU, in fp32 (one query token) or bf16 (one, or several with a mask), with
+a boolean mask (or none) and nothing else (no dropout, soft-capping, sinks or position bias) go to the kernel; every
+other call (fp32 prefills, GPU layers, other dtypes, models that pass extra terms) runs transformers' own ``sdpa``
+function unchanged.
 """
 
 from __future__ import annotations
@@ -39,13 +46,22 @@ _OTHER_TERMS = ("softcap", "sinks", "s_aux", "position_bias", "output_attentions
 
 
 def _kernel_takes(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: Any, dropout: float, kwargs) -> bool:
-    if query.shape[2] != 1 or not query.is_cpu or query.dtype not in (torch.float32, torch.bfloat16):
+    width = query.shape[2]
+    if not query.is_cpu or query.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if width != 1 and (query.dtype is not torch.bfloat16 or mask is None):
+        return False  # several query tokens: bf16 only, and only with the mask saying which keys each attends
     if (dropout and module.training) or any(kwargs.get(k) for k in _OTHER_TERMS):
         return False
     if key.dtype is not query.dtype or key.shape[-1] != query.shape[-1] or query.shape[1] % key.shape[1]:
         return False
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype is not torch.bool or mask.dim() != 4):
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor)
+        or mask.dtype is not torch.bool
+        or mask.dim() != 4
+        or mask.shape[-1] != key.shape[2]
+        or mask.shape[2] not in (1, width)
+    ):
         return False
     return kernel_ops.decode_available()
 

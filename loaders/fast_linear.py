@@ -13,6 +13,14 @@ products in one ``loadmaster::linear_multi`` call, and the others take their res
 tensor. At decode, a layer then forks the kernel's thread team 4 times instead of 7, and the small k and v products
 no longer run on their own (at 16 rows on the 100M Llama, about a fifth of the time in linear layers). The results
 are bit for bit those of the separate calls.
+
+In bfloat16, products of several tokens per row (``[B, T, K]`` with ``T > 1``: a prompt, alone or packed) run on
+torch's GEMM, and one-token rows (decode) on the native kernel (up to the 32 rows it takes). A prompt's product is
+compute-bound, where torch's blocked GEMM is faster (366 GFLOP/s at 256 rows against the native kernel's ~230, on
+two cores of an AVX-512 EPYC), and torch's bf16 GEMM gives a row the same bits whatever rows share the call
+(tested), so a prompt row's result does not depend on its batch either. Sizing by the row count instead would let
+a short prompt alone take the native kernel and the same prompt next to others take torch's, a one-ulp difference
+that can turn a greedy token.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ class SharedInputGroup:
                 self._kept.value = None
             return out
         self._kept.value = None
-        if not all(kernel_ops.supports(x, m.weight) for m in self.members):
+        if not all(native_takes(x, m.weight) for m in self.members):
             return None
         outs = kernel_ops.linear_multi(x, [m.weight for m in self.members], [m.bias for m in self.members])
         out = outs[index]
@@ -81,9 +89,17 @@ class NativeCPULinear(nn.Linear):
             out = group.output(self, input)
             if out is not None:
                 return out
-        if kernel_ops.supports(input, self.weight):
+        if native_takes(input, self.weight):
             return kernel_ops.linear(input, self.weight, self.bias)
         return super().forward(input)
+
+
+def native_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight^T`` runs on the native kernel: what :func:`loaders.kernel_ops.supports` takes, except
+    bf16 products of several tokens per row (see the module docstring)."""
+    if weight.dtype is torch.bfloat16 and x.dim() >= 3 and x.shape[-2] > 1:
+        return False
+    return kernel_ops.supports(x, weight)
 
 
 def group_shared_inputs(model: nn.Module) -> int:

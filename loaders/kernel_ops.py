@@ -260,24 +260,29 @@ def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
     return x.new_empty(_out_shape(x, qweight.shape[0]))
 
 
-# -- decode attention ---------------------------------------------------------------------------------------------
+# -- attention over the slot cache ---------------------------------------------------------------------------------
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
     b, h, width, d = query.shape
-    if width != 1:
-        raise ValueError(f"loadmaster::decode_attention takes one query token per row, got {width}")
     if key.dim() != 4 or key.shape != value.shape or key.shape[0] != b or key.shape[3] != d or h % key.shape[1]:
         raise ValueError(
             f"loadmaster::decode_attention: query {tuple(query.shape)} does not fit key {tuple(key.shape)} "
-            f"and value {tuple(value.shape)} ([B, H, 1, D] and [B, KV, L, D] with H a multiple of KV)"
+            f"and value {tuple(value.shape)} ([B, H, T, D] and [B, KV, L, D] with H a multiple of KV)"
         )
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
             f"loadmaster::decode_attention takes float32 or bfloat16 query, key and value of one dtype, not "
             f"{query.dtype}, {key.dtype}, {value.dtype}"
         )
-    if mask is not None and (mask.dtype is not torch.bool or mask.dim() != 4 or mask.shape[-1] != key.shape[2]):
+    if mask is None and width != 1:
         raise ValueError(
-            f"loadmaster::decode_attention: the mask must be bool [B, 1, 1, L], not {mask.dtype} {tuple(mask.shape)}"
+            "loadmaster::decode_attention: several query tokens per row need a mask (which keys each attends)"
+        )
+    if mask is not None and (
+        mask.dtype is not torch.bool or mask.dim() != 4 or mask.shape[-1] != key.shape[2] or mask.shape[2] not in (1, width)
+    ):
+        raise ValueError(
+            f"loadmaster::decode_attention: the mask must be bool [B, 1, T, L] (T = {width} query tokens, "
+            f"L = {key.shape[2]} keys), not {mask.dtype} {tuple(mask.shape)}"
         )
 
 
@@ -287,23 +292,24 @@ def _decode_attention_torch(query, key, value, mask, scale: float) -> torch.Tens
 
 
 def _decode_attention_cpu(query, key, value, mask, scale: float) -> torch.Tensor:
-    """Softmax attention of each row's one query token over its keys, as ``[B, 1, H, D]`` (the layout transformers'
-    attention functions return). The native kernel when it takes the operands (every last dimension contiguous, a
-    head size it handles), else torch's SDPA."""
+    """Softmax attention of each row's query tokens over its keys (each token over the keys its mask row lets
+    through), as ``[B, T, H, D]`` (the layout transformers' attention functions return). The native kernel when it
+    takes the operands (every last dimension contiguous, a head size it handles), else torch's SDPA."""
     _check_attention(query, key, value, mask)
-    b, h, _, d = query.shape
+    b, h, width, d = query.shape
     kv, length = key.shape[1], key.shape[2]
     fn = _fn("decode_attention")
     if mask is not None:
-        mask = mask.expand(b, 1, 1, length)
+        mask = mask.expand(b, 1, width, length)
     contiguous_rows = all(t.stride(-1) == 1 for t in (query, key, value)) and (mask is None or mask.stride(-1) == 1)
     if fn is None or not contiguous_rows:
         return _decode_attention_torch(query, key, value, mask, scale)
-    out = torch.empty((b, 1, h, d), dtype=query.dtype)
+    out = torch.empty((b, width, h, d), dtype=query.dtype)
     rc = fn(
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
+        query.stride(2),
         key.data_ptr(),
         key.stride(0),
         key.stride(1),
@@ -314,12 +320,15 @@ def _decode_attention_cpu(query, key, value, mask, scale: float) -> torch.Tensor
         value.stride(2),
         None if mask is None else mask.data_ptr(),
         0 if mask is None else mask.stride(0),
+        0 if mask is None else mask.stride(2),
         out.data_ptr(),
+        width * h * d,
         h * d,
         d,
         b,
         h,
         kv,
+        width,
         length,
         d,
         scale,
@@ -332,13 +341,12 @@ def _decode_attention_cpu(query, key, value, mask, scale: float) -> torch.Tensor
 
 
 def decode_available() -> bool:
-    """Whether the native decode-attention kernel is loaded (else the operator runs torch's SDPA)."""
+    """Whether the native attention kernel is loaded (else the operator runs torch's SDPA)."""
     return _fn("decode_attention") is not None
 
 
 def _decode_attention_fake(query, key, value, mask, scale: float) -> torch.Tensor:
-    torch._check(query.shape[2] == 1, lambda: "loadmaster::decode_attention takes one query token per row")
-    return query.new_empty((query.shape[0], 1, query.shape[1], query.shape[3]))
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
 
 
 _lib.impl("linear", _linear_cpu, "CPU")

@@ -8,6 +8,11 @@ run batched ``[B, width]``; rows of different widths run packed: their tokens en
 to its own slot's keys (:mod:`service.kv_cache`). The packed mask is dense: a row's queries also meet (masked) the
 keys of the other rows, attention work (not weight reads) that a decode row next to a prefill chunk pays.
 
+In bf16 with the native attention (:mod:`loaders.decode_attention`) an iteration is two forwards: the decode rows
+batched, and the prompt chunks packed, each token attending only its own row's keys on the native kernel, so that a
+row gets the same bits whatever rows it is packed with (:meth:`ModelRunner.prepare`). Without that kernel (or with
+a sliding window, or layers on a GPU) bf16 rows run one batched forward per row width.
+
 The runner builds the position ids and the attention mask itself (row ``b``'s token ``t`` sees keys
 ``0 .. start_b + t`` of its own slot, and, for a sliding-window model, only the window's), hands transformers a
 prepared 4D mask (which it uses as given) and a view of the :class:`~service.kv_cache.SlotKVCache` bound to these
@@ -29,6 +34,13 @@ from typing import Any
 import torch
 
 from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
+
+
+#: In bf16 with the native attention, a prompt row whose keys reach past this many positions runs in a call of its
+#: own on SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are
+#: ~2.4x faster (256 query tokens over 1000 keys: 7.0 against 15.7 ms a layer on an AVX-512 EPYC), while packed
+#: short rows are where the kernel wins (each token reads its own row's keys only, not the whole packed sequence).
+LONG_PROMPT_CONTEXT = 512
 
 
 @dataclass
@@ -106,11 +118,16 @@ class ModelRunner:
         layer_types = set(getattr(config, "layer_types", None) or ())
         self.mixed = self.window is not None and layer_types == {"full_attention", "sliding_attention"}
         self.mask_dtype = getattr(model, "dtype", torch.float32)
-        #: Whether rows of different widths share one packed forward. Not for a model that cannot take it (the
-        #: pipeline's ring), nor in half precision: a row's keys then sit at an offset that depends on its
-        #: batch-mates, which changes the order of attention's sums, and bf16/fp16 rounding then lets a row's greedy
-        #: tokens depend on its neighbours (fp32 stays within 1e-5). Those get one batched forward per row width.
-        self.packed = getattr(model, "runs_packed_rows", True) and self.mask_dtype == torch.float32
+        packable = getattr(model, "runs_packed_rows", True)
+        #: bf16 prompt rows packed apart from decode rows (see :meth:`prepare`): only where every attention call
+        #: runs the native kernel, which gives a prompt token the same result packed or alone. Under SDPA a packed
+        #: row's keys sit at an offset that depends on its batch-mates, which changes the order of attention's sums,
+        #: and bf16 rounding then lets a row's greedy tokens depend on its neighbours (fp32 stays within 1e-5).
+        self.half_packed = packable and self.mask_dtype == torch.bfloat16 and _native_attention_everywhere(model)
+        #: Whether rows of different widths share a packed forward. Not for a model that cannot take it (the
+        #: pipeline's ring), nor in half precision without the native attention: those get one batched forward per
+        #: row width.
+        self.packed = packable and (self.mask_dtype == torch.float32 or self.half_packed)
         #: Model calls run so far (tests count them: one per engine iteration, unless rows of several widths run
         #: one call per width).
         self.forwards = 0
@@ -138,10 +155,12 @@ class ModelRunner:
         widths = {len(r.tokens) for r in rows}
         if min(widths) < 1:
             raise ValueError("every row feeds at least one token")
+        if self.half_packed:
+            return self._decode_and_prompt_calls(rows)
         if len(widths) == 1 and not any(r.every_logits for r in rows):
             return [self._batched(rows, list(range(len(rows))))]
         if self.packed:
-            return [self._packed(rows)]
+            return [self._packed(rows, list(range(len(rows))))]
         groups: dict[int | tuple[int], list[int]] = {}
         for b, r in enumerate(rows):
             groups.setdefault((b,) if r.every_logits else len(r.tokens), []).append(b)
@@ -162,9 +181,31 @@ class ModelRunner:
                     every[b] = row_logits
         return RunOutput(last=torch.stack(last), every=every)
 
-    def _batched(self, rows: Sequence[Row], members: list[int], every: bool = False) -> ModelCall:
-        """Rows of one width ``[B, width]``; keeps the logits after each row's last token (after every token, with
-        ``every``)."""
+    def _decode_and_prompt_calls(self, rows: Sequence[Row]) -> list[ModelCall]:
+        """bf16 with the native attention: one batched call for the one-token rows (decode steps), whose products
+        run on the native kernel, and one packed call for every other row (prompt chunks, rows asking for every
+        token's logits), whose products run on torch's GEMM (:mod:`loaders.fast_linear` sizes them by tokens per
+        row). Each prompt row keeps its last two tokens' logits, so that the head's product also has several
+        tokens per row, whether one prompt runs or many. A prompt row reaching past :data:`LONG_PROMPT_CONTEXT`
+        runs in a call of its own, on SDPA. Which call a row takes depends on the row alone."""
+        one = [b for b, r in enumerate(rows) if len(r.tokens) == 1 and not r.every_logits]
+        taken = set(one)
+        prompts = [b for b in range(len(rows)) if b not in taken]
+        long = [b for b in prompts if rows[b].start + len(rows[b].tokens) > LONG_PROMPT_CONTEXT]
+        short = [b for b in prompts if b not in set(long)]
+        calls = [self._batched([rows[b] for b in one], one)] if one else []
+        if short:
+            calls.append(self._packed([rows[b] for b in short], short, keep_last=2))
+        for b in long:  # alone, on SDPA (see LONG_PROMPT_CONTEXT): its result depends on its own keys only
+            calls.append(self._batched([rows[b]], [b], every=rows[b].every_logits, keep_last=2, additive=True))
+        return calls
+
+    def _batched(
+        self, rows: Sequence[Row], members: list[int], every: bool = False, keep_last: int = 1, additive: bool = False
+    ) -> ModelCall:
+        """Rows of one width ``[B, width]``; keeps the logits after each row's last ``keep_last`` tokens (after
+        every token, with ``every``). ``additive`` gives attention the additive mask even where it takes booleans
+        (which the native implementation leaves to SDPA)."""
         width = len(rows[0].tokens)
         ids = torch.tensor([list(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
@@ -175,12 +216,14 @@ class ModelRunner:
         query = positions.unsqueeze(2)  # [B, T, 1]
         causal = keys <= query
         cache = self.cache.bound([r.slot for r in rows], [r.start for r in rows], width, span)
-        mask = self._mask(causal, keys, query)
-        kept = [width if every else 1] * len(rows)
-        return ModelCall(members, ids, positions, mask, cache, 0 if every else 1, kept, packed=False)
+        mask = self._mask(causal, keys, query, additive)
+        keep = min(keep_last, width)
+        kept = [width if every else keep] * len(rows)
+        return ModelCall(members, ids, positions, mask, cache, 0 if every else keep, kept, packed=False)
 
-    def _packed(self, rows: Sequence[Row]) -> ModelCall:
-        """Rows end to end as one sequence ``[1, T]`` (see the module docstring)."""
+    def _packed(self, rows: Sequence[Row], members: list[int], keep_last: int = 1) -> ModelCall:
+        """Rows end to end as one sequence ``[1, T]`` (see the module docstring), as ``members`` of the rows run;
+        each row keeps the logits of its last ``keep_last`` tokens (at most its width), or of every token."""
         lengths = torch.tensor([len(r.tokens) for r in rows], dtype=torch.long)
         starts = torch.tensor([r.start for r in rows], dtype=torch.long)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
@@ -197,7 +240,9 @@ class ModelRunner:
         causal = (token_row.view(1, -1, 1) == key_row.view(1, 1, -1)) & (keys <= query)
         last = first + lengths - 1
         keep_parts = [
-            torch.arange(int(first[b]), int(first[b]) + len(r.tokens)) if r.every_logits else last[b : b + 1]
+            torch.arange(int(first[b]), int(first[b]) + len(r.tokens))
+            if r.every_logits
+            else torch.arange(int(last[b]) - min(keep_last, len(r.tokens)) + 1, int(last[b]) + 1)
             for b, r in enumerate(rows)
         ]
         keep = torch.cat(keep_parts)  # ascending: rows are in order
@@ -211,29 +256,30 @@ class ModelRunner:
         )
         mask = self._mask(causal, keys, query)
         kept = [len(part) for part in keep_parts]
-        return ModelCall(
-            list(range(len(rows))), ids, positions.unsqueeze(0), mask, cache, keep.to(self.device), kept, packed=True
-        )
+        return ModelCall(members, ids, positions.unsqueeze(0), mask, cache, keep.to(self.device), kept, packed=True)
 
     def _mask(
-        self, causal: torch.Tensor, keys: torch.Tensor, query: torch.Tensor
+        self, causal: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, additive: bool = False
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The prepared mask from the causal booleans ``[B, T, S]``: windowed for a sliding-window model, one per
         layer type for a hybrid one."""
         windowed = causal & (keys > query - self.window) if self.window is not None else causal
         if self.mixed:  # per-layer-type masks, as transformers passes them to hybrid models
-            return {"full_attention": self._prepared(causal), "sliding_attention": self._prepared(windowed)}
-        return self._prepared(windowed)
+            return {
+                "full_attention": self._prepared(causal, additive),
+                "sliding_attention": self._prepared(windowed, additive),
+            }
+        return self._prepared(windowed, additive)
 
     def _call(self, call: ModelCall) -> torch.Tensor:
         """The model's forward for ``call``; its logits ``[B, kept, vocab]``."""
         return self.model(**call.kwargs(self.device)).logits
 
-    def _prepared(self, allowed: torch.Tensor) -> torch.Tensor:
+    def _prepared(self, allowed: torch.Tensor, additive: bool = False) -> torch.Tensor:
         """``[B, T, span]`` booleans as the 4D mask the attention implementation takes (bool for SDPA, additive
-        otherwise), on the input device."""
+        otherwise, or when asked), on the input device."""
         mask = allowed.unsqueeze(1)
-        if not self.bool_mask:
+        if additive or not self.bool_mask:
             mask = torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, torch.finfo(self.mask_dtype).min)
         return mask.to(self.device)
 
@@ -244,6 +290,17 @@ def _uses_sliding_window(config) -> bool:
     if not isinstance(window, int) or window <= 0:
         return False
     return getattr(config, "use_sliding_window", True) is not False
+
+
+def _native_attention_everywhere(model: torch.nn.Module) -> bool:
+    """Whether every attention call of ``model`` runs the native kernel: the loader switched it to the native
+    implementation, it has no sliding window, and all its weights compute on the CPU (none on a GPU)."""
+    config = getattr(model, "config", None)
+    from loaders.decode_attention import NATIVE_ATTENTION  # the loader's attention names, as _bool_mask_attention
+
+    if getattr(config, "_attn_implementation", None) != NATIVE_ATTENTION or _uses_sliding_window(config):
+        return False
+    return all(p.device.type in ("cpu", "meta") for p in model.parameters())
 
 
 def _bool_mask_attention() -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 /*
- * Attention for decode rows: one query token per sequence, over that sequence's keys and values in the slot cache.
+ * Attention over the slot cache for rows of one or more query tokens: each query token attends the keys of its
+ * own row that the mask lets through (decode rows: one token per sequence; prompt rows in half precision: several).
  *
  * Why its own kernel: at a decode step each (row, head) attends with one query over a few hundred keys, a tiny,
  * memory-bound job. torch's CPU scaled_dot_product_attention pays a blocked flash-attention set-up per (row, head)
@@ -12,11 +13,17 @@
  * on its own data only, in a fixed order, whatever rows share the call and whichever thread runs it, so a row's
  * output does not depend on its batch.
  *
+ * Several query tokens per row (a prompt) make one task per (row, KV head, query token), each computed exactly as a
+ * decode row's task, over the keys that token's mask row lets through. So a token's output depends on its own
+ * query and its own row's keys only, whether its prompt runs alone, batched or packed end to end with others, and
+ * however it is cut into chunks: in bfloat16 this is what keeps a row's greedy tokens independent of its
+ * neighbours (torch's SDPA blocks its sums by position in the whole key sequence, which packing shifts).
+ *
  * Layouts (strides in elements; every last dimension is contiguous):
- *   q    [B, H, D]      strides (qsb, qsh)
+ *   q    [B, H, T, D]   strides (qsb, qsh, qst)
  *   k, v [B, KV, L, D]  strides (ksb, ksh, kst) and (vsb, vsh, vst)
- *   mask [B, L] bytes, row stride msb (0: masked, else attended); NULL: every key is attended
- *   out  [B, H, D]      strides (osb, osh)
+ *   mask [B, T, L] bytes, strides (msb, mst) (0: masked, else attended); NULL: every key is attended
+ *   out  [B, T, H, D]   strides (osb, ost, osh)
  * q, k, v and out are all float32 (bf16 = 0) or all bfloat16 (bf16 = 1).
  * Returns 0, or a negative code for shapes it does not take (the caller then uses torch).
  */
@@ -121,8 +128,20 @@ static void attend(const void *q, long qrow, long qsh, const void *k, long krow,
     const size_t es = bf16 ? 2 : 4;
     /* only the keys the mask lets through are read at all: what masked positions hold never matters */
     int n = 0;
-    for (int j = 0; j < L; j++)
-        if (!mrow || mrow[j]) at[n++] = j;
+    if (!mrow) {
+        for (int j = 0; j < L; j++) at[n++] = j;
+    } else {
+        int j = 0;
+        for (; j + 8 <= L; j += 8) { /* a packed prompt's mask rows are mostly zeros: skip them 8 at a time */
+            uint64_t word;
+            memcpy(&word, mrow + j, sizeof word);
+            if (!word) continue;
+            for (int e = 0; e < 8; e++)
+                if (mrow[j + e]) at[n++] = j + e;
+        }
+        for (; j < L; j++)
+            if (mrow[j]) at[n++] = j;
+    }
     for (int g = 0; g < G; g++)
         for (int i = 0; i < Dp; i += VW) vstoref(qf + (long)g * Dp + i, vload(q, qrow + g * qsh + i, bf16, D - i));
 
@@ -195,10 +214,11 @@ static void attend(const void *q, long qrow, long qsh, const void *k, long krow,
         for (int i = 0; i < D; i++) lm_store(out, bf16, orow + g * osh + i, acc[(long)g * Dp + i] * inv[g]);
 }
 
-int lm_decode_attention(const void *q, long qsb, long qsh, const void *k, long ksb, long ksh, long kst, const void *v,
-                        long vsb, long vsh, long vst, const uint8_t *mask, long msb, void *out, long osb, long osh,
-                        int B, int H, int KV, int L, int D, float scale, int bf16, int threads) {
-    if (B < 1 || KV < 1 || H % KV != 0 || L < 1 || D < 1 || D > LM_ATTN_MAX_D) return -1;
+int lm_decode_attention(const void *q, long qsb, long qsh, long qst, const void *k, long ksb, long ksh, long kst,
+                        const void *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long mst, void *out,
+                        long osb, long ost, long osh, int B, int H, int KV, int T, int L, int D, float scale, int bf16,
+                        int threads) {
+    if (B < 1 || KV < 1 || T < 1 || H % KV != 0 || L < 1 || D < 1 || D > LM_ATTN_MAX_D) return -1;
     const int G = H / KV;
     if (G > LM_ATTN_MAX_G) return -1;
 #if !defined(__AVX512F__)
@@ -206,8 +226,8 @@ int lm_decode_attention(const void *q, long qsb, long qsh, const void *k, long k
 #endif
     const int Dp = (D + VW - 1) / VW * VW;
     const long per_task = 2L * G * Dp + (long)G * L + (long)KB * Dp;
-    const int tasks = B * KV;
-    if (threads > tasks) threads = tasks;
+    const long tasks = (long)B * KV * T;
+    if (threads > tasks) threads = (int)tasks;
     if (threads < 1) threads = 1;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)per_task * (size_t)threads);
     int *positions = (int *)malloc(sizeof(int) * (size_t)L * (size_t)threads);
@@ -225,10 +245,11 @@ int lm_decode_attention(const void *q, long qsb, long qsh, const void *k, long k
         float *buf = scratch + (long)me * per_task;
         int *at = positions + (long)me * L;
 #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < tasks; t++) {
-            const int b = t / KV, h = t % KV;
-            attend(q, b * qsb + (long)h * G * qsh, qsh, k, b * ksb + h * ksh, kst, v, b * vsb + h * vsh, vst,
-                   mask ? mask + b * msb : NULL, out, b * osb + (long)h * G * osh, osh, G, L, D, scale, bf16, buf, at);
+        for (long t = 0; t < tasks; t++) { /* (row, KV head, query token), the token fastest */
+            const int i = (int)(t % T), h = (int)(t / T % KV), b = (int)(t / T / KV);
+            attend(q, b * qsb + (long)h * G * qsh + i * qst, qsh, k, b * ksb + h * ksh, kst, v, b * vsb + h * vsh, vst,
+                   mask ? mask + b * msb + i * mst : NULL, out, b * osb + i * ost + (long)h * G * osh, osh, G, L, D,
+                   scale, bf16, buf, at);
         }
     }
     free(scratch);

@@ -1,6 +1,7 @@
-"""Decode attention on the native kernel (``loadmaster::decode_attention``) on every instruction-set path this CPU
-has: against attention computed in float64, independent of the batch, in place over the slot cache's strided
-views, and switched on in loaded models without changing what they compute."""
+"""Attention on the native kernel (``loadmaster::decode_attention``) on every instruction-set path this CPU has:
+decode rows and bf16 prompt rows against attention computed in float64, independent of the batch (and, for prompt
+tokens, of packing), in place over the slot cache's strided views, and switched on in loaded models without
+changing what they compute."""
 
 from __future__ import annotations
 
@@ -73,10 +74,62 @@ def test_masked_keys_weigh_nothing_whatever_they_hold(native_path):
     assert torch.equal(kernel_ops.decode_attention(query, key, value, mask, 0.125), before)
 
 
+@pytest.mark.parametrize("h,kv,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_tokens_match_causal_attention_in_float64(kernel_path, h, kv, d, dtype):
+    """Several query tokens per row, each over the keys its causal mask row lets through (rows at different starts
+    in the cache, so each row's mask is its own)."""
+    b, width, length, scale = 3, 11, 40, d**-0.5
+    g = torch.Generator().manual_seed(h + d)
+    key = torch.randn(b, kv, length, d, generator=g).to(dtype)
+    value = torch.randn(b, kv, length, d, generator=g).to(dtype)
+    query = torch.randn(b, width, h, d, generator=g).to(dtype).transpose(1, 2)
+    starts = torch.tensor([0, 13, 29])  # row r's tokens sit at starts[r] .. starts[r] + width - 1
+    positions = starts[:, None] + torch.arange(width)[None, :]
+    mask = (torch.arange(length)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, L]
+    out = kernel_ops.decode_attention(query, key, value, mask, scale)
+    assert out.shape == (b, width, h, d) and out.dtype == dtype
+    exact = _reference(query, key, value, mask, scale)
+    tolerance = 2e-6 if dtype == torch.float32 else 2**-7
+    assert (out.double() - exact).abs().max().item() <= tolerance * max(1.0, exact.abs().max().item())
+
+
+def test_a_prompt_token_does_not_depend_on_packing_or_chunks(native_path):
+    """Two bf16 prompts packed end to end ([1, T] with a block-diagonal causal mask, as the engine's runner packs
+    them) give each token, bit for bit, what that prompt gives alone, and what a later chunk of it gives."""
+    g = torch.Generator().manual_seed(11)
+    h, kv, d, widths = 12, 4, 64, (9, 23)
+    keys = [torch.randn(1, kv, w, d, generator=g).bfloat16() for w in widths]
+    values = [torch.randn(1, kv, w, d, generator=g).bfloat16() for w in widths]
+    queries = [torch.randn(1, h, w, d, generator=g).bfloat16() for w in widths]
+
+    def causal(n_queries: int, n_keys: int, first: int = 0) -> torch.Tensor:
+        pos = torch.arange(first, first + n_queries)
+        return (torch.arange(n_keys)[None, :] <= pos[:, None])[None, None]
+
+    alone = [
+        kernel_ops.decode_attention(q, k, v, causal(w, w), 0.125)
+        for q, k, v, w in zip(queries, keys, values, widths)
+    ]
+    total = sum(widths)
+    mask = torch.zeros(1, 1, total, total, dtype=torch.bool)
+    mask[..., : widths[0], : widths[0]] = causal(widths[0], widths[0])
+    mask[..., widths[0] :, widths[0] :] = causal(widths[1], widths[1])
+    packed = kernel_ops.decode_attention(
+        torch.cat(queries, dim=2), torch.cat(keys, dim=2), torch.cat(values, dim=2), mask, 0.125
+    )
+    assert torch.equal(packed[:, : widths[0]], alone[0]) and torch.equal(packed[:, widths[0] :], alone[1])
+    # the second prompt's last 8 tokens as a chunk after its first 15 (already in the cache)
+    chunk = kernel_ops.decode_attention(queries[1][:, :, 15:], keys[1], values[1], causal(8, 23, first=15), 0.125)
+    assert torch.equal(chunk, alone[1][:, 15:])
+
+
 def test_operator_checks_its_operands(kernel_path):
     query, key, value, mask = _operands(2, 4, 2, 64, 10, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="one query token"):
-        kernel_ops.decode_attention(torch.cat([query, query], dim=2), key, value, mask, 0.125)
+    with pytest.raises(ValueError, match="need a mask"):
+        kernel_ops.decode_attention(torch.cat([query, query], dim=2), key, value, None, 0.125)
+    with pytest.raises(ValueError, match=r"\[B, 1, T, L\]"):
+        kernel_ops.decode_attention(torch.cat([query, query, query], dim=2), key, value, mask.expand(2, 1, 2, 10), 0.125)
     with pytest.raises(ValueError, match="multiple of KV"):
         kernel_ops.decode_attention(query[:, :3], key, value, mask, 0.125)
     with pytest.raises(ValueError, match="one dtype"):
@@ -93,16 +146,20 @@ class _Module(torch.nn.Module):
 
 
 def test_other_calls_run_transformers_sdpa_unchanged(native_path):
-    """Prefill rows (several query tokens), float masks and extra terms are transformers' sdpa, bit for bit."""
+    """fp32 prefill rows (several query tokens), bf16 ones without a mask, float masks and extra terms are
+    transformers' sdpa, bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = _Module().eval()
     query, key, value, mask = _operands(2, 12, 4, 64, 9, torch.float32, seed=5)
     prefill = torch.randn(2, 12, 9, 64)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None].expand(2, 1, 9, 9)
-    for q, m in ((prefill, causal), (query, mask.float())):
-        ours, _ = decode_attention_forward(module, q, key, value, m, scaling=0.125)
-        theirs, _ = sdpa_attention_forward(module, q, key, value, m, scaling=0.125)
+    for q, m in ((prefill, causal), (prefill.bfloat16(), None), (query, mask.float())):
+        k, v = (key.bfloat16(), value.bfloat16()) if q.dtype == torch.bfloat16 else (key, value)
+        if m is None:  # the causal case transformers leaves to SDPA's is_causal
+            k, v = k[..., :9, :], v[..., :9, :]
+        ours, _ = decode_attention_forward(module, q, k, v, m, scaling=0.125)
+        theirs, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.125)
         assert torch.equal(ours, theirs)
     ours, _ = decode_attention_forward(module, query, key, value, mask, scaling=0.125)
     assert torch.allclose(ours, sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)[0], atol=1e-6)

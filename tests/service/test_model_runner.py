@@ -1,5 +1,6 @@
 """The model runner over the slot KV cache: rows prefilled together, in any slots, in chunks, with a prefix copied
-from another slot, compute what each prompt would alone in plain transformers; decode rows and prompt chunks share one packed forward."""
+from another slot, compute what each prompt would alone in plain transformers; decode rows and prompt chunks share one packed forward
+(in bf16 on the native kernels: two, and each row's logits are bit for bit those it gets alone)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.kv_cache import SlotKVCache
 from service.model_runner import ModelRunner, Row
+from tests.loaders.kernel_paths import native_path  # noqa: F401  (fixture: one run per native kernel path)
 
 PROMPTS = ["Once upon a time there was a river", "Hello", "The sea was calm and the night was long", "Rain fell"]
 CPU = torch.device("cpu")
@@ -121,3 +123,48 @@ def test_decode_rows_and_prompt_chunks_share_one_packed_forward(tiny_llama: Path
     # the rest of the long prompt, next to a decode row, continues from what the packed forward wrote
     rest = runner.run([Row(0, half, long_prompt[half:]), Row(4, len(short), [int(out.last[3].argmax())])])
     torch.testing.assert_close(rest.last[0], whole[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_prompts_packed_give_each_row_what_it_gets_alone(native_path, tiny_llama: Path) -> None:
+    """bf16 on the native kernels: prompts of different lengths packed into one forward, next to decode rows, give
+    each row bit for bit the logits it gets alone, in two calls per iteration (decode rows, then the prompts); a
+    prompt reaching past LONG_PROMPT_CONTEXT runs alone on SDPA, and also gives the same bits alone as in a crowd."""
+    import loaders
+    from service import model_runner
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    long_prompt = tok(" ".join(PROMPTS * 20))["input_ids"]
+    assert len(long_prompt) > model_runner.LONG_PROMPT_CONTEXT
+    runner = ModelRunner(model, CPU, SlotKVCache(slots=8, max_len=1024))
+    assert runner.half_packed and runner.packed
+
+    def alone(slot: int, prompt: list[int]) -> torch.Tensor:
+        return runner.forward([Row(slot, 0, prompt)])[0]
+
+    singles = [alone(s, p) for s, p in enumerate(prompts)]
+    single_long = alone(6, long_prompt)
+    # slots 0 and 1 decode a token each, next to the four prompts again (slots 2-5) and the long one (slot 7)
+    before = runner.forwards
+    rows = [Row(0, len(prompts[0]), [7]), Row(1, len(prompts[1]), [9])]
+    rows += [Row(s + 2, 0, p) for s, p in enumerate(prompts)] + [Row(7, 0, long_prompt)]
+    together = runner.forward(rows)
+    assert runner.forwards == before + 3  # decode rows, packed prompts, the long prompt
+    for b, expected in enumerate(singles):
+        assert torch.equal(together[b + 2], expected)
+    assert torch.equal(together[6], single_long)
+    for b, prompt in enumerate(prompts[:2]):  # the decode rows too: each as its own one-row step
+        step = runner.forward([Row(b + 2, len(prompt), [7 if b == 0 else 9])])[0]
+        assert torch.equal(step, together[b])
+
+
+def test_torch_bf16_products_give_a_row_the_same_bits_whatever_its_batch() -> None:
+    """What bf16 prompt packing relies on (loaders.fast_linear): torch's bf16 GEMM on this CPU gives a row the
+    same result whatever rows share the product and wherever it sits among them."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(640, 384, generator=g) * 0.05).bfloat16()
+    x = torch.randn(700, 384, generator=g).bfloat16()
+    full = torch.nn.functional.linear(x, weight)
+    for start, rows in ((0, 1), (3, 2), (5, 33), (40, 257), (1, 699)):
+        assert torch.equal(torch.nn.functional.linear(x[start : start + rows], weight), full[start : start + rows])
