@@ -108,10 +108,10 @@ def test_micro_batches_is_honoured_with_runs_and_refused_by_name_without(tiny_ll
 
 
 @pytest.mark.parametrize(
-    "flags", [{"dtype": "bfloat16"}, {"cpu_quantization": "int8"}], ids=["bf16-by-width", "int8-cpu-layers"]
+    "flags", [{"dtype": "bfloat16"}, {"cpu_quantization": "int8"}], ids=["bf16", "int8-cpu-layers"]
 )
 def test_precision_and_quantization_flags_are_honoured_through_the_pipeline(tiny_llama: Path, flags: dict) -> None:
-    """bf16 (rows of different widths run one batched call per width, not packed) and int8 CPU layers: the
+    """bf16 (decode rows and packed prompt rows in calls of their own) and int8 CPU layers: the
     pipelined server answers 8 concurrent requests with the tokens of a plain server given the same flags."""
     bodies = [{"inputs": p, "parameters": {"max_new_tokens": 8, "details": True}} for p in PROMPTS[:8]]
     answers = []
