@@ -278,7 +278,10 @@ def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             "loadmaster::decode_attention: several query tokens per row need a mask (which keys each attends)"
         )
     if mask is not None and (
-        mask.dtype is not torch.bool or mask.dim() != 4 or mask.shape[-1] != key.shape[2] or mask.shape[2] not in (1, width)
+        mask.dtype is not torch.bool
+        or mask.dim() != 4
+        or mask.shape[-1] != key.shape[2]
+        or mask.shape[2] not in (1, width)
     ):
         raise ValueError(
             f"loadmaster::decode_attention: the mask must be bool [B, 1, T, L] (T = {width} query tokens, "

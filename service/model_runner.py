@@ -35,7 +35,6 @@ import torch
 
 from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
 
-
 #: In bf16 with the native attention, a prompt row whose keys reach past this many positions runs in a call of its
 #: own on SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are
 #: ~2.4x faster (256 query tokens over 1000 keys: 7.0 against 15.7 ms a layer on an AVX-512 EPYC), while packed

@@ -108,8 +108,7 @@ def test_a_prompt_token_does_not_depend_on_packing_or_chunks(native_path):
         return (torch.arange(n_keys)[None, :] <= pos[:, None])[None, None]
 
     alone = [
-        kernel_ops.decode_attention(q, k, v, causal(w, w), 0.125)
-        for q, k, v, w in zip(queries, keys, values, widths)
+        kernel_ops.decode_attention(q, k, v, causal(w, w), 0.125) for q, k, v, w in zip(queries, keys, values, widths)
     ]
     total = sum(widths)
     mask = torch.zeros(1, 1, total, total, dtype=torch.bool)
@@ -129,7 +128,9 @@ def test_operator_checks_its_operands(kernel_path):
     with pytest.raises(ValueError, match="need a mask"):
         kernel_ops.decode_attention(torch.cat([query, query], dim=2), key, value, None, 0.125)
     with pytest.raises(ValueError, match=r"\[B, 1, T, L\]"):
-        kernel_ops.decode_attention(torch.cat([query, query, query], dim=2), key, value, mask.expand(2, 1, 2, 10), 0.125)
+        kernel_ops.decode_attention(
+            torch.cat([query, query, query], dim=2), key, value, mask.expand(2, 1, 2, 10), 0.125
+        )
     with pytest.raises(ValueError, match="multiple of KV"):
         kernel_ops.decode_attention(query[:, :3], key, value, mask, 0.125)
     with pytest.raises(ValueError, match="one dtype"):

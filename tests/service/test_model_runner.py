@@ -125,7 +125,8 @@ def test_decode_rows_and_prompt_chunks_share_one_packed_forward(tiny_llama: Path
     torch.testing.assert_close(rest.last[0], whole[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_prompts_packed_give_each_row_what_it_gets_alone(native_path, tiny_llama: Path) -> None:
+@pytest.mark.usefixtures("native_path")
+def test_bf16_prompts_packed_give_each_row_what_it_gets_alone(tiny_llama: Path) -> None:
     """bf16 on the native kernels: prompts of different lengths packed into one forward, next to decode rows, give
     each row bit for bit the logits it gets alone, in two calls per iteration (decode rows, then the prompts); a
     prompt reaching past LONG_PROMPT_CONTEXT runs alone on SDPA, and also gives the same bits alone as in a crowd."""
