@@ -190,8 +190,9 @@ class ModelRunner:
         one = [b for b, r in enumerate(rows) if len(r.tokens) == 1 and not r.every_logits]
         taken = set(one)
         prompts = [b for b in range(len(rows)) if b not in taken]
-        long = [b for b in prompts if rows[b].start + len(rows[b].tokens) > LONG_PROMPT_CONTEXT]
-        short = [b for b in prompts if b not in set(long)]
+        is_long = {b: rows[b].start + len(rows[b].tokens) > LONG_PROMPT_CONTEXT for b in prompts}
+        long = [b for b in prompts if is_long[b]]
+        short = [b for b in prompts if not is_long[b]]
         calls = [self._batched([rows[b] for b in one], one)] if one else []
         if short:
             calls.append(self._packed([rows[b] for b in short], short, keep_last=2))
