@@ -18,19 +18,20 @@ In bfloat16, products of several tokens per row (``[B, T, K]`` with ``T > 1``: a
 torch's GEMM, and one-token rows (decode) on the native kernel (up to the 32 rows it takes). A prompt's product is
 compute-bound, where torch's blocked GEMM is faster (366 GFLOP/s at 256 rows against the native kernel's ~230, on
 two cores of an AVX-512 EPYC), and torch's bf16 GEMM gives a row the same bits whatever rows share the call
-(tested), so a prompt row's result does not depend on its batch either. Sizing by the row count instead would let
-a short prompt alone take the native kernel and the same prompt next to others take torch's, a one-ulp difference
-that can turn a greedy token.
+(:func:`torch_rows_independent` checks it for a model's weights on the CPU at hand), so a prompt row's result does
+not depend on its batch either. Sizing by the row count instead would let a short prompt alone take the native
+kernel and the same prompt next to others take torch's, a one-ulp difference that can turn a greedy token.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from loaders import cpu_kernels, kernel_ops
 
@@ -158,3 +159,27 @@ def use_native_linears(model: nn.Module, choice: str = "auto") -> int:
     if switched:
         log.info("%d groups of sibling projections share one kernel call each", group_shared_inputs(model))
     return switched
+
+
+#: Row counts the probe of :func:`torch_rows_independent` multiplies, each as (first row, rows), against the same
+#: rows inside one product of all of them: one row, a few, and a packed prompt's worth, at different offsets.
+_PROBE_ROWS = ((0, 1), (1, 3), (5, 33), (2, 270))
+
+
+def torch_rows_independent(
+    weights: Sequence[torch.Tensor], product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+) -> bool:
+    """Whether ``product`` (torch's GEMM) gives each row of ``x @ w^T`` the same bits whatever rows share the call,
+    for each of ``weights`` on this CPU (probed with random rows). oneDNN promises reproducible results for one
+    implementation, not across the implementations it may pick for different row counts; packing bf16 prompts
+    relies on it."""
+    g = torch.Generator().manual_seed(0)
+    rows = max(start + n for start, n in _PROBE_ROWS)
+    with torch.inference_mode():
+        for w in weights:
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+            whole = product(x, w)
+            for start, n in _PROBE_ROWS:
+                if not torch.equal(product(x[start : start + n], w), whole[start : start + n]):
+                    return False
+    return True

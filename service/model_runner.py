@@ -119,10 +119,16 @@ class ModelRunner:
         self.mask_dtype = getattr(model, "dtype", torch.float32)
         packable = getattr(model, "runs_packed_rows", True)
         #: bf16 prompt rows packed apart from decode rows (see :meth:`prepare`): only where every attention call
-        #: runs the native kernel, which gives a prompt token the same result packed or alone. Under SDPA a packed
+        #: runs the native kernel, which gives a prompt token the same result packed or alone, and torch's GEMM
+        #: gives a prompt row's products the same bits whatever rows share them (probed). Under SDPA a packed
         #: row's keys sit at an offset that depends on its batch-mates, which changes the order of attention's sums,
         #: and bf16 rounding then lets a row's greedy tokens depend on its neighbours (fp32 stays within 1e-5).
-        self.half_packed = packable and self.mask_dtype == torch.bfloat16 and _native_attention_everywhere(model)
+        self.half_packed = (
+            packable
+            and self.mask_dtype == torch.bfloat16
+            and _native_attention_everywhere(model)
+            and _prompt_products_row_independent(model)
+        )
         #: Whether rows of different widths share a packed forward. Not for a model that cannot take it (the
         #: pipeline's ring), nor in half precision without the native attention: those get one batched forward per
         #: row width.
@@ -301,6 +307,18 @@ def _native_attention_everywhere(model: torch.nn.Module) -> bool:
     if getattr(config, "_attn_implementation", None) != NATIVE_ATTENTION or _uses_sliding_window(config):
         return False
     return all(p.device.type in ("cpu", "meta") for p in model.parameters())
+
+
+def _prompt_products_row_independent(model: torch.nn.Module) -> bool:
+    """Whether torch's bf16 GEMM, which runs prompt rows' products, gives a row the same bits whatever rows share
+    it, probed on the first native linear layer's weight and on the widest one's (different input widths), where
+    they are in memory (a layer streamed from disk is not probed). Where it does not, bf16 rows are not packed."""
+    from loaders.fast_linear import NativeCPULinear, torch_rows_independent  # as _bool_mask_attention
+
+    weights = [m.weight for m in model.modules() if isinstance(m, NativeCPULinear) and m.weight.device.type == "cpu"]
+    if not weights:
+        return True
+    return torch_rows_independent([weights[0], max(weights, key=lambda w: w.shape[1])])
 
 
 def _bool_mask_attention() -> tuple[str, ...]:
