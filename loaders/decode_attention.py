@@ -7,17 +7,18 @@ blocked flash-attention pass for each (row, head) for it; ``loadmaster::decode_a
 once, in place in the cache, for all the query heads that share them, and schedules those tasks dynamically over
 torch's threads. A row's result depends on its own keys only, so it does not depend on its batch.
 
-Prompt rows (several query tokens) in bfloat16 take the kernel too, each token over the keys its mask row lets
-through: that is what lets the engine pack bf16 prompts of different lengths into one forward
+Prompt rows (several query tokens, with a mask) take the kernel too, each token over the keys its mask row lets
+through. In bfloat16 that is what lets the engine pack prompts of different lengths into one forward
 (:mod:`service.model_runner`) and still give each row what it would get alone, whereas SDPA's sums depend on where
-a row's keys sit in the packed sequence. In float32 prompts stay on SDPA (packing keeps them within 1e-5).
+a row's keys sit in the packed sequence. In both dtypes it spares a packed forward SDPA's dense pass over every
+row's keys (each token reads its own row's only); the engine leaves one long context to SDPA, which is faster there.
 
 :func:`use_native_attention` switches a model from ``"sdpa"`` to :data:`NATIVE_ATTENTION`, an implementation name
 that transformers looks up at each forward (``AttentionInterface``; masks are built as for ``"sdpa"``, through
-``AttentionMaskInterface``). Calls on the CPU, in fp32 (one query token) or bf16 (one, or several with a mask), with
-a boolean mask (or none) and nothing else (no dropout, soft-capping, sinks or position bias) go to the kernel; every
-other call (fp32 prefills, GPU layers, other dtypes, models that pass extra terms) runs transformers' own ``sdpa``
-function unchanged.
+``AttentionMaskInterface``). Calls on the CPU, in fp32 or bf16, with a boolean mask (or, for one query token per
+row, none) and nothing else (no dropout, soft-capping, sinks or position bias) go to the kernel; every other call
+(GPU layers, other dtypes, additive masks, models that pass extra terms) runs transformers' own ``sdpa`` function
+unchanged.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def _kernel_takes(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mas
     width = query.shape[2]
     if not query.is_cpu or query.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if width != 1 and (query.dtype is not torch.bfloat16 or mask is None):
-        return False  # several query tokens: bf16 only, and only with the mask saying which keys each attends
+    if width != 1 and mask is None:
+        return False  # several query tokens: only with the mask saying which keys each attends
     if (dropout and module.training) or any(kwargs.get(k) for k in _OTHER_TERMS):
         return False
     if key.dtype is not query.dtype or key.shape[-1] != query.shape[-1] or query.shape[1] % key.shape[1]:

@@ -35,10 +35,10 @@ import torch
 
 from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
 
-#: In bf16 with the native attention, a prompt row whose keys reach past this many positions runs in a call of its
-#: own on SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are
-#: ~2.4x faster (256 query tokens over 1000 keys: 7.0 against 15.7 ms a layer on an AVX-512 EPYC), while packed
-#: short rows are where the kernel wins (each token reads its own row's keys only, not the whole packed sequence).
+#: Under the native attention, a prompt row whose keys reach past this many positions runs in a call of its own on
+#: SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are ~2.4x
+#: faster (256 bf16 query tokens over 1000 keys: 7.0 against 15.7 ms a layer on an AVX-512 EPYC), while packed short
+#: rows are where the kernel wins (each token reads its own row's keys only, not the whole packed sequence).
 LONG_PROMPT_CONTEXT = 512
 
 
@@ -133,6 +133,10 @@ class ModelRunner:
         #: pipeline's ring), nor in half precision without the native attention: those get one batched forward per
         #: row width.
         self.packed = packable and (self.mask_dtype == torch.float32 or self.half_packed)
+        #: Whether attention runs the native kernel, which takes prompt rows too (see :meth:`prepare`).
+        self.native_attention = implementation == _native_attention_name()
+        #: Logits a prompt row keeps in a call of its own: two in bf16 packing, as in its packed call.
+        self._keep_last = 2 if self.half_packed else 1
         #: Model calls run so far (tests count them: one per engine iteration, unless rows of several widths run
         #: one call per width).
         self.forwards = 0
@@ -154,24 +158,38 @@ class ModelRunner:
     def prepare(self, rows: Sequence[Row]) -> list[ModelCall]:
         """The forward(s) that feed ``rows``: one batched call for rows of one width, one packed call for rows of
         different widths, or, for a model that does not take the packed layout, one batched call per row width (a
-        row asking for every token's logits alone)."""
+        row asking for every token's logits alone); in bf16 with the native attention, see
+        :meth:`_decode_and_prompt_calls`. Under the native attention a prompt row reaching past
+        :data:`LONG_PROMPT_CONTEXT` runs in a call of its own, on SDPA."""
         if not rows:
             raise ValueError("a forward needs at least one row")
-        widths = {len(r.tokens) for r in rows}
-        if min(widths) < 1:
+        if min(len(r.tokens) for r in rows) < 1:
             raise ValueError("every row feeds at least one token")
+        everyone = list(range(len(rows)))
+        if not self.native_attention:
+            return self._calls(rows, everyone)
+        is_long = [len(r.tokens) > 1 and r.start + len(r.tokens) > LONG_PROMPT_CONTEXT for r in rows]
+        rest = [b for b in everyone if not is_long[b]]
+        calls = self._calls([rows[b] for b in rest], rest) if rest else []
+        for b in everyone:  # alone, on SDPA: its result depends on its own keys only
+            if is_long[b]:
+                calls.append(self._batched([rows[b]], [b], rows[b].every_logits, self._keep_last, additive=True))
+        return calls
+
+    def _calls(self, rows: Sequence[Row], members: list[int]) -> list[ModelCall]:
+        """:meth:`prepare`'s calls for ``rows``, which are ``members`` of the rows being run."""
         if self.half_packed:
-            return self._decode_and_prompt_calls(rows)
-        if len(widths) == 1 and not any(r.every_logits for r in rows):
-            return [self._batched(rows, list(range(len(rows))))]
+            return self._decode_and_prompt_calls(rows, members)
+        if len({len(r.tokens) for r in rows}) == 1 and not any(r.every_logits for r in rows):
+            return [self._batched(rows, members)]
         if self.packed:
-            return [self._packed(rows, list(range(len(rows))))]
+            return [self._packed(rows, members)]
         groups: dict[int | tuple[int], list[int]] = {}
         for b, r in enumerate(rows):
             groups.setdefault((b,) if r.every_logits else len(r.tokens), []).append(b)
         return [
-            self._batched([rows[b] for b in members], members, every=rows[members[0]].every_logits)
-            for members in groups.values()
+            self._batched([rows[b] for b in group], [members[b] for b in group], every=rows[group[0]].every_logits)
+            for group in groups.values()
         ]
 
     @staticmethod
@@ -186,24 +204,18 @@ class ModelRunner:
                     every[b] = row_logits
         return RunOutput(last=torch.stack(last), every=every)
 
-    def _decode_and_prompt_calls(self, rows: Sequence[Row]) -> list[ModelCall]:
+    def _decode_and_prompt_calls(self, rows: Sequence[Row], members: list[int]) -> list[ModelCall]:
         """bf16 with the native attention: one batched call for the one-token rows (decode steps), whose products
         run on the native kernel, and one packed call for every other row (prompt chunks, rows asking for every
         token's logits), whose products run on torch's GEMM (:mod:`loaders.fast_linear` sizes them by tokens per
         row). Each prompt row keeps its last two tokens' logits, so that the head's product also has several
-        tokens per row, whether one prompt runs or many. A prompt row reaching past :data:`LONG_PROMPT_CONTEXT`
-        runs in a call of its own, on SDPA. Which call a row takes depends on the row alone."""
+        tokens per row, whether one prompt runs or many. Which call a row takes depends on the row alone."""
         one = [b for b, r in enumerate(rows) if len(r.tokens) == 1 and not r.every_logits]
         taken = set(one)
         prompts = [b for b in range(len(rows)) if b not in taken]
-        is_long = {b: rows[b].start + len(rows[b].tokens) > LONG_PROMPT_CONTEXT for b in prompts}
-        long = [b for b in prompts if is_long[b]]
-        short = [b for b in prompts if not is_long[b]]
-        calls = [self._batched([rows[b] for b in one], one)] if one else []
-        if short:
-            calls.append(self._packed([rows[b] for b in short], short, keep_last=2))
-        for b in long:  # alone, on SDPA (see LONG_PROMPT_CONTEXT): its result depends on its own keys only
-            calls.append(self._batched([rows[b]], [b], every=rows[b].every_logits, keep_last=2, additive=True))
+        calls = [self._batched([rows[b] for b in one], [members[b] for b in one])] if one else []
+        if prompts:
+            calls.append(self._packed([rows[b] for b in prompts], [members[b] for b in prompts], keep_last=2))
         return calls
 
     def _batched(
@@ -298,13 +310,18 @@ def _uses_sliding_window(config) -> bool:
     return getattr(config, "use_sliding_window", True) is not False
 
 
+def _native_attention_name() -> str:
+    """The loader's native attention implementation name (imported here, as :func:`_bool_mask_attention` is)."""
+    from loaders.decode_attention import NATIVE_ATTENTION
+
+    return NATIVE_ATTENTION
+
+
 def _native_attention_everywhere(model: torch.nn.Module) -> bool:
     """Whether every attention call of ``model`` runs the native kernel: the loader switched it to the native
     implementation, it has no sliding window, and all its weights compute on the CPU (none on a GPU)."""
     config = getattr(model, "config", None)
-    from loaders.decode_attention import NATIVE_ATTENTION  # the loader's attention names, as _bool_mask_attention
-
-    if getattr(config, "_attn_implementation", None) != NATIVE_ATTENTION or _uses_sliding_window(config):
+    if getattr(config, "_attn_implementation", None) != _native_attention_name() or _uses_sliding_window(config):
         return False
     return all(p.device.type in ("cpu", "meta") for p in model.parameters())
 

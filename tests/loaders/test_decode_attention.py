@@ -147,15 +147,15 @@ class _Module(torch.nn.Module):
 
 
 def test_other_calls_run_transformers_sdpa_unchanged(native_path):
-    """fp32 prefill rows (several query tokens), bf16 ones without a mask, float masks and extra terms are
-    transformers' sdpa, bit for bit."""
+    """Prefill rows without a mask (transformers leaves causal ones to SDPA's is_causal), float masks and extra
+    terms are transformers' sdpa, bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = _Module().eval()
     query, key, value, mask = _operands(2, 12, 4, 64, 9, torch.float32, seed=5)
     prefill = torch.randn(2, 12, 9, 64)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None].expand(2, 1, 9, 9)
-    for q, m in ((prefill, causal), (prefill.bfloat16(), None), (query, mask.float())):
+    for q, m in ((prefill, None), (prefill.bfloat16(), None), (query, mask.float()), (prefill, causal.float())):
         k, v = (key.bfloat16(), value.bfloat16()) if q.dtype == torch.bfloat16 else (key, value)
         if m is None:  # the causal case transformers leaves to SDPA's is_causal
             k, v = k[..., :9, :], v[..., :9, :]

@@ -164,6 +164,29 @@ def test_bf16_prompts_packed_give_each_row_what_it_gets_alone(tiny_llama: Path) 
         assert torch.equal(step, together[b])
 
 
+@pytest.mark.usefixtures("native_path")
+def test_fp32_prompts_on_the_native_attention_match_transformers(tiny_llama: Path) -> None:
+    """fp32 on the native kernels: prompts packed next to a decode row attend on the kernel, and a prompt reaching
+    past LONG_PROMPT_CONTEXT runs alone on SDPA; every row's logits stay within 1e-5 of plain transformers."""
+    import loaders
+    from service import model_runner
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype="float32", show_progress=False)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:3]] + [tok(" ".join(PROMPTS * 20))["input_ids"]]
+    assert len(prompts[-1]) > model_runner.LONG_PROMPT_CONTEXT
+    runner = ModelRunner(model, CPU, SlotKVCache(slots=6, max_len=1024))
+    assert runner.native_attention and runner.packed and not runner.half_packed
+    runner.forward([Row(5, 0, prompts[0])])  # slot 5 then decodes next to the prompts
+    before = runner.forwards
+    logits = runner.forward([Row(5, len(prompts[0]), [7])] + [Row(s, 0, p) for s, p in enumerate(prompts)])
+    assert runner.forwards == before + 2  # the decode row and three prompts packed, the long prompt alone
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row + 1], _reference(plain, prompt)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], _reference(plain, prompts[0] + [7])[0], atol=1e-5, rtol=1e-5)
+
+
 def test_the_row_independence_probe_sees_a_product_that_depends_on_its_batch() -> None:
     """The probe behind bf16 packing answers from what the products give: torch's GEMM as it is on this CPU, and a
     product whose rows pick up a trace of the rows beside them (which no CPU here gives, so it is written out)."""
