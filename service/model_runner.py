@@ -328,11 +328,17 @@ def _native_attention_everywhere(model: torch.nn.Module) -> bool:
 
 def _prompt_products_row_independent(model: torch.nn.Module) -> bool:
     """Whether torch's bf16 GEMM, which runs prompt rows' products, gives a row the same bits whatever rows share
-    it, probed on the first native linear layer's weight and on the widest one's (different input widths), where
-    they are in memory (a layer streamed from disk is not probed). Where it does not, bf16 rows are not packed."""
-    from loaders.fast_linear import NativeCPULinear, torch_rows_independent  # as _bool_mask_attention
+    it, probed on the first float linear layer's weight and on the widest one's (different input widths), where
+    they are in memory (a layer streamed from disk is not probed). Where it does not, bf16 rows are not packed.
+    Layers on the native kernels and on torch's alike: with ``cpu_kernels="torch"`` every product is torch's.
+    Quantized layers are not probed: their kernels give a row the same bits whatever its batch (tested)."""
+    from loaders.fast_linear import torch_rows_independent  # as _bool_mask_attention
 
-    weights = [m.weight for m in model.modules() if isinstance(m, NativeCPULinear) and m.weight.device.type == "cpu"]
+    weights = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.is_floating_point()
+    ]
     if not weights:
         return True
     return torch_rows_independent([weights[0], max(weights, key=lambda w: w.shape[1])])

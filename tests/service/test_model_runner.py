@@ -205,3 +205,23 @@ def test_the_row_independence_probe_sees_a_product_that_depends_on_its_batch() -
         return out + 1e-2 * out.mean(dim=0, keepdim=True)
 
     assert not fast_linear.torch_rows_independent([weight], product=mixing)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
+def test_the_probe_covers_the_layers_torch_runs(tiny_llama: Path, monkeypatch, cpu_kernels: str) -> None:
+    """With the native linear kernels or without them (``cpu_kernels="torch"``: every product is torch's), the
+    probe runs on the model's first linear weight and on its widest."""
+    import loaders
+    from loaders import fast_linear
+    from service import model_runner
+
+    model = loaders.load_model(
+        tiny_llama, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, cpu_kernels=cpu_kernels
+    )
+    probed: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(fast_linear, "torch_rows_independent", lambda weights: probed.append(weights) or True)
+    assert model_runner._prompt_products_row_independent(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    widest = max(linears, key=lambda m: m.in_features)
+    assert len(probed) == 1 and probed[0][0] is linears[0].weight and probed[0][1] is widest.weight
+    assert widest.in_features > linears[0].in_features
