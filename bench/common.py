@@ -189,6 +189,39 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
     }
 
 
+def time_engine_generation(
+    model, prompt_len: int = 16, new_tokens: int = 16, vocab: int = 1000, clock=time.perf_counter
+) -> dict:
+    """As :func:`time_generation`, through the engine's model runner (:class:`service.model_runner.ModelRunner` over
+    a :class:`service.kv_cache.SlotKVCache`): what ``loadmaster serve`` runs for one sequence at each step, the
+    native decode step included where the model takes it (:mod:`loaders.native_decode`), without HTTP or sampling
+    (greedy argmax). ``clock``: ``time.process_time`` gives tokens per CPU-second instead."""
+    import torch
+
+    from service.kv_cache import SlotKVCache
+    from service.model_runner import ModelRunner, Row
+
+    ids = [i % vocab for i in range(1, prompt_len + 1)]
+    runner = ModelRunner(model, torch.device("cpu"), SlotKVCache(1, prompt_len + new_tokens))
+    tokens: list[int] = []
+    times: list[float] = []
+    t0 = clock()
+    row = Row(0, 0, ids)
+    for _ in range(new_tokens):
+        token = int(runner.run([row]).last[0].argmax())
+        times.append(clock())
+        tokens.append(token)
+        row = Row(0, prompt_len + len(tokens) - 1, [token])
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    median = gaps[len(gaps) // 2] if gaps else 0.0
+    return {
+        "first_token_s": times[0] - t0,
+        "decode_tok_s": 1.0 / median if median else 0.0,
+        "decode_tok_s_mean": len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0,
+        "tokens": tokens,
+    }
+
+
 def token_agreement(rows: list[dict], reference: str) -> None:
     """Set each row's ``tokens_vs_transformers`` to "k/n": how many of its greedy tokens, from the first, equal
     those of the first row whose label starts with ``reference`` (the peer's own result on the same weights).

@@ -9,7 +9,8 @@ kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU run
 
 Rounds alternate the contenders (bf16, int8, int4, bf16, ...) so drift on this shared machine hits all alike;
 each figure is the best of the rounds (decode: highest tokens/s; ready: lowest). Decode is greedy from a fixed
-prompt, timed per token (median gap). The table gives tokens/s, the ratio to bf16 (targets: int8 >= 1.6x,
+prompt through the engine's model runner (``bench.common.time_engine_generation``: each step as the server runs it,
+on the native decode step), timed per token (median gap). The table gives tokens/s, the ratio to bf16 (targets: int8 >= 1.6x,
 int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 
 ``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
@@ -37,7 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_generation, write_json
+from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_engine_generation, write_json
 
 SCHEMES = ("bf16", "int8", "int4")
 CT2 = "ctranslate2-int8"  # the peer --peers adds (bench/peers/kernels_ctranslate2.py)
@@ -61,22 +62,6 @@ def _weight_bytes_per_token(model) -> int:
     return total
 
 
-class _CpuClock:
-    """A transformers streamer that records the process's CPU time at every generated token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self.times.append(time.process_time())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-
 def _cpu_decode_rate(model, new_tokens: int, vocab: int) -> float:
     """Decode tokens per CPU-second (median gap in the process's CPU time).
 
@@ -89,15 +74,7 @@ def _cpu_decode_rate(model, new_tokens: int, vocab: int) -> float:
 
     if torch.get_num_threads() != 1:
         return 0.0
-    clock = _CpuClock()
-    ids = torch.arange(1, 17).unsqueeze(0) % vocab
-    with torch.inference_mode():
-        model.generate(
-            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0
-        )
-    gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    return 1.0 / median if median > 0 else 0.0
+    return time_engine_generation(model, new_tokens=new_tokens, vocab=vocab, clock=time.process_time)["decode_tok_s"]
 
 
 def worker(spec: dict) -> dict:
@@ -111,7 +88,7 @@ def worker(spec: dict) -> dict:
     kw = {} if scheme == "bf16" else {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
     model = loaders.load_model(spec["path"], device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
     ready = time.perf_counter() - t0
-    gen = time_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
+    gen = time_engine_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
     cpu_tok_s = _cpu_decode_rate(model, spec["new_tokens"], model.config.vocab_size)
     from loaders import cpu_kernels
 

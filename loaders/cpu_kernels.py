@@ -58,6 +58,7 @@ SOURCES = (
     "linear_q4.c",
     "quantize_weights.c",
     "attention_decode.c",
+    "decoder_ops.c",
 )
 HEADERS = ("common.h",)
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
@@ -148,6 +149,13 @@ _ARGTYPES = {
     # q and its 3 strides, k and its 3, v and its 3, mask and its 2, out and its 3; B, H, KV, T, L, D, scale, bf16,
     # threads
     "decode_attention": [_P, _L, _L, _L] * 3 + [_P, _L, _L] + [_P, _L, _L, _L] + [_I] * 6 + [_F, _I, _I],
+    # the decoder layer's element-wise steps (kernels/decoder_ops.c, used by loaders/native_decode.py)
+    # h, ldh, delta, ldd, weight, out, ldo, rows, n, eps, bf16
+    "add_rms_norm": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I],
+    # q, ldq, k, ldk, v, ldv, cos, sin, ldc, positions, slots, kcache, vcache, 3 cache strides, rows, H, KV, D, bf16
+    "rope_store": [_P, _L, _P, _L, _P, _L, _P, _P, _L, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _I, _I],
+    # gate, ldg, up, ldu, out, ldo, rows, n, bf16, threads
+    "silu_mul": [_P, _L, _P, _L, _P, _L, _I, _I, _I, _I],
 }
 
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from service.kv_cache import BoundSlotCache, PackedBinding, SlotKVCache
+if TYPE_CHECKING:
+    from loaders.native_decode import NativeDecoder
+from service.kv_cache import BatchedBinding, BoundSlotCache, PackedBinding, SlotKVCache
 
 #: Under the native attention, a prompt row whose keys reach past this many positions runs in a call of its own on
 #: SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are ~2.4x
@@ -135,6 +137,11 @@ class ModelRunner:
         self.packed = packable and (self.mask_dtype == torch.float32 or self.half_packed)
         #: Whether attention runs the native kernel, which takes prompt rows too (see :meth:`prepare`).
         self.native_attention = implementation == _native_attention_name()
+        #: Decode steps (one token per row) on the native kernels end to end, where the model is Llama-shaped and
+        #: runs the native attention (:mod:`loaders.native_decode`); ``None``: every call runs the model's forward.
+        self.native_decoder = (
+            _native_decoder(model) if self.native_attention and self.window is None and packable else None
+        )
         #: Logits a prompt row keeps in a call of its own: two in bf16 packing, as in its packed call.
         self._keep_last = 2 if self.half_packed else 1
         #: Model calls run so far (tests count them: one per engine iteration, unless rows of several widths run
@@ -290,7 +297,17 @@ class ModelRunner:
         return self._prepared(windowed, additive)
 
     def _call(self, call: ModelCall) -> torch.Tensor:
-        """The model's forward for ``call``; its logits ``[B, kept, vocab]``."""
+        """The model's forward for ``call`` (or, for decode rows, the native decoder's step); its logits
+        ``[B, kept, vocab]``."""
+        decoder, binding = self.native_decoder, call.cache.binding
+        if (
+            decoder is not None
+            and isinstance(binding, BatchedBinding)
+            and binding.width == 1
+            and decoder.takes(len(call.members), self.cache.keys)
+        ):
+            logits = decoder.step(call.ids[:, 0], binding.starts, binding.slots, self.cache.keys, self.cache.values)
+            return logits.unsqueeze(1)
         return self.model(**call.kwargs(self.device)).logits
 
     def _prepared(self, allowed: torch.Tensor, additive: bool = False) -> torch.Tensor:
@@ -300,6 +317,14 @@ class ModelRunner:
         if additive or not self.bool_mask:
             mask = torch.zeros(mask.shape, dtype=self.mask_dtype).masked_fill_(~mask, torch.finfo(self.mask_dtype).min)
         return mask.to(self.device)
+
+
+def _native_decoder(model: torch.nn.Module) -> NativeDecoder | None:
+    """The model's native decode step, or ``None``. Imported here, on the loading thread: the kernels' modules pull
+    in transformers' attention code, which the app leaves out of its start (``service.startup_imports``)."""
+    from loaders.native_decode import NativeDecoder
+
+    return NativeDecoder.for_model(model)
 
 
 def _uses_sliding_window(config) -> bool:

@@ -1,0 +1,170 @@
+"""Decode steps on the native kernels end to end (:mod:`loaders.native_decode`), on every instruction-set path this
+CPU has: fp32 logits within 1e-5 of transformers' own forward, a row's bf16 result independent of its batch and of
+the slots around it, quantized layers, biases (Qwen2), disk readahead's pre-hooks, and the models it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import loaders
+from loaders.decode_attention import use_native_attention
+from loaders.fast_linear import use_native_linears
+from loaders.native_decode import MAX_ROWS, NativeDecoder
+from tests.models import tiny_gpt2_dir, tiny_llama_dir
+
+SLOTS, CAPACITY = 6, 64
+#: Llama 3's frequency-dependent scaling (positions past 16 are scaled), so the step's cos/sin table is tested on it.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def _model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A small random model of a transformers class, switched to the native kernels as a load would do."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    if kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=LLAMA3_ROPE))
+    model = model.to(dtype).eval()
+    with torch.no_grad():  # random biases (their default init is zero, which would test nothing)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+    use_native_linears(model)
+    use_native_attention(model)
+    return model
+
+
+def _prefilled(model, prompts: dict[int, list[int]]) -> tuple[dict, dict]:
+    """Slot storage ``[SLOTS, KV, CAPACITY, D]`` per layer, each prompt's keys and values written into its slot by
+    transformers' own forward."""
+    keys: dict[int, torch.Tensor] = {}
+    values: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for slot, ids in prompts.items():
+            cache = DynamicCache()
+            model(torch.tensor([ids]), cache=cache, use_cache=True)
+            for i, layer in enumerate(cache.layers):
+                k, v = layer.keys[0], layer.values[0]  # [KV, T, D]
+                if i not in keys:
+                    keys[i] = k.new_zeros(SLOTS, k.shape[0], CAPACITY, k.shape[2])
+                    values[i] = v.new_zeros(SLOTS, v.shape[0], CAPACITY, v.shape[2])
+                keys[i][slot, :, : len(ids)] = k
+                values[i][slot, :, : len(ids)] = v
+    return keys, values
+
+
+def _step(decoder, rows: list[tuple[int, list[int], int]], keys, values) -> torch.Tensor:
+    """One step over rows (slot, prompt, next token)."""
+    with torch.inference_mode():
+        return decoder.step(
+            torch.tensor([t for _, _, t in rows]),
+            torch.tensor([len(p) for _, p, _ in rows]),
+            torch.tensor([s for s, _, _ in rows]),
+            keys,
+            values,
+        )
+
+
+#: Rows (slot, prompt, next token): different lengths, slots out of order and with gaps (several attention runs).
+ROWS = [(0, list(range(5, 22)), 7), (1, list(range(40, 49)), 11), (3, list(range(9, 40)), 3), (2, [4, 5], 290)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fp32_step_matches_transformers(native_path, kind):
+    model = _model(kind, torch.float32)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    logits = _step(decoder, ROWS, keys, values)
+    with torch.inference_mode():
+        for b, (slot, prompt, token) in enumerate(ROWS):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+            # the step wrote the token's keys where the next step reads them
+            cache = DynamicCache()
+            model(torch.tensor([prompt + [token]]), cache=cache, use_cache=True)
+            k = cache.layers[1].keys[0, :, -1]
+            assert (keys[1][slot, :, len(prompt)] - k).abs().max().item() <= 1e-5
+
+
+def test_bf16_row_does_not_depend_on_its_batch(native_path):
+    model = _model("qwen2", torch.bfloat16)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    together = _step(decoder, ROWS, keys, values)
+    for b, row in enumerate(ROWS):
+        alone = _step(decoder, [row], keys, values)
+        assert torch.equal(alone[0], together[b])
+    with torch.inference_mode():  # and within bf16 rounding of transformers' own forward
+        for b, (_, prompt, token) in enumerate(ROWS):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1].float()
+            assert (together[b].float() - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_layers_run_their_kernels(native_path, scheme):
+    model = loaders.load_model(tiny_llama_dir(), device_map={"": "cpu"}, show_progress=False, cpu_quantization=scheme)
+    decoder = NativeDecoder(model)
+    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
+    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
+    logits = _step(decoder, rows, keys, values)
+    with torch.inference_mode():
+        for b, (_, prompt, token) in enumerate(rows):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            # the same kernels, fed the same activations up to the norms' order of summation; activation
+            # quantization can turn such a difference into one quantum of a product
+            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+def test_pre_hooks_run_at_their_layer(native_path):
+    model = _model("llama", torch.float32)
+    seen: list[str] = []
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.append("layer 1 mlp"))
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.append("head"))
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {0: [1, 2, 3]})
+    seen.clear()
+    _step(decoder, [(0, [1, 2, 3], 4)], keys, values)
+    assert seen == ["layer 1 mlp", "head"]
+
+
+def test_declines_what_it_does_not_run(kernel_path, monkeypatch):
+    llama = _model("llama", torch.float32)
+    gpt2 = loaders.load_model(tiny_gpt2_dir(), device_map={"": "cpu"}, show_progress=False)
+    assert NativeDecoder.for_model(gpt2) is None
+    if not kernel_path.available:
+        assert NativeDecoder.for_model(llama) is None
+        return
+    decoder = NativeDecoder.for_model(llama)
+    assert decoder is not None
+    every_cache = {layer.index: torch.empty(0) for layer in decoder.layers}
+    assert decoder.takes(1, every_cache) and not decoder.takes(MAX_ROWS + 1, every_cache)
+    handle = llama.register_forward_pre_hook(lambda m, a: None)  # added later: only the model's forward runs it
+    assert not decoder.takes(1, every_cache)
+    handle.remove()
+    monkeypatch.setenv("LOADMASTER_NATIVE_DECODE", "0")
+    assert NativeDecoder.for_model(llama) is None
+    monkeypatch.delenv("LOADMASTER_NATIVE_DECODE")
+    llama.model.layers[0].register_forward_hook(lambda m, a, o: None)
+    assert NativeDecoder.for_model(llama) is None
+    plain_head = _model("llama", torch.float32)
+    plain_head.lm_head.__class__ = torch.nn.Linear  # a layer on no native kernel
+    assert NativeDecoder.for_model(plain_head) is None
