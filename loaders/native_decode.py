@@ -90,7 +90,8 @@ def _rms(norm: nn.Module, dtype: torch.dtype) -> tuple[int, float]:
 
 
 class NativeDecoder:
-    """Decode steps of one model on the native kernels (see the module docstring). Build with :meth:`for_model`."""
+    """Decode steps of one model on the native kernels (see the module docstring). Build with :meth:`for_model`.
+    One step at a time: the steps share the decoder's buffers (the engine's thread runs them)."""
 
     def __init__(self, model: nn.Module):
         config = model.config
@@ -140,6 +141,8 @@ class NativeDecoder:
         self.head = self._product(head, self.x, self.logits)
         self.final_norm_module, self.head_module = inner.norm, head
         self._cos = self._sin = torch.empty(0)
+        #: Steps run so far (tests check that decode calls came here).
+        self.steps = 0
 
     @classmethod
     def for_model(cls, model: nn.Module) -> NativeDecoder | None:
@@ -361,6 +364,7 @@ class NativeDecoder:
         w, eps = self.final_norm
         fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16)
         self.head.call(m, threads)
+        self.steps += 1
         return self.logits[:m].clone()
 
     def _attend(

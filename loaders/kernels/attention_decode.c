@@ -76,25 +76,13 @@ static LM_ALWAYS_INLINE vec vload(const void *p, long i, int bf16, int n) {
 }
 #endif
 
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r) with a degree-6 polynomial on r in [-ln2/2, ln2/2]
- * (relative error ~2 ulp); inputs below -87 give exactly 0 (a weight under float32's normal range). */
+/* exp(x) for x <= 0 (scores minus their maximum), lm_exp of common.h; inputs below -87 give exactly 0 (a weight
+ * under float32's normal range). */
 static LM_ALWAYS_INLINE void exp_block(float *s, int n) {
     for (int j = 0; j < n; j++) { /* branch-free, so the compiler vectorises it */
         const int keep = s[j] > -87.0f;
-        const float x = keep ? s[j] : -87.0f;
-        const float k = nearbyintf(x * 1.44269504088896341f);
-        const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        const int32_t bits = ((int32_t)k + 127) << 23;
-        float two_k;
-        memcpy(&two_k, &bits, sizeof two_k);
-        s[j] = keep ? p * two_k : 0.0f;
+        const float e = lm_exp(keep ? s[j] : -87.0f);
+        s[j] = keep ? e : 0.0f;
     }
 }
 

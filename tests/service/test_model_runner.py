@@ -187,6 +187,31 @@ def test_fp32_prompts_on_the_native_attention_match_transformers(tiny_llama: Pat
     torch.testing.assert_close(logits[0], _reference(plain, prompts[0] + [7])[0], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_rows_run_the_native_step_with_transformers_tokens(tiny_llama: Path) -> None:
+    """A model loaded on the native kernels decodes on :mod:`loaders.native_decode` (not the model's forward), rows
+    in scattered slots: greedy tokens equal plain transformers', the last step's fp32 logits within 1e-5."""
+    import loaders
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype="float32", show_progress=False)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    runner = ModelRunner(model, CPU, SlotKVCache(slots=6, max_len=64))
+    assert runner.native_decoder is not None
+    slots = [4, 0, 1, 5]
+    got = [[int(t)] for t in runner.forward([Row(s, 0, p) for s, p in zip(slots, prompts)]).argmax(dim=-1)]
+    for _ in range(STEPS - 1):
+        rows = [Row(s, len(p) + len(seq) - 1, seq[-1:]) for s, p, seq in zip(slots, prompts, got)]
+        step = runner.forward(rows)
+        for seq, t in zip(got, step.argmax(dim=-1).tolist()):
+            seq.append(t)
+    assert runner.native_decoder.steps == STEPS - 1
+    for row, prompt in enumerate(prompts):
+        ref_logits = _reference(plain, prompt + got[row][:-1])[0]
+        assert got[row] == _reference(plain, prompt)[1]
+        torch.testing.assert_close(step[row], ref_logits, atol=1e-5, rtol=1e-5)
+
+
 def test_the_row_independence_probe_sees_a_product_that_depends_on_its_batch() -> None:
     """The probe behind bf16 packing answers from what the products give: torch's GEMM as it is on this CPU, and a
     product whose rows pick up a trace of the rows beside them (which no CPU here gives, so it is written out)."""
