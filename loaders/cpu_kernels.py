@@ -150,8 +150,8 @@ _ARGTYPES = {
     # threads
     "decode_attention": [_P, _L, _L, _L] * 3 + [_P, _L, _L] + [_P, _L, _L, _L] + [_I] * 6 + [_F, _I, _I],
     # the decoder layer's element-wise steps (kernels/decoder_ops.c, used by loaders/native_decode.py)
-    # h, ldh, delta, ldd, weight, out, ldo, rows, n, eps, bf16
-    "add_rms_norm": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I],
+    # h, ldh, delta, ldd, weight, out, ldo, rows, n, eps, bf16, threads
+    "add_rms_norm": [_P, _L, _P, _L, _P, _P, _L, _I, _I, _F, _I, _I],
     # q, ldq, k, ldk, v, ldv, cos, sin, ldc, positions, slots, kcache, vcache, 3 cache strides, rows, H, KV, D, bf16
     "rope_store": [_P, _L, _P, _L, _P, _L, _P, _P, _L, _P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _I, _I],
     # gate, ldg, up, ldu, out, ldo, rows, n, bf16, threads

@@ -338,7 +338,7 @@ class NativeDecoder:
             kc, vc = keys[layer.index], values[layer.index]
             w, eps = layer.input_norm
             # the previous layer's MLP output joins the residual stream here, then this layer's input norm
-            fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16)
+            fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
             first = False
             for p in layer.qkv:
                 p.call(m, threads)
@@ -351,7 +351,7 @@ class NativeDecoder:
             self._attend(layer, kc, vc, runs, mp, span, threads)
             layer.o.call(m, threads)
             w, eps = layer.post_norm
-            fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16)
+            fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
             for p in layer.gate_up:
                 p.call(m, threads)
             fn["silu_mul"](
@@ -362,7 +362,7 @@ class NativeDecoder:
         if hooks:
             _call_hooks(_hooked(self.final_norm_module) + _hooked(self.head_module))
         w, eps = self.final_norm
-        fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16)
+        fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
         self.head.call(m, threads)
         self.steps += 1
         return self.logits[:m].clone()

@@ -19,44 +19,92 @@
 #include <omp.h>
 #endif
 
-/* x as torch holds it after storing into the dtype: bf16-rounded, or as is. */
-static LM_ALWAYS_INLINE float lm_round(float x, int bf16) { return bf16 ? lm_bf16_to_f32(lm_f32_to_bf16(x)) : x; }
+/* Round to bfloat16 as torch stores a float32 (nearest even; a NaN stays a quiet NaN), as a float. Branch-free,
+ * so loops over it vectorise; lm_f32_to_bf16 of common.h gives the same bits. */
+static LM_ALWAYS_INLINE float lm_round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+    float o;
+    memcpy(&o, &r, sizeof o);
+    return o;
+}
 
-/* Largest row (features) the norm's float buffer takes. */
-#define LM_NORM_MAX 32768
+/* x as torch holds it after storing into the dtype: bf16-rounded, or as is. */
+static LM_ALWAYS_INLINE float lm_round(float x, int bf16) { return bf16 ? lm_round_bf16(x) : x; }
+
+/* Element i of a float32 or bfloat16 array, and a store of an already-rounded value (the bf16 case keeps the
+ * upper half). Called with a constant bf16 from the specialised loops below, so each compiles without branches. */
+static LM_ALWAYS_INLINE float ld(const void *p, long i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static LM_ALWAYS_INLINE void st(void *p, long i, float rounded, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = rounded;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &rounded, sizeof u);
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}
+
+/* One row of lm_add_rms_norm. Two passes over h and no buffer: the first adds delta (storing the rounded sum back
+ * into h) and sums the squares in 16 lanes; the second reads h again. */
+static LM_ALWAYS_INLINE void norm_row(void *h, const void *delta, const void *weight, void *out, int n, float eps,
+                                      const int bf16) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) {
+            float x = ld(h, i + j, bf16);
+            if (delta) {
+                x = lm_round(x + ld(delta, i + j, bf16), bf16);
+                st(h, i + j, x, bf16);
+            }
+            part[j] += x * x;
+        }
+    float ss = 0.0f;
+    for (int j = 0; j < 16; j++) ss += part[j];
+    for (; i < n; i++) {
+        float x = ld(h, i, bf16);
+        if (delta) {
+            x = lm_round(x + ld(delta, i, bf16), bf16);
+            st(h, i, x, bf16);
+        }
+        ss += x * x;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int k = 0; k < n; k++)
+        st(out, k, lm_round(ld(weight, k, bf16) * lm_round(ld(h, k, bf16) * r, bf16), bf16), bf16);
+}
 
 /*
  * For each of `rows` rows: if delta is given, h += delta (stored in h, rounded to the dtype: the residual add);
  * then out = weight * (h * rsqrt(mean(h^2) + eps)), the product inside rounded to the dtype before the weight
- * multiplies it (transformers' LlamaRMSNorm: float32 inside, cast back, then the weight).
+ * multiplies it (transformers' LlamaRMSNorm: float32 inside, cast back, then the weight). Rows are shared among
+ * threads when there are several.
  */
 int lm_add_rms_norm(void *h, long ldh, const void *delta, long ldd, const void *weight, void *out, long ldo, int rows,
-                    int n, float eps, int bf16) {
-    if (rows < 1 || n < 1 || n > LM_NORM_MAX) return -1;
-    float *row = (float *)malloc(sizeof(float) * (size_t)n);
-    if (!row) return -3;
+                    int n, float eps, int bf16, int threads) {
+    if (rows < 1 || n < 1) return -1;
+    if (threads < 1 || rows < 4) threads = 1;
+    const size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int b = 0; b < rows; b++) {
-        const long hb = (long)b * ldh, db = (long)b * ldd, ob = (long)b * ldo;
-        for (int i = 0; i < n; i++) {
-            float x = lm_act(h, bf16, hb + i);
-            if (delta) {
-                x = lm_round(x + lm_act(delta, bf16, db + i), bf16);
-                lm_store(h, bf16, hb + i, x);
-            }
-            row[i] = x;
-        }
-        float part[16] = {0};
-        int i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; j++) part[j] += row[i + j] * row[i + j];
-        float ss = 0.0f;
-        for (int j = 0; j < 16; j++) ss += part[j];
-        for (; i < n; i++) ss += row[i] * row[i];
-        const float r = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int k = 0; k < n; k++)
-            lm_store(out, bf16, ob + k, lm_act(weight, bf16, k) * lm_round(row[k] * r, bf16));
+        void *hb = (char *)h + (size_t)b * (size_t)ldh * es;
+        const void *db = delta ? (const char *)delta + (size_t)b * (size_t)ldd * es : NULL;
+        void *ob = (char *)out + (size_t)b * (size_t)ldo * es;
+        if (bf16)
+            norm_row(hb, db, weight, ob, n, eps, 1);
+        else
+            norm_row(hb, db, weight, ob, n, eps, 0);
     }
-    free(row);
     return 0;
 }
 
@@ -110,25 +158,35 @@ int lm_rope_store(void *q, long ldq, const void *k, long ldk, const void *v, lon
  * out = silu(gate) * up for rows x n values (row strides ldg, ldu, ldo): transformers' LlamaMLP between its
  * projections, SiLU rounded to the dtype before the product, as torch stores it.
  */
+/* One chunk of lm_silu_mul (bf16 constant per call site, see ld). */
+static LM_ALWAYS_INLINE void silu_chunk(const void *gate, const void *up, void *out, int n, const int bf16) {
+    for (int i = 0; i < n; i++) {
+        const float g = ld(gate, i, bf16);
+        const float x = g < -88.0f ? 88.0f : (g > 87.0f ? -87.0f : -g);
+        const float s = lm_round(g / (1.0f + lm_exp(x)), bf16);
+        st(out, i, lm_round(s * ld(up, i, bf16), bf16), bf16);
+    }
+}
+
 int lm_silu_mul(const void *gate, long ldg, const void *up, long ldu, void *out, long ldo, int rows, int n, int bf16,
                 int threads) {
     if (rows < 1 || n < 1) return -1;
     const int per_row = (n + LM_ACT_CHUNK - 1) / LM_ACT_CHUNK;
     const long chunks = (long)rows * per_row;
+    const size_t es = bf16 ? 2 : 4;
     if (threads < 1) threads = 1;
     if (chunks < 4 * threads) threads = 1; /* a single decode row's worth: forking costs more than it saves */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long c = 0; c < chunks; c++) {
-        const int b = (int)(c / per_row), i0 = (int)(c % per_row) * LM_ACT_CHUNK;
-        const int i1 = i0 + LM_ACT_CHUNK < n ? i0 + LM_ACT_CHUNK : n;
-        float buf[LM_ACT_CHUNK];
-        for (int i = i0; i < i1; i++) {
-            const float g = lm_act(gate, bf16, (long)b * ldg + i);
-            const float x = g < -88.0f ? 88.0f : (g > 87.0f ? -87.0f : -g);
-            buf[i - i0] = lm_round(g / (1.0f + lm_exp(x)), bf16);
-        }
-        for (int i = i0; i < i1; i++)
-            lm_store(out, bf16, (long)b * ldo + i, lm_round(buf[i - i0] * lm_act(up, bf16, (long)b * ldu + i), bf16));
+        const long b = c / per_row, i0 = (c % per_row) * LM_ACT_CHUNK;
+        const int len = (int)(i0 + LM_ACT_CHUNK < n ? LM_ACT_CHUNK : n - i0);
+        const void *g = (const char *)gate + (size_t)(b * ldg + i0) * es;
+        const void *u = (const char *)up + (size_t)(b * ldu + i0) * es;
+        void *o = (char *)out + (size_t)(b * ldo + i0) * es;
+        if (bf16)
+            silu_chunk(g, u, o, len, 1);
+        else
+            silu_chunk(g, u, o, len, 0);
     }
     return 0;
 }
