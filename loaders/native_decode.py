@@ -432,3 +432,59 @@ def _call_hooks(modules: list[nn.Module]) -> None:
     for m in modules:
         for hook in list(m._forward_pre_hooks.values()):  # noqa: SLF001
             hook(m, ())
+
+
+# -- the element-wise kernels on tensors (tests check them against transformers' modules) ---------------------------
+def _flag(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"the decoder kernels take contiguous float32 or bfloat16 CPU tensors, not {t.dtype}")
+    return int(t.dtype is torch.bfloat16)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (if given), then ``RMSNorm(h) * weight`` as a new tensor; ``h`` is ``[rows, n]``."""
+    bf16 = _flag(h)
+    rows, n = h.shape
+    out = torch.empty_like(h)
+    ptr = None if delta is None else delta.data_ptr()
+    fn = cpu_kernels.function("add_rms_norm")
+    if fn(h.data_ptr(), n, ptr, n, weight.data_ptr(), out.data_ptr(), n, rows, n, eps, bf16, torch.get_num_threads()):
+        raise ValueError(f"add_rms_norm rejected {tuple(h.shape)}")
+    return out
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    kcache: torch.Tensor,
+    vcache: torch.Tensor,
+) -> None:
+    """Rotate ``q`` (``[rows, H * D]``) in place, rotate ``k`` and copy ``v`` (``[rows, KV * D]``) into the caches
+    (``[slots, KV, capacity, D]``) at each row's slot and position; ``cos``/``sin`` are ``[positions, D]``."""
+    bf16 = _flag(q)
+    rows, d = q.shape[0], kcache.shape[3]
+    fn = cpu_kernels.function("rope_store")
+    pos, sl = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    rc = fn(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), pos.data_ptr(), sl.data_ptr(), kcache.data_ptr(), vcache.data_ptr(),
+        kcache.stride(0), kcache.stride(1), kcache.stride(2), rows, q.shape[1] // d, kcache.shape[1], d, bf16,
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"rope_store rejected q {tuple(q.shape)} and a cache {tuple(kcache.shape)}")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[rows, n]`` tensors."""
+    bf16 = _flag(gate)
+    rows, n = gate.shape
+    out = torch.empty_like(gate)
+    fn = cpu_kernels.function("silu_mul")
+    if fn(gate.data_ptr(), n, up.data_ptr(), n, out.data_ptr(), n, rows, n, bf16, torch.get_num_threads()):
+        raise ValueError(f"silu_mul rejected {tuple(gate.shape)}")
+    return out

@@ -162,8 +162,10 @@ int lm_rope_store(void *q, long ldq, const void *k, long ldk, const void *v, lon
 static LM_ALWAYS_INLINE void silu_chunk(const void *gate, const void *up, void *out, int n, const int bf16) {
     for (int i = 0; i < n; i++) {
         const float g = ld(gate, i, bf16);
+        /* exp(-g) past float32's range is infinite, as in torch (silu of a large negative g is -0) */
         const float x = g < -88.0f ? 88.0f : (g > 87.0f ? -87.0f : -g);
-        const float s = lm_round(g / (1.0f + lm_exp(x)), bf16);
+        const float e = g < -88.0f ? INFINITY : lm_exp(x);
+        const float s = lm_round(g / (1.0f + e), bf16);
         st(out, i, lm_round(s * ld(up, i, bf16), bf16), bf16);
     }
 }

@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 import loaders
 from loaders.decode_attention import use_native_attention
 from loaders.fast_linear import use_native_linears
-from loaders.native_decode import MAX_ROWS, NativeDecoder
+from loaders.native_decode import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul
 from tests.models import tiny_gpt2_dir, tiny_llama_dir
 
 SLOTS, CAPACITY = 6, 64
@@ -168,3 +168,62 @@ def test_declines_what_it_does_not_run(kernel_path, monkeypatch):
     plain_head = _model("llama", torch.float32)
     plain_head.lm_head.__class__ = torch.nn.Linear  # a layer on no native kernel
     assert NativeDecoder.for_model(plain_head) is None
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance in bf16 steps between two bf16 tensors of finite values."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_element_steps_round_as_transformers_modules(native_path, dtype):
+    """RMSNorm after the residual add, rotary + cache write, SiLU * up against transformers' own modules: rotary
+    bit for bit (the same products and sum, each rounded where torch rounds), the norm and SiLU within one bf16 step
+    (the order of the norm's sum, the last bits of exp) or a few float32 ulps."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    rows, hidden, heads, kv, d = 5, 96, 6, 2, 16
+    h = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g))
+    want_h = h + delta
+    with torch.inference_mode():
+        want = norm(want_h)
+        got = add_rms_norm(h, delta, norm.weight.detach(), 1e-5)
+    assert torch.equal(h, want_h)
+    if dtype is torch.bfloat16:
+        assert _ulps_apart(got, want) <= 1
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    angles = torch.randn(40, d // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q = torch.randn(rows, heads * d, generator=g).to(dtype)
+    k = torch.randn(rows, kv * d, generator=g).to(dtype)
+    v = torch.randn(rows, kv * d, generator=g).to(dtype)
+    positions, slots = torch.tensor([0, 7, 39, 3, 12]), torch.tensor([2, 0, 5, 1, 4])
+    kc, vc = torch.zeros(6, kv, 40, d, dtype=dtype), torch.zeros(6, kv, 40, d, dtype=dtype)
+    q4, k4 = q.view(rows, heads, 1, d), k.view(rows, kv, 1, d)
+    want_q, want_k = apply_rotary_pos_emb(q4, k4, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), 1)
+    rope_store(q, k, v, cos, sin, positions, slots, kc, vc)
+    assert torch.equal(q.view(rows, heads, 1, d), want_q)
+    for b in range(rows):
+        assert torch.equal(kc[slots[b], :, positions[b]], want_k[b, :, 0])
+        assert torch.equal(vc[slots[b], :, positions[b]], v[b].view(kv, d))
+    assert int((kc != 0).any(-1).sum()) == rows * kv  # nothing else written
+
+    gate = (torch.randn(rows, 2100, generator=g) * 4).to(dtype)
+    gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range both ways, and zero
+    up = torch.randn(rows, 2100, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate, up)
+    if dtype is torch.bfloat16:
+        assert _ulps_apart(got, want) <= 1
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
