@@ -140,6 +140,9 @@ class NativeDecoder:
         self.final_norm = _rms(inner.norm, dtype)
         self.head = self._product(head, self.x, self.logits)
         self.final_norm_module, self.head_module = inner.norm, head
+        staged = {id(m) for part in (embed, *layers, inner.norm, head) for m in part.modules()}
+        #: Modules around the stages (``model.model``, ``model.model.layers``): their pre-hooks run first.
+        self._outer = [m for m in self._modules[1:] if id(m) not in staged]
         self._cos = self._sin = torch.empty(0)
         #: Steps run so far (tests check that decode calls came here).
         self.steps = 0
@@ -329,7 +332,7 @@ class NativeDecoder:
         mp = mask.data_ptr() if mask is not None else None
         hooks = any(m._forward_pre_hooks for m in self._modules)  # noqa: SLF001 - disk readahead's, usually none
         if hooks:
-            _call_hooks(_hooked(self.embed))
+            _call_hooks([m for m in self._outer if m._forward_pre_hooks] + _hooked(self.embed))  # noqa: SLF001
         torch.index_select(self.embed.weight, 0, tokens.to(torch.int64), out=h[:m])
         first = True
         for layer in self.layers:

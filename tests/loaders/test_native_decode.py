@@ -139,11 +139,12 @@ def test_pre_hooks_run_at_their_layer(native_path):
     seen: list[str] = []
     model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.append("layer 1 mlp"))
     model.lm_head.register_forward_pre_hook(lambda m, a: seen.append("head"))
+    model.model.register_forward_pre_hook(lambda m, a: seen.append("decoder"))  # around every layer
     decoder = NativeDecoder(model)
     keys, values = _prefilled(model, {0: [1, 2, 3]})
     seen.clear()
     _step(decoder, [(0, [1, 2, 3], 4)], keys, values)
-    assert seen == ["layer 1 mlp", "head"]
+    assert seen == ["decoder", "layer 1 mlp", "head"]
 
 
 def test_declines_what_it_does_not_run(kernel_path, monkeypatch):
