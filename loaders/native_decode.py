@@ -42,10 +42,10 @@ from loaders.fast_linear import NativeCPULinear
 log = logging.getLogger(__name__)
 
 #: Decoder-layer classes whose forward is Llama's: pre-norm RMSNorm, attention with rotary q/k (optional q/k/v
-#: bias), residual, RMSNorm, SiLU-gated MLP, residual.
-LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+#: bias; Qwen3's RMSNorm of each q and k head before the rotary), residual, RMSNorm, SiLU-gated MLP, residual.
+LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 #: Their RMSNorm classes (``weight * (x * rsqrt(mean(x^2) + eps))``, rounded to the dtype before the weight).
-LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 #: Rotary types whose cos/sin at a position do not depend on the sequence length (so a table serves every step).
 FIXED_ROPE_TYPES = ("default", "linear", "llama3")
 #: Rows one step takes: the float kernels' row limit (``cpu_kernels.KERNELS``). Bigger decode batches run the model.
@@ -72,6 +72,7 @@ class _Layer:
     index: int  # the cache layer index (``self_attn.layer_idx``)
     input_norm: tuple[int, float]  # weight pointer, eps
     post_norm: tuple[int, float]
+    head_norms: tuple[tuple[int, float], tuple[int, float]] | None  # Qwen3's q_norm and k_norm, per head
     qkv: list[_Product]
     o: _Product
     gate_up: list[_Product]
@@ -191,6 +192,7 @@ class NativeDecoder:
             index=int(attn.layer_idx),
             input_norm=_rms(layer.input_layernorm, self.dtype),
             post_norm=_rms(layer.post_attention_layernorm, self.dtype),
+            head_norms=self._head_norms(attn),
             qkv=qkv,
             o=self._product(attn.o_proj, self.attn, self.delta),
             gate_up=gate_up,
@@ -198,6 +200,14 @@ class NativeDecoder:
             scale=float(attn.scaling),
             module=layer,
         )
+
+    def _head_norms(self, attn: nn.Module) -> tuple[tuple[int, float], tuple[int, float]] | None:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None and k_norm is None:
+            return None
+        if q_norm is None or k_norm is None or any(n.weight.shape != (self.head_dim,) for n in (q_norm, k_norm)):
+            raise NotNativeDecodable("the attention normalises q or k in a way the step does not")
+        return _rms(q_norm, self.dtype), _rms(k_norm, self.dtype)
 
     def _float_weight(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         if type(linear) is not NativeCPULinear:
@@ -345,6 +355,11 @@ class NativeDecoder:
             first = False
             for p in layer.qkv:
                 p.call(m, threads)
+            if layer.head_norms is not None:  # each head of q and k normalised on its own, in place
+                d = self.head_dim
+                for buf, heads, (w, eps) in zip((self.q, self.k), (self.heads, self.kv_heads), layer.head_norms):
+                    p = buf.data_ptr()
+                    fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
             fn["rope_store"](
                 self.q.data_ptr(), self.q.stride(0), self.k.data_ptr(), self.k.stride(0), self.v.data_ptr(),
                 self.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),

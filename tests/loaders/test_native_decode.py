@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import loaders
 from loaders.decode_attention import use_native_attention
@@ -41,13 +49,17 @@ def _model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     )
     if kind == "qwen2":  # q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":  # an RMSNorm on each q and k head
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=LLAMA3_ROPE))
     model = model.to(dtype).eval()
-    with torch.no_grad():  # random biases (their default init is zero, which would test nothing)
+    with torch.no_grad():  # random biases and norm weights (their default init, 0 and 1, would test little)
         for m in model.modules():
             if isinstance(m, torch.nn.Linear) and m.bias is not None:
                 m.bias.normal_(0, 0.5)
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.normal_(1, 0.3)
     use_native_linears(model)
     use_native_attention(model)
     return model
@@ -88,7 +100,7 @@ def _step(decoder, rows: list[tuple[int, list[int], int]], keys, values) -> torc
 ROWS = [(0, list(range(5, 22)), 7), (1, list(range(40, 49)), 11), (3, list(range(9, 40)), 3), (2, [4, 5], 290)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fp32_step_matches_transformers(native_path, kind):
     model = _model(kind, torch.float32)
     decoder = NativeDecoder(model)
