@@ -52,6 +52,8 @@ FIXED_ROPE_TYPES = ("default", "linear", "llama3")
 MAX_ROWS = 32
 
 _DTYPES = (torch.float32, torch.bfloat16)
+_ON = ("1", "true", "on", "yes", "")
+_OFF = ("0", "false", "off", "no")
 
 
 class NotNativeDecodable(Exception):
@@ -152,8 +154,14 @@ class NativeDecoder:
     def for_model(cls, model: nn.Module) -> NativeDecoder | None:
         """The decoder for ``model``, or ``None`` (logged once, with the reason) where it does not apply.
         ``LOADMASTER_NATIVE_DECODE=0`` turns it off (decode steps then run the model's forward)."""
-        if os.environ.get("LOADMASTER_NATIVE_DECODE", "1").strip().lower() in ("0", "false", "off", "no"):
-            log.info("decode steps run the model's forward (LOADMASTER_NATIVE_DECODE=0)")
+        setting = os.environ.get("LOADMASTER_NATIVE_DECODE", "1").strip().lower()
+        if setting not in _ON + _OFF:
+            raise ValueError(
+                f"LOADMASTER_NATIVE_DECODE={setting!r} is not one of 1, 0 (or on/off, true/false, yes/no); "
+                "unset it to run decode steps on the native kernels where the model allows it."
+            )
+        if setting in _OFF:
+            log.info("decode steps run the model's forward (LOADMASTER_NATIVE_DECODE=%s)", setting)
             return None
         try:
             decoder = cls(model)

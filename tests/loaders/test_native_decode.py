@@ -175,6 +175,9 @@ def test_declines_what_it_does_not_run(kernel_path, monkeypatch):
     handle.remove()
     monkeypatch.setenv("LOADMASTER_NATIVE_DECODE", "0")
     assert NativeDecoder.for_model(llama) is None
+    monkeypatch.setenv("LOADMASTER_NATIVE_DECODE", "sometimes")
+    with pytest.raises(ValueError, match="LOADMASTER_NATIVE_DECODE='sometimes'"):
+        NativeDecoder.for_model(llama)
     monkeypatch.delenv("LOADMASTER_NATIVE_DECODE")
     llama.model.layers[0].register_forward_hook(lambda m, a, o: None)
     assert NativeDecoder.for_model(llama) is None
