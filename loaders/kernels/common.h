@@ -38,12 +38,24 @@ static inline float lm_bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Round to nearest even, as torch does when it stores a float32 result as bfloat16. */
-static inline uint16_t lm_f32_to_bf16(float f) {
+/* f rounded to bfloat16 as torch stores a float32 (nearest even; a NaN stays a quiet NaN), kept as a float whose
+ * low 16 bits are zero. Branch-free, so loops over it vectorise. */
+static LM_ALWAYS_INLINE float lm_round_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
+    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+    float o;
+    memcpy(&o, &r, sizeof o);
+    return o;
+}
+
+/* Round to nearest even, as torch does when it stores a float32 result as bfloat16. */
+static LM_ALWAYS_INLINE uint16_t lm_f32_to_bf16(float f) {
+    const float r = lm_round_bf16(f);
+    uint32_t u;
+    memcpy(&u, &r, sizeof u);
     return (uint16_t)(u >> 16);
 }
 
@@ -99,11 +111,13 @@ static LM_ALWAYS_INLINE float lm_exp(float x) {
     return p * two_k;
 }
 
-static inline float lm_act(const void *x, int bf16, long i) {
+/* Element i of a float32 or bfloat16 array as a float, and a float stored into one (rounded for bf16). Inlined, so
+ * a loop that passes a constant bf16 compiles without the branch. */
+static LM_ALWAYS_INLINE float lm_act(const void *x, int bf16, long i) {
     return bf16 ? lm_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-static inline void lm_store(void *y, int bf16, long i, float v) {
+static LM_ALWAYS_INLINE void lm_store(void *y, int bf16, long i, float v) {
     if (bf16)
         ((uint16_t *)y)[i] = lm_f32_to_bf16(v);
     else

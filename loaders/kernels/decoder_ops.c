@@ -19,40 +19,8 @@
 #include <omp.h>
 #endif
 
-/* Round to bfloat16 as torch stores a float32 (nearest even; a NaN stays a quiet NaN), as a float. Branch-free,
- * so loops over it vectorise; lm_f32_to_bf16 of common.h gives the same bits. */
-static LM_ALWAYS_INLINE float lm_round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    const uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
-    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
-    float o;
-    memcpy(&o, &r, sizeof o);
-    return o;
-}
-
 /* x as torch holds it after storing into the dtype: bf16-rounded, or as is. */
 static LM_ALWAYS_INLINE float lm_round(float x, int bf16) { return bf16 ? lm_round_bf16(x) : x; }
-
-/* Element i of a float32 or bfloat16 array, and a store of an already-rounded value (the bf16 case keeps the
- * upper half). Called with a constant bf16 from the specialised loops below, so each compiles without branches. */
-static LM_ALWAYS_INLINE float ld(const void *p, long i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static LM_ALWAYS_INLINE void st(void *p, long i, float rounded, int bf16) {
-    if (!bf16) {
-        ((float *)p)[i] = rounded;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &rounded, sizeof u);
-    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-}
 
 /* One row of lm_add_rms_norm. Two passes over h and no buffer: the first adds delta (storing the rounded sum back
  * into h) and sums the squares in 16 lanes; the second reads h again. */
@@ -62,26 +30,26 @@ static LM_ALWAYS_INLINE void norm_row(void *h, const void *delta, const void *we
     int i = 0;
     for (; i + 16 <= n; i += 16)
         for (int j = 0; j < 16; j++) {
-            float x = ld(h, i + j, bf16);
+            float x = lm_act(h, bf16, i + j);
             if (delta) {
-                x = lm_round(x + ld(delta, i + j, bf16), bf16);
-                st(h, i + j, x, bf16);
+                x = lm_round(x + lm_act(delta, bf16, i + j), bf16);
+                lm_store(h, bf16, i + j, x);
             }
             part[j] += x * x;
         }
     float ss = 0.0f;
     for (int j = 0; j < 16; j++) ss += part[j];
     for (; i < n; i++) {
-        float x = ld(h, i, bf16);
+        float x = lm_act(h, bf16, i);
         if (delta) {
-            x = lm_round(x + ld(delta, i, bf16), bf16);
-            st(h, i, x, bf16);
+            x = lm_round(x + lm_act(delta, bf16, i), bf16);
+            lm_store(h, bf16, i, x);
         }
         ss += x * x;
     }
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int k = 0; k < n; k++)
-        st(out, k, lm_round(ld(weight, k, bf16) * lm_round(ld(h, k, bf16) * r, bf16), bf16), bf16);
+        lm_store(out, bf16, k, lm_act(weight, bf16, k) * lm_round(lm_act(h, bf16, k) * r, bf16));
 }
 
 /*
@@ -118,7 +86,7 @@ static LM_ALWAYS_INLINE void rotate(const void *x, long xi, void *dst, long di, 
         const float other = i < half ? -tmp[i + half] : tmp[i - half];
         const float a = lm_round(tmp[i] * lm_act(cs, bf16, ci + i), bf16);
         const float s = lm_round(other * lm_act(sn, bf16, ci + i), bf16);
-        lm_store(dst, bf16, di + i, lm_round(a + s, bf16));
+        lm_store(dst, bf16, di + i, a + s);
     }
 }
 
@@ -161,12 +129,12 @@ int lm_rope_store(void *q, long ldq, const void *k, long ldk, const void *v, lon
 /* One chunk of lm_silu_mul (bf16 constant per call site, see ld). */
 static LM_ALWAYS_INLINE void silu_chunk(const void *gate, const void *up, void *out, int n, const int bf16) {
     for (int i = 0; i < n; i++) {
-        const float g = ld(gate, i, bf16);
+        const float g = lm_act(gate, bf16, i);
         /* exp(-g) past float32's range is infinite, as in torch (silu of a large negative g is -0) */
         const float x = g < -88.0f ? 88.0f : (g > 87.0f ? -87.0f : -g);
         const float e = g < -88.0f ? INFINITY : lm_exp(x);
         const float s = lm_round(g / (1.0f + e), bf16);
-        st(out, i, lm_round(s * ld(up, i, bf16), bf16), bf16);
+        lm_store(out, bf16, i, s * lm_act(up, bf16, i));
     }
 }
 
