@@ -175,17 +175,20 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
         out = model.generate(
             ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0
         )
-    first = clock.times[0] - t0
-    gaps = sorted(b - a for a, b in zip(clock.times, clock.times[1:]))
+    return _generation_timing(t0, clock.times, out[0, prompt_len:].tolist())
+
+
+def _generation_timing(t0: float, times: list[float], tokens: list[int]) -> dict:
+    """First-token latency and decode rates from the start time and each token's timestamp."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
     # The median gap, not the mean: on a shared 2-core machine a neighbour's burst stalls a whole step (torch's
     # threads wait for the slowest), and one such stall would otherwise dominate a short run.
     median = gaps[len(gaps) // 2] if gaps else 0.0
-    mean_rate = len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0
     return {
-        "first_token_s": first,
+        "first_token_s": times[0] - t0,
         "decode_tok_s": 1.0 / median if median else 0.0,
-        "decode_tok_s_mean": mean_rate,
-        "tokens": out[0, prompt_len:].tolist(),
+        "decode_tok_s_mean": len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0,
+        "tokens": tokens,
     }
 
 
@@ -212,14 +215,7 @@ def time_engine_generation(
         times.append(clock())
         tokens.append(token)
         row = Row(0, prompt_len + len(tokens) - 1, [token])
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    return {
-        "first_token_s": times[0] - t0,
-        "decode_tok_s": 1.0 / median if median else 0.0,
-        "decode_tok_s_mean": len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0,
-        "tokens": tokens,
-    }
+    return _generation_timing(t0, times, tokens)
 
 
 def token_agreement(rows: list[dict], reference: str) -> None:
