@@ -31,6 +31,15 @@
 #define LM_PREFETCH_AHEAD 4096
 static LM_ALWAYS_INLINE void lm_prefetch(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
+#if defined(__AVX512BF16__)
+/* 32 bf16 values as one operand of the BF16 dot product (linear_bf16.c, attention_decode.c); lm_load_bh_tail
+ * reads only the lanes of m (zeros elsewhere), for a row's last partial chunk. */
+static LM_ALWAYS_INLINE __m512bh lm_load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+static LM_ALWAYS_INLINE __m512bh lm_load_bh_tail(const uint16_t *p, __mmask32 m) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
+}
+#endif
+
 static inline float lm_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -22,11 +22,6 @@
 #if defined(__AVX512F__)
 #define MAXM 4   /* rows of x per pass: 4 x ROWS accumulators + 4 weight vectors fit the 32 zmm registers */
 
-static inline __m512bh load_bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
-static inline __m512bh load_bh_tail(const uint16_t *p, __mmask32 m) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
-}
-
 /* One block of `nrows` (1..ROWS) rows of W against `nm` (1..MAXM) rows of x. `next` is the first row of the next
  * block (NULL for the last): its rows are asked for at the offset this block reads, one block ahead, so the weight
  * stream keeps enough misses in flight where the hardware prefetcher alone does not (small matrices). */
@@ -40,22 +35,22 @@ static inline void block(const uint16_t *x, long ldx, const uint16_t *w, long ld
     const int kfull = K & ~31;
     for (int k = 0; k < kfull; k += 32) {
         __m512bh wv[ROWS];
-        for (int r = 0; r < ROWS; r++) wv[r] = load_bh(wr[r] + k);
+        for (int r = 0; r < ROWS; r++) wv[r] = lm_load_bh(wr[r] + k);
         if (next)
             for (int r = 0; r < ROWS; r++) _mm_prefetch((const char *)(next + (long)r * ldw + k), _MM_HINT_T1);
         for (int m = 0; m < MAXM; m++) {
             if (m >= nm) break;
-            __m512bh xv = load_bh(x + (long)m * ldx + k);
+            __m512bh xv = lm_load_bh(x + (long)m * ldx + k);
             for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
         }
     }
     if (kfull < K) {
         const __mmask32 tail = (__mmask32)((1ull << (K - kfull)) - 1ull);
         __m512bh wv[ROWS];
-        for (int r = 0; r < ROWS; r++) wv[r] = load_bh_tail(wr[r] + kfull, tail);
+        for (int r = 0; r < ROWS; r++) wv[r] = lm_load_bh_tail(wr[r] + kfull, tail);
         for (int m = 0; m < MAXM; m++) {
             if (m >= nm) break;
-            __m512bh xv = load_bh_tail(x + (long)m * ldx + kfull, tail);
+            __m512bh xv = lm_load_bh_tail(x + (long)m * ldx + kfull, tail);
             for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
         }
     }
