@@ -46,14 +46,13 @@ def decode_rate(rows: int, times: list[float]) -> float:
 def loadmaster_worker(spec: dict) -> dict:
     import torch
 
-    from loaders import load_checkpoint
-    from planner.skeleton import describe_checkpoint
+    from loaders import load_model
     from service.kv_cache import SlotKVCache
     from service.model_runner import ModelRunner, Row
 
     torch.set_num_threads(int(spec["threads"]))
     path, new = Path(spec["model"]), int(spec["new_tokens"])
-    model = load_checkpoint(describe_checkpoint(path, None), device_map={"": "cpu"}).model.eval()
+    model = load_model(path, device_map={"": "cpu"}, show_progress=False).eval()
     prompts = prompt_ids(int(spec["rows"]), int(spec["context"]), int(model.config.vocab_size))
     runner = ModelRunner(model, torch.device("cpu"), SlotKVCache(len(prompts), len(prompts[0]) + new + 8))
     with torch.inference_mode():
