@@ -11,7 +11,8 @@
  * Per task: scores s[g][j] = (q_g . k_j) * scale for the keys the mask lets through (the others are not read at
  * all), a softmax per query head (max, exp, sum), then o_g = sum_j p[g][j] v_j / sum_j p[g][j]. A row's result depends
  * on its own data only, in a fixed order, whatever rows share the call and whichever thread runs it, so a row's
- * output does not depend on its batch.
+ * output does not depend on its batch. Both products run as register tiles shared by the group's heads
+ * (score_tile, value_tile); on the AVX-512 build a bf16 cache's scores take the BF16 dot product (scores_bh).
  *
  * Several query tokens per row (a prompt) make one task per (row, KV head, query token), each computed exactly as a
  * decode row's task, over the keys that token's mask row lets through. So a token's output depends on its own
