@@ -128,6 +128,11 @@ static LM_ALWAYS_INLINE float sum_of(const float *s, int n) {
  * the tiles consume rows (a long cache outgrows the caches: each step reads it from memory once). */
 #define PD 24
 
+/* Asks for the bytes bytes of a row at p. */
+static LM_ALWAYS_INLINE void prefetch_row(const char *p, long bytes) {
+    for (long b = 0; b < bytes; b += 64) lm_prefetch(p + b);
+}
+
 /* Rows at[t0 .. t0+nb) of a [L, D] matrix (row stride st elements) as float32 row pointers: bf16 rows widened
  * into wide (nb rows of Dp floats), float32 rows read where they lie. Each row's read prefetches the row PD
  * attended rows further on (below n). */
@@ -135,9 +140,7 @@ static LM_ALWAYS_INLINE void block_rows(const void *base, long row0, long st, co
                                         int D, int Dp, int bf16, float *wide, const float **rows) {
     const long es = bf16 ? 2 : 4;
     for (int c = 0; c < nb; c++) {
-        if (t0 + c + PD < n)
-            for (long b = 0; b < (long)D * es; b += 64)
-                lm_prefetch((const char *)base + (row0 + (long)at[t0 + c + PD] * st) * es + b);
+        if (t0 + c + PD < n) prefetch_row((const char *)base + (row0 + (long)at[t0 + c + PD] * st) * es, D * es);
         const long first = row0 + (long)at[t0 + c] * st;
         if (!bf16) {
             rows[c] = (const float *)base + first;
@@ -177,6 +180,13 @@ static LM_ALWAYS_INLINE void block_rows(const void *base, long row0, long st, co
     }
 #endif
 
+/* s[0..4) = the lane sums of a[0..4) (lm_reduce4's fixed order) times scale: one head's scores of four keys. */
+static LM_ALWAYS_INLINE void store_scores(const vec *a, float *s, float scale) {
+    float t[4];
+    _mm_storeu_ps(t, lm_reduce4(a[0], a[1], a[2], a[3]));
+    for (int e = 0; e < 4; e++) s[e] = t[e] * scale;
+}
+
 /* Scores of four keys (rows r[0..3]) for nh query heads (queries qh, Dp floats apart): s[h*L + e] = (q_h . k_e) *
  * scale. Each key's products are summed over the head-size chunks in order, then by lm_reduce4: the same sums in the
  * same order whichever heads share the tile. */
@@ -196,11 +206,7 @@ static LM_ALWAYS_INLINE void score_tile(const int nh, const float *qh, int Dp, i
             a[h][3] = vfma(x, k3, a[h][3]);
         }
     }
-    for (int h = 0; h < nh; h++) {
-        float t[4];
-        _mm_storeu_ps(t, lm_reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
-        for (int e = 0; e < 4; e++) s[(long)h * L + e] = t[e] * scale;
-    }
+    for (int h = 0; h < nh; h++) store_scores(a[h], s + (long)h * L, scale);
 }
 
 #if defined(__AVX512BF16__)
@@ -209,9 +215,9 @@ static LM_ALWAYS_INLINE void score_tile(const int nh, const float *qh, int Dp, i
  * instruction per (head, key). Rows r[0..3] and the nh queries (qsh elements apart) are bf16. */
 static LM_ALWAYS_INLINE void score_tile_bh(const int nh, const uint16_t *q, long qsh, int D, const uint16_t *const *r,
                                            float *s, long L, float scale) {
-    __m512 a[HT][4];
+    vec a[HT][4]; /* __m512: the BF16 instruction is on the AVX-512 build only */
     for (int h = 0; h < nh; h++)
-        for (int e = 0; e < 4; e++) a[h][e] = _mm512_setzero_ps();
+        for (int e = 0; e < 4; e++) a[h][e] = vzero();
     for (int i = 0; i < D; i += 32) {
         const __mmask32 m = D - i >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (D - i)) - 1u);
         const __m512bh k0 = lm_load_bh_tail(r[0] + i, m), k1 = lm_load_bh_tail(r[1] + i, m);
@@ -224,11 +230,7 @@ static LM_ALWAYS_INLINE void score_tile_bh(const int nh, const uint16_t *q, long
             a[h][3] = _mm512_dpbf16_ps(a[h][3], x, k3);
         }
     }
-    for (int h = 0; h < nh; h++) {
-        float t[4];
-        _mm_storeu_ps(t, lm_reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
-        for (int e = 0; e < 4; e++) s[(long)h * L + e] = t[e] * scale;
-    }
+    for (int h = 0; h < nh; h++) store_scores(a[h], s + (long)h * L, scale);
 }
 
 /* The scores of a bf16 task's attended keys: four keys (score_tile_bh) at a time, then the rest one by one; each
@@ -240,9 +242,7 @@ static void scores_bh(const uint16_t *q, long qsh, const uint16_t *k, long krow,
     for (; c < n; c += 4) {
         const int nr = n - c < 4 ? n - c : 4;
         for (int e = 0; e < nr; e++) {
-            if (c + e + PD < n)
-                for (long b = 0; b < (long)D * 2; b += 64)
-                    lm_prefetch((const char *)(k + krow + (long)at[c + e + PD] * kst) + b);
+            if (c + e + PD < n) prefetch_row((const char *)(k + krow + (long)at[c + e + PD] * kst), 2L * D);
             r[e] = k + krow + (long)at[c + e] * kst;
         }
         if (nr < 4) break;
@@ -282,6 +282,32 @@ static LM_ALWAYS_INLINE void value_tile(const int nh, const int nc, const float 
         for (int c = 0; c < nc; c++) vstoref(acc + (long)h * Dp + c * VW, a[h][c]);
 }
 
+/* The scores of a task's attended keys on float32 values (bf16 keys widened a block at a time by block_rows, the
+ * queries into qf): four keys and HT query heads at a time (score_tile), then the block's rest one by one. */
+static void scores_f(const void *q, long qrow, long qsh, const void *k, long krow, long kst, const int *at, int n,
+                     int G, int D, long L, float scale, int bf16, float *qf, float *wide, float *s) {
+    const int Dp = (D + VW - 1) / VW * VW;
+    const float *rows[KB];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < Dp; i += VW) vstoref(qf + (long)g * Dp + i, vload(q, qrow + g * qsh + i, bf16, D - i));
+    for (int t0 = 0; t0 < n; t0 += KB) {
+        const int nb = n - t0 < KB ? n - t0 : KB;
+        block_rows(k, krow, kst, at, t0, nb, n, D, Dp, bf16, wide, rows);
+        int c = 0;
+        for (; c + 4 <= nb; c += 4) {
+            for (int g = 0; g < G; g += HT)
+                HEAD_TILE(G - g, score_tile, qf + (long)g * Dp, Dp, D, rows + c, s + (long)g * L + t0 + c, L, scale)
+        }
+        for (; c < nb; c++)
+            for (int g = 0; g < G; g++) {
+                const float *qg = qf + (long)g * Dp;
+                vec a = vzero();
+                for (int i = 0; i < Dp; i += VW) a = vfma(vloadf(qg + i), vload(rows[c], i, 0, D - i), a);
+                s[(long)g * L + t0 + c] = vsum(a) * scale;
+            }
+    }
+}
+
 /* One (row, KV head) task. buf holds G*Dp query floats, G*L scores, KB*Dp widened rows and G*Dp output sums;
  * at holds the attended keys' positions. */
 static void attend(const void *q, long qrow, long qsh, const void *k, long krow, long kst, const void *v, long vrow,
@@ -306,31 +332,13 @@ static void attend(const void *q, long qrow, long qsh, const void *k, long krow,
         for (; j < L; j++)
             if (mrow[j]) at[n++] = j;
     }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < Dp; i += VW) vstoref(qf + (long)g * Dp + i, vload(q, qrow + g * qsh + i, bf16, D - i));
-
-    /* scores s[g][t] of the t-th attended key, four keys and HT query heads at a time (score_tile) */
+    /* scores s[g][t] of the t-th attended key */
 #if defined(__AVX512BF16__)
-    if (bf16)
+    if (bf16) /* bf16 keys and queries as they lie */
         scores_bh((const uint16_t *)q + qrow, qsh, (const uint16_t *)k, krow, kst, at, n, G, D, L, scale, s);
     else
 #endif
-    for (int t0 = 0; t0 < n; t0 += KB) {
-        const int nb = n - t0 < KB ? n - t0 : KB;
-        block_rows(k, krow, kst, at, t0, nb, n, D, Dp, bf16, wide, rows);
-        int c = 0;
-        for (; c + 4 <= nb; c += 4) {
-            for (int g = 0; g < G; g += HT)
-                HEAD_TILE(G - g, score_tile, qf + (long)g * Dp, Dp, D, rows + c, s + (long)g * L + t0 + c, L, scale)
-        }
-        for (; c < nb; c++)
-            for (int g = 0; g < G; g++) {
-                const float *qg = qf + (long)g * Dp;
-                vec a = vzero();
-                for (int i = 0; i < Dp; i += VW) a = vfma(vloadf(qg + i), vload(rows[c], i, 0, D - i), a);
-                s[(long)g * L + t0 + c] = vsum(a) * scale;
-            }
-    }
+        scores_f(q, qrow, qsh, k, krow, kst, at, n, G, D, L, scale, bf16, qf, wide, s);
 
     /* softmax per query head, unnormalised: p = exp(s - max), divided by their sum at the end */
     float inv[LM_ATTN_MAX_G];
