@@ -178,15 +178,26 @@ def time_generation(model, prompt_len: int = 16, new_tokens: int = 16, vocab: in
     return _generation_timing(t0, clock.times, out[0, prompt_len:].tolist())
 
 
+def median_gap(times: Sequence[float]) -> float:
+    """The median gap between consecutive clock readings (0.0 for fewer than two). The median, not the mean: on a
+    shared 2-core machine a neighbour's burst stalls a whole step (torch's threads wait for the slowest), and one
+    such stall would otherwise dominate a short run."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] if gaps else 0.0
+
+
+def median_rate(times: Sequence[float]) -> float:
+    """Steps per second from :func:`median_gap` (0.0 when there is no gap)."""
+    median = median_gap(times)
+    return 1.0 / median if median > 0 else 0.0
+
+
 def _generation_timing(t0: float, times: list[float], tokens: list[int]) -> dict:
     """First-token latency and decode rates from the start time and each token's timestamp."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    # The median gap, not the mean: on a shared 2-core machine a neighbour's burst stalls a whole step (torch's
-    # threads wait for the slowest), and one such stall would otherwise dominate a short run.
-    median = gaps[len(gaps) // 2] if gaps else 0.0
+    gaps = [b - a for a, b in zip(times, times[1:])]
     return {
         "first_token_s": times[0] - t0,
-        "decode_tok_s": 1.0 / median if median else 0.0,
+        "decode_tok_s": median_rate(times),
         "decode_tok_s_mean": len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else 0.0,
         "tokens": tokens,
     }

@@ -23,7 +23,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import emit, llama_dir, machine, model_cache_dir, print_table, run_isolated, write_json
+from bench.common import (
+    emit,
+    llama_dir,
+    machine,
+    median_rate,
+    model_cache_dir,
+    print_table,
+    run_isolated,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 512  # prompt tokens per prefill call (the engine's default chunk)
@@ -38,9 +47,7 @@ def prompt_ids(rows: int, context: int, vocab: int) -> list[list[int]]:
 
 def decode_rate(rows: int, times: list[float]) -> float:
     """rows x tokens per second from the median gap between consecutive steps' clocks."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    median = gaps[len(gaps) // 2]
-    return rows / median
+    return rows * median_rate(times)
 
 
 def loadmaster_worker(spec: dict) -> dict:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import median_rate
+
 log = logging.getLogger(__name__)
 
 PACKAGES = ("llama-cpp-python", "gguf")
@@ -170,13 +172,6 @@ def generate(llm: LlamaCpp, prompts: list[list[int]], new_tokens: int) -> tuple[
         for seq, t in zip(out, nxt):
             seq.append(t)
     return out, times
-
-
-def median_rate(times: list[float]) -> float:
-    """Tokens/s from the median gap between consecutive tokens (robust to one stalled step on a shared CPU)."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    median = gaps[len(gaps) // 2] if gaps else 0.0
-    return 1.0 / median if median > 0 else 0.0
 
 
 def decode_worker(spec: dict) -> dict:
