@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import LoadmasterError
+from service import startup_gc
 
 if TYPE_CHECKING:
     from service.settings import ServiceSettings
@@ -225,6 +226,9 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
         server.should_exit = True
 
     runtime.host.on_failed(on_failed)
+    # the start's garbage collector pause (run_serve, run_demo) ends when the load does, either way
+    runtime.host.on_ready(lambda _loaded: startup_gc.resume_collection())
+    runtime.host.on_failed(lambda _message: startup_gc.resume_collection())
     log.info(
         "listening on http://%s:%d (model loads in the background; GET /health/ready)", settings.host, settings.port
     )
@@ -234,6 +238,11 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    with startup_gc.paused_during_start():
+        return _run_serve(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if settings.pipeline:  # one rank of a pipeline under torchrun (service/pipeline_serve.py)
         from service import pipeline_serve
@@ -241,6 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _configure_logging(settings.log_level)
         rank, world = pipeline_serve.join_group(settings)
         if rank != 0:
+            startup_gc.resume_collection()  # a stage rank runs its own load and loop, both on this thread
             return pipeline_serve.serve_stage_rank(settings, rank, world)
         rank0 = pipeline_serve.Rank0(world)
         return rank0.finish(serve(settings, loader=rank0.load, prepare=rank0.prepare))
@@ -252,6 +262,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    with startup_gc.paused_during_start():
+        return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, demo=True)
     if settings.pipeline or settings.micro_batches is not None or settings.inter_host_bandwidth is not None:
         raise ValueError(
