@@ -227,7 +227,7 @@ def load_checkpoint(
         stats.native_attention = executed.native_attention
         stats.cpu_quantization = executed.cpu_quantization
         if cpu_residency == "lock":
-            stats.residency = lock_resident(model, dict(dmap), placed.reader.maps, placed.reader.base_of)
+            stats.residency = lock_resident(model, dict(dmap))
         stats.seconds = time.perf_counter() - t0
         stats.peak_rss_bytes = peak_rss_bytes()
         model.hf_device_map = dict(dmap)

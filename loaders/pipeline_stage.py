@@ -227,7 +227,7 @@ def load_stage(
         stats.native_attention = executed.native_attention
         stats.cpu_quantization = executed.cpu_quantization
         if cpu_residency == "lock":
-            stats.residency = lock_resident(model, local_map, placed.reader.maps, placed.reader.base_of)
+            stats.residency = lock_resident(model, local_map)
         reporter.close()
     except BaseException:
         reporter.fail()

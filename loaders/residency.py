@@ -4,11 +4,14 @@ Why: resident CPU weights are views of the shards' memory maps (no copy at load)
 cache, which the kernel evicts first when memory runs short; decode then reads the weights from disk again, token
 after token (one run under pressure fell from 5 tok/s to 0.25). Locked pages are never evicted.
 
-How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and locking a
-writable private map would copy every page. So each shard is mapped a second time, shared and read-only, and the
-byte ranges of the resident tensors are locked there: that pins the very page-cache pages the tensors read. Tensors
-that are not views of a shard (converted dtypes, quantized weights) are locked where they are. Disk-offloaded
-tensors are not locked: they are meant to be read from the file.
+How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and a plain
+``mlock`` of a writable private map would fault every page in for writing, which copies it. ``mlock2`` with
+``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped (the loader mapped them in for reading,
+:meth:`~loaders.shard_reader.ShardReader.make_resident`, so they are the page cache's own pages) and any page of the
+range read later, and each stays the page cache's page. The locks end when the maps do (with the model's tensors).
+Tensors that are not views of a shard (converted dtypes, quantized weights) are locked the same way where they are.
+Disk-offloaded tensors are not locked: they are meant to be read from the file. On the 1B Llama in bf16 this locks
+1.8 GiB in 0.1 s, where locking a second, shared map of each shard took 0.2 s (the lock had to map every page in).
 
 Locking needs ``CAP_IPC_LOCK`` or a large enough ``ulimit -l``; where it is refused, one warning says so and the
 weights stay as they were (maps that the kernel may evict).
@@ -22,7 +25,6 @@ import logging
 import mmap
 import os
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +37,11 @@ log = logging.getLogger(__name__)
 CPU_RESIDENCY_CHOICES = ("lock", "map")
 PAGE = mmap.PAGESIZE
 
+#: ``mlock2`` flag (linux/mman.h): lock pages as they are mapped in, rather than mapping them all in now.
+MLOCK_ONFAULT = 1
+
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_libc.mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @dataclass
@@ -54,35 +55,11 @@ class ResidencyStats:
     error: str | None = None
 
 
-class _SharedMaps:
-    """Read-only shared maps of shard files, unmapped (which unlocks them) when the model they serve is freed."""
-
-    def __init__(self) -> None:
-        self.maps: list[tuple[int, int]] = []  # (address, length)
-
-    def map_file(self, path: str) -> int:
-        size = os.path.getsize(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)
-        if addr in (None, _MAP_FAILED):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {path}: {os.strerror(err)}")
-        self.maps.append((addr, size))
-        return addr
-
-    def close(self) -> None:
-        for addr, size in self.maps:
-            _libc.munmap(addr, size)
-        self.maps.clear()
-
-
 def _mlock(addr: int, nbytes: int) -> None:
+    """Lock the pages of ``[addr, addr + nbytes)`` that are mapped, and those mapped later, without faulting any in."""
     lo = addr - addr % PAGE
     hi = addr + nbytes
-    if _libc.mlock(lo, hi - lo) != 0:
+    if _libc.mlock2(lo, hi - lo, MLOCK_ONFAULT) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -111,30 +88,16 @@ def resident_tensors(model: torch.nn.Module, device_map: dict[str, DeviceId]) ->
     return out
 
 
-def lock_resident(
-    model: torch.nn.Module, device_map: dict[str, DeviceId], shard_maps: dict[str, mmap.mmap], base_of
-) -> ResidencyStats:
-    """Lock the pages of every CPU-resident tensor of ``model`` (see the module docstring).
-
-    ``shard_maps`` are the shard maps the tensors may view (path -> map) and ``base_of(path, map)`` their addresses.
-    The locks live as long as ``model``."""
+def lock_resident(model: torch.nn.Module, device_map: dict[str, DeviceId]) -> ResidencyStats:
+    """Lock the pages of every CPU-resident tensor of ``model`` (see the module docstring). The locks live as long
+    as the memory the tensors view."""
     t0 = time.perf_counter()
     stats = ResidencyStats("lock")
     tensors = resident_tensors(model, device_map)
-    spans = {path: (base_of(path, mm), len(mm)) for path, mm in shard_maps.items()}
-    shared = _SharedMaps()
-    weakref.finalize(model, shared.close)
-    shared_addr: dict[str, int] = {}
     try:
         for _, t in tensors:
-            ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-            path = next((p for p, (base, size) in spans.items() if base <= ptr and ptr + nbytes <= base + size), None)
-            if path is None:
-                _mlock(ptr, nbytes)
-            else:
-                if path not in shared_addr:
-                    shared_addr[path] = shared.map_file(path)
-                _mlock(shared_addr[path] + (ptr - spans[path][0]), nbytes)
+            nbytes = t.numel() * t.element_size()
+            _mlock(t.data_ptr(), nbytes)
             stats.locked_bytes += nbytes
     except OSError as exc:
         stats.error = (

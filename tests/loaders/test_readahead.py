@@ -15,10 +15,15 @@ MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4; Python < 3.12 
 
 
 def _page_out(reader: ShardReader, path: str, start: int, end: int) -> None:
-    """Drop a mapped range from memory and from the page cache (clean file pages), as memory pressure would."""
+    """Drop a mapped range from memory and from the page cache (clean file pages), as memory pressure would.
+
+    Only the whole pages inside the range: a page it shares with a resident tensor is locked (loaders.residency),
+    and paging out a locked page is refused, as memory pressure would leave it."""
     mm = reader.mapping(path)
-    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-    mm.madvise(MADV_PAGEOUT, lo, min(len(mm), end) - lo)
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = min(len(mm), end) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        mm.madvise(MADV_PAGEOUT, lo, hi - lo)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)

@@ -1,6 +1,6 @@
 """Resident CPU weights are locked in memory (``cpu_residency="lock"``, the default): the process's locked bytes
-grow by their size without copying them, disk blocks are not locked, the locks go with the model, and the logits
-are those of an unlocked load."""
+grow by their size without copying them, disk blocks are not locked, the locks go with the model's tensors, and the
+logits are those of an unlocked load."""
 
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ def _locked_bytes() -> int:
     raise AssertionError("no VmLck in /proc/self/status")
 
 
+def _copied_bytes_of_maps(folder) -> int:
+    """Anonymous (copied-on-write) bytes of this process's maps of files in ``folder``: what locking a private map
+    of a shard would cost if it copied the pages rather than locking the page cache's own."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = str(folder) in line
+            elif inside and head == "Anonymous:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path):
     dm = {"model.layers.1": "disk", "": "cpu"}
     kw = dict(device_map=dm, offload_folder=tmp_path / "off", show_progress=False, dtype="float32")
@@ -39,10 +53,11 @@ def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path)
     # pages, so a little more than the bytes (each range rounds out to whole pages)
     locked = _locked_bytes() - before
     assert want <= locked <= want + 2 * 4096 * len(resident)
+    assert _copied_bytes_of_maps(tiny_llama.resolve()) == 0  # locked in place: the page cache's pages, not copies
     ids = prompt(model.config.vocab_size)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain(ids).logits)
-    del model
+    del model, resident  # the locks end with the memory the tensors view
     gc.collect()
     assert _locked_bytes() - before < want
 
