@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def test_pause_then_resume_freezes_the_start(collector: None) -> None:
     assert gc.isenabled()
     assert gc.get_freeze_count() >= len(made)  # moved where collections no longer walk them
     assert startup_gc.resume_collection() is False  # resumed once only
+
+
+def test_the_pause_ends_by_its_limit_if_the_load_has_not(collector: None) -> None:
+    assert startup_gc.pause_collection(limit_s=0.2) is True
+    deadline = time.monotonic() + 30
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gc.isenabled()
+    assert startup_gc.resume_collection() is False  # already ended by the limit
+
+
+def test_an_earlier_pause_limit_does_not_end_a_later_pause(collector: None) -> None:
+    assert startup_gc.pause_collection(limit_s=0.2) is True
+    assert startup_gc.resume_collection() is True
+    assert startup_gc.pause_collection(limit_s=30) is True
+    time.sleep(0.6)  # the first pause's timer has fired by now
+    assert not gc.isenabled()
+    assert startup_gc.resume_collection() is True
 
 
 def test_a_collector_turned_off_by_someone_else_stays_off(collector: None) -> None:
