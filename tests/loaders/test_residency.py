@@ -42,6 +42,7 @@ def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path)
     kw = dict(device_map=dm, offload_folder=tmp_path / "off", show_progress=False, dtype="float32")
     plain = loaders.load_model(tiny_llama, cpu_residency="map", **kw)
     assert plain.load_stats.residency is None
+    gc.collect()  # models of earlier tests freed now, not while this one loads (their locks would end mid-count)
     before = _locked_bytes()
     model = loaders.load_model(tiny_llama, **kw)
     st = model.load_stats.residency
