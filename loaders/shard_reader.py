@@ -219,7 +219,3 @@ class ShardReader:
     @property
     def maps(self) -> dict[str, mmap.mmap]:
         return self._maps
-
-    def base_of(self, path: str, mm: mmap.mmap) -> int:
-        """The address of the map of ``path`` (``mm``, one of :attr:`maps`)."""
-        return self._base(path, mm)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,3 +43,17 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
     """A private copy of a fixture checkpoint that a test may damage."""
     shutil.copytree(src, dst)
     return dst
+
+
+def smaps_bytes(field: str, counted: Callable[[int, str], bool]) -> int:
+    """Bytes of ``field`` (``Rss``, ``Anonymous``, ...) in ``/proc/self/smaps`` over the mappings for which
+    ``counted(start address, the mapping's header line)`` holds."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = counted(int(head.split("-")[0], 16), line)
+            elif inside and head == f"{field}:":
+                total += int(line.split()[1]) * 1024
+    return total

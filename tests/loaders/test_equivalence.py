@@ -9,7 +9,7 @@ import torch
 
 import loaders
 import planner
-from tests.loaders.helpers import assert_equivalent
+from tests.loaders.helpers import assert_equivalent, smaps_bytes
 
 FIXTURES = ["tiny_llama", "tiny_gpt2", "tiny_moe"]
 
@@ -92,16 +92,7 @@ def _mapped_ranges(model):
 def _shard_rss(model) -> int:
     """Bytes of the shards' memory maps that are mapped into this process now (smaps Rss of those mappings)."""
     ranges = _mapped_ranges(model)
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = any(a <= lo < b for a, b in ranges)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    return smaps_bytes("Rss", lambda lo, _line: any(a <= lo < b for a, b in ranges))
 
 
 def test_cpu_and_disk_tensors_are_views_of_the_shards(tiny_llama, tmp_path):

@@ -12,7 +12,7 @@ import torch
 import loaders
 from loaders.residency import resident_tensors
 from planner.errors import PlanError
-from tests.loaders.helpers import prompt
+from tests.loaders.helpers import prompt, smaps_bytes
 
 
 def _locked_bytes() -> int:
@@ -26,15 +26,7 @@ def _locked_bytes() -> int:
 def _copied_bytes_of_maps(folder) -> int:
     """Anonymous (copied-on-write) bytes of this process's maps of files in ``folder``: what locking a private map
     of a shard would cost if it copied the pages rather than locking the page cache's own."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                inside = str(folder) in line
-            elif inside and head == "Anonymous:":
-                total += int(line.split()[1]) * 1024
-    return total
+    return smaps_bytes("Anonymous", lambda _lo, line: str(folder) in line)
 
 
 def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path):
