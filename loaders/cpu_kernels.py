@@ -322,12 +322,14 @@ def _cached(isa: str, compiler: str | None) -> Path | None:
     return None
 
 
-def _atomic_write(target: Path, write) -> None:
+def atomic_write(target: Path, write: Callable[[str], object], mode: int = 0o755) -> None:
+    """Have ``write(tmp)`` fill a temporary sibling of ``target``, then rename it into place: readers see the old
+    file or the whole new one, never part of it."""
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)  # mkstemp made it 0600: other users (an image's runtime user) must be able to load it
+        os.chmod(tmp, mode)  # mkstemp made it 0600: other users (an image's runtime user) must be able to read it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -366,9 +368,9 @@ def build(isa: str, cc: str | None = None) -> Path:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
 
     log.info("building the native CPU kernels (%s) into %s", isa, target)
-    _atomic_write(target, compile_to)
+    atomic_write(target, compile_to)
     # The manifest goes last: a library without one is never loaded, so a crash between the two is harmless.
-    _atomic_write(target.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(asdict(manifest))))
+    atomic_write(target.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(asdict(manifest))))
     return target
 
 

@@ -25,9 +25,14 @@ kernel and the same prompt next to others take torch's, a one-ulp difference tha
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -183,3 +188,59 @@ def torch_rows_independent(
                 if not torch.equal(product(x[start : start + n], w), whole[start : start + n]):
                     return False
     return True
+
+
+#: Bump when the probe or its key changes meaning, so earlier answers are not read.
+PROBE_FORMAT = 1
+#: Environment variables that can change which GEMM torch (oneDNN, MKL, OpenMP) runs.
+_GEMM_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "ATEN_CPU_CAPABILITY")
+
+
+def probe_cache_dir() -> Path:
+    """Where probe answers live: ``probes`` beside the built kernels (:func:`loaders.cpu_kernels.cache_dir`)."""
+    return cpu_kernels.cache_dir() / "probes"
+
+
+def rows_independent_on_this_cpu(weights: Sequence[torch.Tensor]) -> bool:
+    """:func:`torch_rows_independent` for torch's GEMM, answered from the user's cache when the same question was
+    probed before: same torch build and CPU, thread count, GEMM environment, and weights of the same dtypes, shapes,
+    strides and 64-byte alignment (what picks oneDNN's implementation; the values do not). The probe costs ~0.1 s of
+    every start on the 1B model; a cached answer a millisecond. An unreadable or unwritable cache only means probing."""
+    key = {
+        "format": PROBE_FORMAT,
+        "probe_rows": [list(r) for r in _PROBE_ROWS],
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": _cpu_identity(),
+        "threads": torch.get_num_threads(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_GEMM_ENV_PREFIXES)},
+        "weights": [[str(w.dtype), list(w.shape), list(w.stride()), w.data_ptr() % 64] for w in weights],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = probe_cache_dir() / f"rows-independent-{digest}.json"
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        if stored.get("key") == key and isinstance(stored.get("independent"), bool):
+            return stored["independent"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    independent = torch_rows_independent(weights)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"key": key, "independent": independent})
+        cpu_kernels.atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"), mode=0o644)
+    except OSError as exc:
+        log.debug("row-independence answer not cached in %s: %s", path.parent, exc)
+    return independent
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``), or the platform's description elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))][:2]
+        if lines:
+            return "|".join(ln.split(":", 1)[1].strip() for ln in lines)
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -312,6 +312,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from service import import_structure_cache
+
+    import_structure_cache.install()  # before any command imports transformers: its import table from the cache
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -357,7 +357,7 @@ def _prompt_products_row_independent(model: torch.nn.Module) -> bool:
     they are in memory (a layer streamed from disk is not probed). Where it does not, bf16 rows are not packed.
     Layers on the native kernels and on torch's alike: with ``cpu_kernels="torch"`` every product is torch's.
     Quantized layers are not probed: their kernels give a row the same bits whatever its batch (tested)."""
-    from loaders.fast_linear import torch_rows_independent  # as _bool_mask_attention
+    from loaders.fast_linear import rows_independent_on_this_cpu  # as _bool_mask_attention
 
     weights = [
         m.weight
@@ -366,7 +366,7 @@ def _prompt_products_row_independent(model: torch.nn.Module) -> bool:
     ]
     if not weights:
         return True
-    return torch_rows_independent([weights[0], max(weights, key=lambda w: w.shape[1])])
+    return rows_independent_on_this_cpu([weights[0], max(weights, key=lambda w: w.shape[1])])
 
 
 def _bool_mask_attention() -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from another slot, compute what each prompt would alone in plain transformers; d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -232,8 +233,61 @@ def test_the_row_independence_probe_sees_a_product_that_depends_on_its_batch() -
     assert not fast_linear.torch_rows_independent([weight], product=mixing)
 
 
+def test_the_probe_answer_is_cached_per_cpu_torch_and_weight_layout(monkeypatch, tmp_path: Path) -> None:
+    """A start asks the probe once per question: the same weights' layout on the same CPU and torch is answered from
+    the cache (the probe does not run), another layout or thread count is probed, and an unreadable answer is
+    probed again and replaced."""
+    from loaders import fast_linear
+
+    monkeypatch.setattr(fast_linear, "probe_cache_dir", lambda: tmp_path / "probes")
+    real = fast_linear.torch_rows_independent
+    probed: list[tuple[int, ...]] = []
+
+    def counting(weights):
+        probed.append(tuple(w.shape[0] for w in weights))
+        return real(weights)
+
+    monkeypatch.setattr(fast_linear, "torch_rows_independent", counting)
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(320, 256, generator=g) * 0.05).bfloat16()
+    first = fast_linear.rows_independent_on_this_cpu([weight])
+    assert first == real([weight]) and probed == [(320,)]
+    # other values, same layout: answered from the cache
+    assert fast_linear.rows_independent_on_this_cpu([torch.randn_like(weight)]) == first and probed == [(320,)]
+    (answer,) = (tmp_path / "probes").iterdir()
+    assert json.loads(answer.read_text())["independent"] is first
+    fast_linear.rows_independent_on_this_cpu([weight[:160]])  # another shape: probed
+    assert probed == [(320,), (160,)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        fast_linear.rows_independent_on_this_cpu([weight])
+    finally:
+        torch.set_num_threads(threads)
+    assert probed[-1] == (320,) and len(probed) == 3
+    answer.write_text("{not json")
+    assert fast_linear.rows_independent_on_this_cpu([weight]) == first and len(probed) == 4
+    assert json.loads(answer.read_text())["independent"] is first  # written back whole
+    # an answer stored for another key under this name (a collision) is not believed
+    stored = json.loads(answer.read_text())
+    answer.write_text(json.dumps({"key": {**stored["key"], "torch": "0.0"}, "independent": not first}))
+    assert fast_linear.rows_independent_on_this_cpu([weight]) == first and len(probed) == 5
+
+
+def test_an_unwritable_probe_cache_only_means_probing(monkeypatch, tmp_path: Path) -> None:
+    from loaders import fast_linear
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setattr(fast_linear, "probe_cache_dir", lambda: blocked / "probes")  # under a file: mkdir fails
+    weight = torch.randn(64, 128).bfloat16()
+    assert fast_linear.rows_independent_on_this_cpu([weight]) == fast_linear.torch_rows_independent([weight])
+
+
 @pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
-def test_the_probe_covers_the_layers_torch_runs(tiny_llama: Path, monkeypatch, cpu_kernels: str) -> None:
+def test_the_probe_covers_the_layers_torch_runs(
+    tiny_llama: Path, monkeypatch, cpu_kernels: str, tmp_path: Path
+) -> None:
     """With the native linear kernels or without them (``cpu_kernels="torch"``: every product is torch's), the
     probe runs on the model's first linear weight and on its widest."""
     import loaders
@@ -244,6 +298,7 @@ def test_the_probe_covers_the_layers_torch_runs(tiny_llama: Path, monkeypatch, c
         tiny_llama, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, cpu_kernels=cpu_kernels
     )
     probed: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(fast_linear, "probe_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(fast_linear, "torch_rows_independent", lambda weights: probed.append(weights) or True)
     assert model_runner._prompt_products_row_independent(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
