@@ -2,9 +2,10 @@
 ``linear_q4`` and ``decode_attention``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
-checked by the dispatcher), a fake implementation (shapes and dtypes propagate through fake tensors and the meta
-device, so tracing and ``torch.compile`` see what comes out without running C), and one CPU implementation that
-checks its operands and calls :mod:`loaders.cpu_kernels`. Each call passes ``torch.get_num_threads()``.
+checked by the dispatcher), a Meta implementation (shapes and dtypes propagate through the meta device and fake
+tensors, which run it, so tracing and ``torch.compile`` see what comes out without running C), and one CPU
+implementation that checks its operands and calls :mod:`loaders.cpu_kernels`. Each call passes
+``torch.get_num_threads()``.
 
 The CPU implementations fall back to torch's own kernels where the native library is not loaded (another CPU, no
 compiler, ``LOADMASTER_CPU_ISA=torch``) and, for the quantized operators, for products with more rows than the
@@ -357,11 +358,14 @@ _lib.impl("linear_multi", _linear_multi_cpu, "CPU")
 _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
-torch.library.register_fake("loadmaster::linear", _linear_fake, lib=_lib)
-torch.library.register_fake("loadmaster::linear_multi", _linear_multi_fake, lib=_lib)
-torch.library.register_fake("loadmaster::linear_q8", _quant_fake, lib=_lib)
-torch.library.register_fake("loadmaster::linear_q4", _quant_fake, lib=_lib)
-torch.library.register_fake("loadmaster::decode_attention", _decode_attention_fake, lib=_lib)
+# Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
+# caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
+# server's start, for a record only torch's error messages read.)
+_lib.impl("linear", _linear_fake, "Meta")
+_lib.impl("linear_multi", _linear_multi_fake, "Meta")
+_lib.impl("linear_q8", _quant_fake, "Meta")
+_lib.impl("linear_q4", _quant_fake, "Meta")
+_lib.impl("decode_attention", _decode_attention_fake, "Meta")
 
 linear = torch.ops.loadmaster.linear.default
 linear_multi = torch.ops.loadmaster.linear_multi.default

@@ -212,6 +212,7 @@ def load_checkpoint(
             model_path=root,
             offload_folder=Path(offload_folder) if offload_folder is not None else None,
             cpu_compute=the_plan.cpu_compute if the_plan is not None else (),
+            lock_resident=cpu_residency == "lock",
         )
         reporter.set_phase("dispatching")
         executed = apply_execution(

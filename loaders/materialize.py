@@ -69,6 +69,7 @@ class Materializer:
         workers: int | None = None,
         copies: CudaCopies | None = None,
         staging_chunk: int = STAGING_CHUNK,
+        lock_resident: bool = False,
     ):
         self.index = index
         self.run_dtype = run_dtype
@@ -85,6 +86,8 @@ class Materializer:
         #: The CUDA calls of GPU loads (a stand-in backend in tests); each GPU gets its own staging pair.
         self.copies = copies if copies is not None else CudaCopies()
         self.staging_chunk = staging_chunk
+        #: Lock resident ranges of the shard maps as they are mapped in (``cpu_residency="lock"``).
+        self.lock_resident = lock_resident
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
@@ -139,7 +142,9 @@ class Materializer:
         if resident_ranges:
             merged = _merge(resident_ranges)
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
-                for (_path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
+                for (_path, lo, hi), _ in zip(
+                    merged, pool.map(lambda r: self.reader.make_resident(*r, lock=self.lock_resident), merged)
+                ):
                     self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
         unpinned = set(unpinned)

@@ -213,6 +213,7 @@ def load_stage(
             model_path=root,
             offload_folder=_stage_folder(offload_folder, index),
             cpu_compute=tuple(_rename(k, to_local) for k in stage.plan.cpu_compute),
+            lock_resident=cpu_residency == "lock",
         )
         disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}
         executed = apply_execution(

@@ -6,9 +6,12 @@ after token (one run under pressure fell from 5 tok/s to 0.25). Locked pages are
 
 How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and a plain
 ``mlock`` of a writable private map would fault every page in for writing, which copies it. ``mlock2`` with
-``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped (the loader mapped them in for reading,
-:meth:`~loaders.shard_reader.ShardReader.make_resident`, so they are the page cache's own pages) and any page of the
-range read later, and each stays the page cache's page. The locks end when the maps do (with the model's tensors).
+``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped and any page of the range read later, and
+each stays the page cache's page. The loader locks each resident range of a shard's map just before it maps the
+range in for reading (:meth:`~loaders.shard_reader.ShardReader.make_resident`), so each page is locked as it is
+mapped: one pass over the pages, where locking after mapping walked them all a second time (on the 1B in bf16, 0.09
+against 0.12 s for both). :func:`lock_resident` then covers every resident tensor (already-locked ranges cost
+nothing again). The locks end when the maps do (with the model's tensors).
 Tensors that are not views of a shard (converted dtypes, quantized weights) are locked the same way where they are.
 Disk-offloaded tensors are not locked: they are meant to be read from the file. On the 1B Llama in bf16 this locked
 1.8 GiB in 0.10 s where locking a second, shared map of each shard (the way before) took 0.19 s, since that lock
@@ -56,8 +59,9 @@ class ResidencyStats:
     error: str | None = None
 
 
-def _mlock(addr: int, nbytes: int) -> None:
-    """Lock the pages of ``[addr, addr + nbytes)`` that are mapped, and those mapped later, without faulting any in."""
+def lock_pages(addr: int, nbytes: int) -> None:
+    """Lock the pages of ``[addr, addr + nbytes)`` that are mapped, and those mapped later, without faulting any in.
+    Raises :class:`OSError` where locking is refused (no ``CAP_IPC_LOCK``, ``ulimit -l`` too small)."""
     lo = addr - addr % PAGE
     hi = addr + nbytes
     if _libc.mlock2(lo, hi - lo, MLOCK_ONFAULT) != 0:
@@ -98,7 +102,7 @@ def lock_resident(model: torch.nn.Module, device_map: dict[str, DeviceId]) -> Re
     try:
         for _, t in tensors:
             nbytes = t.numel() * t.element_size()
-            _mlock(t.data_ptr(), nbytes)
+            lock_pages(t.data_ptr(), nbytes)
             stats.locked_bytes += nbytes
     except OSError as exc:
         stats.error = (

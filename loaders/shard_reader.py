@@ -18,6 +18,7 @@ import threading
 import torch
 
 from loaders.errors import CheckpointError
+from loaders.residency import lock_pages
 from loaders.safetensors_index import ShardEntry
 
 PAGE = mmap.PAGESIZE
@@ -189,18 +190,25 @@ class ShardReader:
         if hi > lo:
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
 
-    def make_resident(self, path: str, start: int, end: int) -> None:
+    def make_resident(self, path: str, start: int, end: int, lock: bool = False) -> None:
         """Map ``[start, end)`` of a shard's memory map into this process now (reading it if not cached).
 
         One ``MADV_POPULATE_READ`` call maps page-cache pages in large folios: a warm 2 GB checkpoint becomes
         resident in ~0.1 s, where copying it into fresh memory costs seconds of page faults. Falls back to
-        touching one byte per page on kernels without it.
+        touching one byte per page on kernels without it. With ``lock``, the range is locked first (see
+        :mod:`loaders.residency`), so its pages are locked as they are mapped; where locking is refused the range
+        is mapped all the same (:func:`~loaders.residency.lock_resident` reports it).
         """
         mm = self.mapping(path)
         lo = (start // PAGE) * PAGE
         hi = min(len(mm), end)
         if hi <= lo:
             return
+        if lock:
+            try:
+                lock_pages(self._base(path, mm) + lo, hi - lo)
+            except OSError:
+                pass
         libc = _get_libc()
         if libc:
             base = self._base(path, mm)

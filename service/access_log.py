@@ -76,9 +76,11 @@ def current() -> AccessRecord | None:
 
 
 #: Routes that orchestrators poll every few seconds: logged at DEBUG, so that INFO shows the requests that matter.
+#: Their answers change with the server's state, which is logged once where it changes (loading, ready, a failed
+#: load, shutting down), not once per probe: a readiness probe's 503 during a long load is expected, not news.
 PROBE_ROUTES = frozenset({"/health", "/health/ready", "/metrics"})
 
 
 def emit(record: AccessRecord) -> None:
-    level = logging.DEBUG if (record.route or record.path) in PROBE_ROUTES and record.status < 400 else logging.INFO
+    level = logging.DEBUG if (record.route or record.path) in PROBE_ROUTES else logging.INFO
     log.log(level, "%s", record.line())

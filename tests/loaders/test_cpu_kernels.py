@@ -137,6 +137,10 @@ def test_supports_only_small_cpu_products_in_a_loaded_dtype(native_path):
         assert kernel_ops.supports(x, w)
 
 
+#: torch's own checks of a custom operator that apply to ours (schema, fake tensors through its Meta kernel).
+_OPCHECKS = ("test_schema", "test_faketensor")
+
+
 def test_operator_checks_operands_and_has_fake_shapes(kernel_path):
     """Registered with torch.library: wrong operands raise a clear error; fake tensors give shape and dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -152,6 +156,10 @@ def test_operator_checks_operands_and_has_fake_shapes(kernel_path):
     assert tuple(out.shape) == (3, 5, 12) and out.dtype == torch.bfloat16
     meta = torch.ops.loadmaster.linear(torch.empty(4, 40, device="meta"), torch.empty(7, 40, device="meta"), None)
     assert meta.shape == (4, 7) and meta.device.type == "meta"
+    checks = torch.library.opcheck(
+        torch.ops.loadmaster.linear.default, (torch.randn(3, 40).bfloat16(), w, None), test_utils=_OPCHECKS
+    )
+    assert set(checks.values()) == {"SUCCESS"}, checks
     # Beyond the kernel's rows the operator runs torch's GEMM: the same result as F.linear, exactly.
     x = torch.randn(100, 40).to(torch.bfloat16)
     assert torch.equal(torch.ops.loadmaster.linear(x, w, None), torch.nn.functional.linear(x, w))

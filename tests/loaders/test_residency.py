@@ -55,6 +55,27 @@ def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path)
     assert _locked_bytes() - before < want
 
 
+@pytest.mark.parametrize("lock", [True, False])
+def test_a_range_is_locked_as_it_is_mapped_in(tiny_llama, lock):
+    """The loader maps resident ranges in with ``lock=True``: the pages are locked as they are mapped (one pass),
+    and they stay the page cache's own (no copy). Without it they are mapped in only."""
+    from loaders.shard_reader import PAGE, ShardReader
+
+    shard = str(sorted(tiny_llama.resolve().glob("*.safetensors"))[0])
+    reader = ShardReader()
+    size = len(reader.mapping(shard))
+    gc.collect()
+    before = _locked_bytes()
+    reader.make_resident(shard, 0, size, lock=lock)
+    locked = _locked_bytes() - before
+    if lock:
+        assert size <= locked <= size + PAGE
+    else:
+        assert locked == 0
+    assert smaps_bytes("Rss", lambda _lo, line: line.rstrip().endswith(shard)) >= size - PAGE  # mapped in now
+    assert _copied_bytes_of_maps(tiny_llama.resolve()) == 0
+
+
 def test_unknown_residency_is_refused(tiny_llama):
     with pytest.raises(PlanError, match="cpu_residency='pinned' is not one of lock, map"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_residency="pinned")
