@@ -140,11 +140,13 @@ class Materializer:
                 cpu_jobs.append((name, src, dtype))
 
         if resident_ranges:
+            if self.lock_resident:  # each tensor's own bytes, before they are mapped in (so as they are)
+                for path, lo, hi in resident_ranges:
+                    if not self.reader.lock(path, lo, hi):
+                        break  # refused (no CAP_IPC_LOCK, ulimit -l): lock_resident says so, once
             merged = _merge(resident_ranges)
             with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
-                for (_path, lo, hi), _ in zip(
-                    merged, pool.map(lambda r: self.reader.make_resident(*r, lock=self.lock_resident), merged)
-                ):
+                for (_path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
                     self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
         unpinned = set(unpinned)

@@ -7,15 +7,13 @@ after token (one run under pressure fell from 5 tok/s to 0.25). Locked pages are
 How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and a plain
 ``mlock`` of a writable private map would fault every page in for writing, which copies it. ``mlock2`` with
 ``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped and any page of the range read later, and
-each stays the page cache's page. The loader locks each resident range of a shard's map just before it maps the
-range in for reading (:meth:`~loaders.shard_reader.ShardReader.make_resident`), so each page is locked as it is
-mapped: one pass over the pages, where locking after mapping walked them all a second time (on the 1B in bf16, 0.09
-against 0.12 s for both). :func:`lock_resident` then covers every resident tensor (already-locked ranges cost
-nothing again). The locks end when the maps do (with the model's tensors).
-Tensors that are not views of a shard (converted dtypes, quantized weights) are locked the same way where they are.
-Disk-offloaded tensors are not locked: they are meant to be read from the file. On the 1B Llama in bf16 this locked
-1.8 GiB in 0.10 s where locking a second, shared map of each shard (the way before) took 0.19 s, since that lock
-had to map every page in again; with the checkpoint's pages in the page cache as large folios, 0.01 s.
+each stays the page cache's page. The loader locks each resident tensor's bytes in its shard's map
+(:meth:`~loaders.shard_reader.ShardReader.lock`) just before it maps them in for reading
+(:meth:`~loaders.shard_reader.ShardReader.make_resident`), so each page is locked as it is mapped: one pass over the pages, where locking after mapping walked them all a second time (the 1B's six bf16
+shards: 0.09 s to map and lock, against 0.12 s). :func:`lock_resident` then covers every resident tensor (the ranges
+already locked cost nothing again). The locks end when the maps do (with the model's tensors). Tensors that are not
+views of a shard (converted dtypes, quantized weights) are locked the same way where they are. Disk-offloaded
+tensors are not locked: they are meant to be read from the file.
 
 Locking needs ``CAP_IPC_LOCK`` or a large enough ``ulimit -l``; where it is refused, one warning says so and the
 weights stay as they were (maps that the kernel may evict).

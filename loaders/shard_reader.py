@@ -190,25 +190,32 @@ class ShardReader:
         if hi > lo:
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
 
-    def make_resident(self, path: str, start: int, end: int, lock: bool = False) -> None:
+    def lock(self, path: str, start: int, end: int) -> bool:
+        """Lock ``[start, end)`` of a shard's memory map (see :mod:`loaders.residency`) before it is mapped in, so
+        that its pages are locked as they are mapped; returns whether the lock was granted (where it is refused,
+        :func:`~loaders.residency.lock_resident` reports it once)."""
+        mm = self.mapping(path)
+        end = min(len(mm), end)
+        if end <= start:
+            return True
+        try:
+            lock_pages(self._base(path, mm) + start, end - start)
+        except OSError:
+            return False
+        return True
+
+    def make_resident(self, path: str, start: int, end: int) -> None:
         """Map ``[start, end)`` of a shard's memory map into this process now (reading it if not cached).
 
         One ``MADV_POPULATE_READ`` call maps page-cache pages in large folios: a warm 2 GB checkpoint becomes
         resident in ~0.1 s, where copying it into fresh memory costs seconds of page faults. Falls back to
-        touching one byte per page on kernels without it. With ``lock``, the range is locked first (see
-        :mod:`loaders.residency`), so its pages are locked as they are mapped; where locking is refused the range
-        is mapped all the same (:func:`~loaders.residency.lock_resident` reports it).
+        touching one byte per page on kernels without it.
         """
         mm = self.mapping(path)
         lo = (start // PAGE) * PAGE
         hi = min(len(mm), end)
         if hi <= lo:
             return
-        if lock:
-            try:
-                lock_pages(self._base(path, mm) + lo, hi - lo)
-            except OSError:
-                pass
         libc = _get_libc()
         if libc:
             base = self._base(path, mm)

@@ -57,8 +57,8 @@ def test_resident_weights_are_locked_and_disk_ones_are_not(tiny_llama, tmp_path)
 
 @pytest.mark.parametrize("lock", [True, False])
 def test_a_range_is_locked_as_it_is_mapped_in(tiny_llama, lock):
-    """The loader maps resident ranges in with ``lock=True``: the pages are locked as they are mapped (one pass),
-    and they stay the page cache's own (no copy). Without it they are mapped in only."""
+    """The loader locks a resident range before it maps it in: the pages are locked as they are mapped (one pass),
+    and they stay the page cache's own (no copy). Without the lock they are mapped in only."""
     from loaders.shard_reader import PAGE, ShardReader
 
     shard = str(sorted(tiny_llama.resolve().glob("*.safetensors"))[0])
@@ -66,7 +66,9 @@ def test_a_range_is_locked_as_it_is_mapped_in(tiny_llama, lock):
     size = len(reader.mapping(shard))
     gc.collect()
     before = _locked_bytes()
-    reader.make_resident(shard, 0, size, lock=lock)
+    if lock:
+        assert reader.lock(shard, 0, size)
+    reader.make_resident(shard, 0, size)
     locked = _locked_bytes() - before
     if lock:
         assert size <= locked <= size + PAGE
