@@ -75,31 +75,47 @@ static void prepare(const int8_t *xq, long groups, int8_t *xa, sign_t *neg) {
 #else /* AVX2 + FMA */
 #define MAXM 2
 
+/* One group's dot product of x (|x| in xa, x itself in xs, whose signs move onto w) with weights w0|w1, exactly in
+ * int32 per lane, as float. */
+static LM_ALWAYS_INLINE __m256 group_dot(const int8_t *xa, const int8_t *xs, __m256i w0, __m256i w1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i s0 = _mm256_sign_epi8(w0, _mm256_load_si256((const __m256i *)xs));
+    const __m256i s1 = _mm256_sign_epi8(w1, _mm256_load_si256((const __m256i *)(xs + 32)));
+    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)xa), s0), ones);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(xa + 32)), s1), ones);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+}
+
 /* As above; xs holds x itself (maddubs takes the sign from it), xa |x|. */
 static LM_ALWAYS_INLINE void row_dot(const int8_t *xa, const int8_t *xs, const float *dx, int G, const int8_t *wr,
                                      float *acc_out, const int NM) {
     __m256 a0[MAXM], a1[MAXM];
     for (int m = 0; m < NM; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int g = 0; g < G; g++) {
+    int g = 0;
+    for (; g + 1 < G; g += 2) { /* even groups into a0, odd ones into a1: two independent chains per row */
         const int8_t *wg = wr + (long)g * LM_GROUP;
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+        const __m256i w2 = _mm256_loadu_si256((const __m256i *)(wg + 64));
+        const __m256i w3 = _mm256_loadu_si256((const __m256i *)(wg + 96));
         lm_prefetch(wg + LM_PREFETCH_AHEAD);
+        lm_prefetch(wg + LM_GROUP + LM_PREFETCH_AHEAD);
         for (int m = 0; m < NM; m++) {
-            const long off = ((long)m * G + g) * LM_GROUP;
-            const __m256i x0 = _mm256_load_si256((const __m256i *)(xs + off));
-            const __m256i x1 = _mm256_load_si256((const __m256i *)(xs + off + 32));
-            const __m256i b0 = _mm256_load_si256((const __m256i *)(xa + off));
-            const __m256i b1 = _mm256_load_si256((const __m256i *)(xa + off + 32));
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(b0, _mm256_sign_epi8(w0, x0)), ones);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(b1, _mm256_sign_epi8(w1, x1)), ones);
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
-            const __m256 d = _mm256_set1_ps(dx[(long)m * G + g]);
-            if (g & 1)
-                a1[m] = _mm256_fmadd_ps(v, d, a1[m]);
-            else
-                a0[m] = _mm256_fmadd_ps(v, d, a0[m]);
+            const long mg = (long)m * G + g;
+            a0[m] = _mm256_fmadd_ps(group_dot(xa + mg * LM_GROUP, xs + mg * LM_GROUP, w0, w1), _mm256_set1_ps(dx[mg]),
+                                    a0[m]);
+            a1[m] = _mm256_fmadd_ps(group_dot(xa + (mg + 1) * LM_GROUP, xs + (mg + 1) * LM_GROUP, w2, w3),
+                                    _mm256_set1_ps(dx[mg + 1]), a1[m]);
+        }
+    }
+    if (g < G) {
+        const int8_t *wg = wr + (long)g * LM_GROUP;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+        for (int m = 0; m < NM; m++) {
+            const long mg = (long)m * G + g;
+            a0[m] = _mm256_fmadd_ps(group_dot(xa + mg * LM_GROUP, xs + mg * LM_GROUP, w0, w1), _mm256_set1_ps(dx[mg]),
+                                    a0[m]);
         }
     }
     for (int m = 0; m < NM; m++) acc_out[m] = lm_hsum256(_mm256_add_ps(a0[m], a1[m]));
