@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from planner.user_cache import user_cache_path
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -257,11 +259,7 @@ def select_isa() -> tuple[str | None, str]:
 
 def cache_dir() -> Path:
     """Where built kernels live: ``$LOADMASTER_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/loadmaster/kernels``."""
-    env = os.environ.get("LOADMASTER_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
-    return Path(base) / "loadmaster" / "kernels"
+    return user_cache_path("kernels", "LOADMASTER_KERNEL_CACHE")
 
 
 def _compiler() -> str | None:

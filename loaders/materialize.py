@@ -38,6 +38,7 @@ from loaders.shard_reader import ShardReader, populate
 from planner.checkpoint_keys import TensorSource, piece_shape
 from planner.devices import torch_device_name
 from planner.types import DeviceId
+from planner.user_cache import user_cache_path
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,9 @@ STAGING_CHUNK = 64 * 1024 * 1024
 
 def default_offload_folder(model_path: Path) -> Path:
     """Where converted disk tensors go when the caller names no folder: a per-model cache directory."""
-    base = os.environ.get("LOADMASTER_OFFLOAD_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loadmaster", "offload"
-    )
+    base = user_cache_path("offload", "LOADMASTER_OFFLOAD_DIR")
     digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
-    return Path(base) / f"{model_path.resolve().name}-{digest}"
+    return base / f"{model_path.resolve().name}-{digest}"
 
 
 class Materializer:

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.user_cache import user_cache_path
+
 log = logging.getLogger(__name__)
 
 #: 2: per-call kernel cost, rates fitted over a shape sweep, and the extra cost of a disk layer.
@@ -262,8 +264,7 @@ def calibration_path(environ: Mapping[str, str] | None = None) -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "loadmaster" / "calibration.json"
+    return user_cache_path("calibration.json", environ=env)
 
 
 _cache: dict[Path, tuple[float, Calibration | None]] = {}

@@ -39,6 +39,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from planner.user_cache import user_cache_path
+
 log = logging.getLogger(__name__)
 
 #: The module whose folder scan is wrapped, and the scan's name in it.
@@ -53,11 +55,7 @@ Table = dict[Any, Any]
 
 def cache_dir() -> Path:
     """``$LOADMASTER_IMPORT_CACHE_DIR``, else ``$XDG_CACHE_HOME/loadmaster/import-structure``."""
-    env = os.environ.get("LOADMASTER_IMPORT_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
-    return Path(base) / "loadmaster" / "import-structure"
+    return user_cache_path("import-structure", "LOADMASTER_IMPORT_CACHE_DIR")
 
 
 def install() -> bool:
