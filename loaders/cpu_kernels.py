@@ -39,7 +39,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from planner.user_cache import user_cache_path
+from planner.user_cache import replace_atomically, user_cache_path, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -320,20 +319,6 @@ def _cached(isa: str, compiler: str | None) -> Path | None:
     return None
 
 
-def atomic_write(target: Path, write: Callable[[str], object], mode: int = 0o755) -> None:
-    """Have ``write(tmp)`` fill a temporary sibling of ``target``, then rename it into place: readers see the old
-    file or the whole new one, never part of it."""
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, mode)  # mkstemp made it 0600: other users (an image's runtime user) must be able to read it
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def build(isa: str, cc: str | None = None) -> Path:
     """Compile one path's library into the cache unless a valid one is there, and return its path.
 
@@ -366,9 +351,9 @@ def build(isa: str, cc: str | None = None) -> Path:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
 
     log.info("building the native CPU kernels (%s) into %s", isa, target)
-    atomic_write(target, compile_to)
+    replace_atomically(target, compile_to, mode=0o755)  # a library the runtime user must be able to load
     # The manifest goes last: a library without one is never loaded, so a crash between the two is harmless.
-    atomic_write(target.with_suffix(".json"), lambda tmp: Path(tmp).write_text(json.dumps(asdict(manifest))))
+    write_text_atomically(target.with_suffix(".json"), json.dumps(asdict(manifest)))
     return target
 
 

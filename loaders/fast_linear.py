@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loaders import cpu_kernels, kernel_ops
+from planner.user_cache import write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +227,7 @@ def rows_independent_on_this_cpu(weights: Sequence[torch.Tensor]) -> bool:
         pass
     independent = torch_rows_independent(weights)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"key": key, "independent": independent})
-        cpu_kernels.atomic_write(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"), mode=0o644)
+        write_text_atomically(path, json.dumps({"key": key, "independent": independent}))
     except OSError as exc:
         log.debug("row-independence answer not cached in %s: %s", path.parent, exc)
     return independent

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.user_cache import user_cache_path
+from planner.user_cache import user_cache_path, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -304,16 +303,6 @@ def load_calibration(path: Path | None = None, *, check_machine: bool = True) ->
 def save_calibration(cal: Calibration, path: Path) -> Path:
     """Write atomically (temporary file in the same folder, then rename): readers never see half a file."""
     Calibration.from_dict(cal.to_dict())  # what is saved must load back
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(cal.to_dict(), fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomically(path, json.dumps(cal.to_dict(), indent=2))
     _cache.pop(path, None)
     return path

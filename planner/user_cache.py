@@ -5,7 +5,8 @@ so that one variable moves them all, and each can be moved on its own by the var
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 
@@ -17,3 +18,32 @@ def user_cache_path(name: str, override_var: str | None = None, environ: Mapping
     if override:
         return Path(override).expanduser()
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loadmaster" / name
+
+
+def replace_atomically(target: Path, write: Callable[[str], object], mode: int = 0o644) -> None:
+    """Have ``write(tmp)`` fill a temporary sibling of ``target``, then rename it into place, so that readers (other
+    processes starting at the same time included) see the old file or the whole new one, never part of one. Creates
+    the folder. ``mode``: the file's permissions (a temporary file starts private; a cache an image builds for its
+    runtime user must be readable, a library executable)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text_atomically(target: Path, text: str, mode: int = 0o644) -> None:
+    """:func:`replace_atomically` with ``text`` as the file's content, flushed to the disk before the rename."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    replace_atomically(target, write, mode)

@@ -32,14 +32,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from planner.user_cache import user_cache_path
+from planner.user_cache import user_cache_path, write_text_atomically
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +137,9 @@ class CachedScan:
             table = self.tables.get(folder)
             if table is not None:
                 return table
-            outermost = self._depth == 0
-            table = self._read(folder) if outermost else None
+            # the files as they are before any scan: a file changed while it runs makes the next start scan again
+            fingerprint = self._fingerprint(folder) if self._depth == 0 else None
+            table = self._read(folder, fingerprint) if fingerprint else None
             if table is not None:
                 self._keep_subfolders(folder, table)
             else:
@@ -149,8 +149,8 @@ class CachedScan:
                     table = self.scan(folder)
                 finally:
                     self._depth -= 1
-                if outermost:
-                    self._write(folder, table)
+                if fingerprint:
+                    self._write(folder, table, fingerprint)
             self.tables[folder] = table
             return table
 
@@ -162,8 +162,16 @@ class CachedScan:
                 self.tables.setdefault(sub, value)
                 self._keep_subfolders(sub, value)
 
-    def _fingerprint(self, folder: str) -> str:
-        """A digest of the path, size and modification time of every file the scan can read, and of its parser."""
+    def _fingerprint(self, folder: str) -> str | None:
+        """A digest of the path, size and modification time of every file the scan can read, and of its parser;
+        None where they cannot all be listed (the scan then runs, uncached, and says what is wrong)."""
+        try:
+            return self._digest(folder)
+        except OSError as exc:
+            log.debug("transformers' import table for %s not cached (%s)", folder, exc)
+            return None
+
+    def _digest(self, folder: str) -> str:
         digest = hashlib.blake2b(digest_size=20)
         digest.update(f"{CACHE_FORMAT}\0{folder}\0".encode())
         if self.parser_file:
@@ -185,10 +193,10 @@ class CachedScan:
     def _file(self, folder: str) -> Path:
         return cache_dir() / (hashlib.blake2b(folder.encode(), digest_size=12).hexdigest() + ".json")
 
-    def _read(self, folder: str) -> Table | None:
+    def _read(self, folder: str, fingerprint: str) -> Table | None:
         try:
             stored = json.loads(self._file(folder).read_text(encoding="utf-8"))
-            if stored.get("fingerprint") != self._fingerprint(folder):
+            if stored.get("fingerprint") != fingerprint:
                 return None
             table = _decode(stored["table"])
             self.read_back += 1
@@ -199,19 +207,10 @@ class CachedScan:
             log.debug("transformers' import table cache for %s unreadable (%s); scanning", folder, exc)
             return None
 
-    def _write(self, folder: str, table: Table) -> None:
+    def _write(self, folder: str, table: Table, fingerprint: str) -> None:
         try:
-            body = json.dumps({"fingerprint": self._fingerprint(folder), "table": _encode(table)})
-            target = self._file(folder)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(body)
-                os.replace(tmp, target)  # readers see the old file or the whole new one
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            body = json.dumps({"fingerprint": fingerprint, "table": _encode(table)})
+            write_text_atomically(self._file(folder), body)
         except (OSError, TypeError) as exc:
             log.debug("transformers' import table for %s not cached (%s)", folder, exc)
 
