@@ -352,6 +352,7 @@ class NativeDecoder:
         if hooks:
             _call_hooks([m for m in self._outer if m._forward_pre_hooks] + _hooked(self.embed))  # noqa: SLF001
         torch.index_select(self.embed.weight, 0, tokens.to(torch.int64), out=h[:m])
+        rc = 0  # the element-wise kernels' return codes, OR-ed: non-zero means one refused its shapes
         first = True
         for layer in self.layers:
             if hooks:
@@ -359,7 +360,7 @@ class NativeDecoder:
             kc, vc = keys[layer.index], values[layer.index]
             w, eps = layer.input_norm
             # the previous layer's MLP output joins the residual stream here, then this layer's input norm
-            fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            rc |= fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
             first = False
             for p in layer.qkv:
                 p.call(m, threads)
@@ -367,8 +368,8 @@ class NativeDecoder:
                 d = self.head_dim
                 for buf, heads, (w, eps) in zip((self.q, self.k), (self.heads, self.kv_heads), layer.head_norms):
                     p = buf.data_ptr()
-                    fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
-            fn["rope_store"](
+                    rc |= fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
+            rc |= fn["rope_store"](
                 self.q.data_ptr(), self.q.stride(0), self.k.data_ptr(), self.k.stride(0), self.v.data_ptr(),
                 self.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),
                 positions.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
@@ -377,10 +378,10 @@ class NativeDecoder:
             self._attend(layer, kc, vc, runs, mp, span, threads)
             layer.o.call(m, threads)
             w, eps = layer.post_norm
-            fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
             for p in layer.gate_up:
                 p.call(m, threads)
-            fn["silu_mul"](
+            rc |= fn["silu_mul"](
                 self.gate.data_ptr(), self.intermediate, self.up.data_ptr(), self.intermediate, self.act.data_ptr(),
                 self.intermediate, m, self.intermediate, bf16, threads,
             )  # fmt: skip
@@ -388,7 +389,9 @@ class NativeDecoder:
         if hooks:
             _call_hooks(_hooked(self.final_norm_module) + _hooked(self.head_module))
         w, eps = self.final_norm
-        fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+        rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+        if rc:
+            raise RuntimeError(f"a native decoder kernel (norm, rotary or activation) rejected a step of {m} rows")
         self.head.call(m, threads)
         self.steps += 1
         return self.logits[:m].clone()

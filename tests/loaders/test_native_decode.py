@@ -131,6 +131,21 @@ def test_bf16_row_does_not_depend_on_its_batch(native_path):
             assert (together[b].float() - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("kernel", ["add_rms_norm", "rope_store", "silu_mul"])
+def test_a_refused_element_step_fails_the_step_not_its_logits(native_path, kernel):
+    """Were an element-wise kernel to refuse a step (its shape checks), the step raises rather than return logits
+    computed from what its buffers held before."""
+    model = _model("llama", torch.float32)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    real = decoder._fn[kernel]  # noqa: SLF001
+    decoder._fn[kernel] = lambda *args: real(*args) or -1  # noqa: SLF001 - runs, then reports a refusal
+    with pytest.raises(RuntimeError, match="rejected a step of 4 rows"):
+        _step(decoder, ROWS, keys, values)
+    decoder._fn[kernel] = real  # noqa: SLF001
+    assert torch.isfinite(_step(decoder, ROWS, keys, values)).all()
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_layers_run_their_kernels(native_path, scheme):
     model = loaders.load_model(tiny_llama_dir(), device_map={"": "cpu"}, show_progress=False, cpu_quantization=scheme)
