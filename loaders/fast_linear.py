@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loaders import cpu_kernels, kernel_ops
+from planner.calibration import machine_id
 from planner.user_cache import write_text_atomically
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def probe_cache_dir() -> Path:
 
 def rows_independent_on_this_cpu(weights: Sequence[torch.Tensor]) -> bool:
     """:func:`torch_rows_independent` for torch's GEMM, answered from the user's cache when the same question was
-    probed before: same torch build and CPU, thread count, GEMM environment, and weights of the same dtypes, shapes,
+    probed before: same torch build and CPU (model, cores, feature flags), thread count, GEMM environment, and weights of the same dtypes, shapes,
     strides and 64-byte alignment (what picks oneDNN's implementation; the values do not). The probe costs ~0.1 s of
     every start on the 1B model; a cached answer a millisecond. An unreadable or unwritable cache only means probing."""
     key = {
@@ -212,7 +212,7 @@ def rows_independent_on_this_cpu(weights: Sequence[torch.Tensor]) -> bool:
         "probe_rows": [list(r) for r in _PROBE_ROWS],
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu": _cpu_identity(),
+        "cpu": [machine_id(), sorted(cpu_kernels.cpu_flags())],
         "threads": torch.get_num_threads(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_GEMM_ENV_PREFIXES)},
         "weights": [[str(w.dtype), list(w.shape), list(w.stride()), w.data_ptr() % 64] for w in weights],
@@ -231,15 +231,3 @@ def rows_independent_on_this_cpu(weights: Sequence[torch.Tensor]) -> bool:
     except OSError as exc:
         log.debug("row-independence answer not cached in %s: %s", path.parent, exc)
     return independent
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (``/proc/cpuinfo``), or the platform's description elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))][:2]
-        if lines:
-            return "|".join(ln.split(":", 1)[1].strip() for ln in lines)
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -9,8 +9,9 @@ How, without copying: the maps the tensors view are private (copy-on-write, so t
 ``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped and any page of the range read later, and
 each stays the page cache's page. The loader locks each resident tensor's bytes in its shard's map
 (:meth:`~loaders.shard_reader.ShardReader.lock`) just before it maps them in for reading
-(:meth:`~loaders.shard_reader.ShardReader.make_resident`), so each page is locked as it is mapped: one pass over the pages, where locking after mapping walked them all a second time (the 1B's six bf16
-shards: 0.09 s to map and lock, against 0.12 s). :func:`lock_resident` then covers every resident tensor (the ranges
+(:meth:`~loaders.shard_reader.ShardReader.make_resident`), so each page is locked as it is mapped: one pass over
+the pages, where locking after mapping walked them all a second time (the 1B's six bf16 shards: 0.09 s to map and
+lock, against 0.12 s). :func:`lock_resident` then covers every resident tensor (the ranges
 already locked cost nothing again). The locks end when the maps do (with the model's tensors). Tensors that are not
 views of a shard (converted dtypes, quantized weights) are locked the same way where they are. Disk-offloaded
 tensors are not locked: they are meant to be read from the file.

@@ -237,17 +237,21 @@ def fit_calls(points: list[CallPoint]) -> CallFit:
     return CallFit(rate=big.nbytes / big.seconds, overhead=0.0)
 
 
-def machine_id() -> str:
-    """What a calibration is valid for: the CPU model and the cores this process may use."""
-    model = "unknown CPU"
+def cpu_model_name() -> str | None:
+    """The CPU's model name as Linux reports it (``/proc/cpuinfo``); None where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
             for line in fh:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def machine_id() -> str:
+    """What a calibration is valid for: the CPU model and the cores this process may use."""
+    model = cpu_model_name() or "unknown CPU"
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

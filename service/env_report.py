@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from planner.calibration import calibration_path, load_calibration
+from planner.calibration import calibration_path, cpu_model_name, load_calibration
 from planner.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -128,14 +128,7 @@ def _version(package: str) -> str | None:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_model_name() or platform.processor() or "unknown"
 
 
 def _meminfo() -> tuple[int | None, int | None]:
