@@ -21,7 +21,7 @@ RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-# A C compiler in the build stage only, to build the native CPU kernels once (loaders/cpu_kernels.py); the final
+# A C compiler in the build stage only, to build the native CPU kernels once (loaders/native/kernel_build.py); the final
 # image carries the built libraries, not the compiler. Best effort: without it the image uses torch's kernels.
 ARG NATIVE_KERNELS=1
 RUN if [ "${NATIVE_KERNELS}" = 1 ] && ! command -v cc >/dev/null 2>&1; then \
@@ -49,7 +49,7 @@ RUN set -eu; \
     /opt/loadmaster/bin/loadmaster --help >/dev/null; \
     if [ "${NATIVE_KERNELS}" = 1 ]; then \
         LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels /opt/loadmaster/bin/python -c \
-            "from loaders import cpu_kernels; print('native CPU kernels built:', *cpu_kernels.build_all())" \
+            "from loaders.native import kernel_build; print('native CPU kernels built:', *kernel_build.build_all())" \
         || echo "native CPU kernels not built: the image will use torch's CPU kernels"; \
     fi
 

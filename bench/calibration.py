@@ -3,7 +3,7 @@
 One run, side by side, because the machine is shared and its rates move with its neighbours' load. Per model:
 
 1. predict both cases with the planner's default figures;
-2. calibrate (``service.calibration.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file, right
+2. calibrate (``service.cli.calibrate.calibrate``, what ``loadmaster env --calibrate`` runs) into a scratch file, right
    before this model's decodes, so that calibration and decode see the same load;
 3. predict each case with that calibration, then measure its decode tokens/s with ``bench/load.py``'s worker (our
    loader, fresh process, best of ``--repeats`` runs, each run's rate from its median gap between tokens), the
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    import planner.calibration as pc
-    from planner.calibration import machine_id
-    from service.calibration import calibrate
+    import planner.hardware.calibration as pc
+    from planner.hardware.calibration import machine_id
+    from service.cli.calibrate import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)

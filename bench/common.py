@@ -27,7 +27,7 @@ def model_cache_dir() -> Path:
 
 def llama_dir(size: str, dtype: str) -> Path:
     """A random-weight Llama benchmark model (``size`` "100m" or "1b"), built once into :func:`model_cache_dir`."""
-    from service.random_models import build_model
+    from service.model.random_models import build_model
 
     return build_model("llama", model_cache_dir() / f"llama-{size}-{dtype}", size=size, dtype=dtype)
 
@@ -206,14 +206,14 @@ def _generation_timing(t0: float, times: list[float], tokens: list[int]) -> dict
 def time_engine_generation(
     model, prompt_len: int = 16, new_tokens: int = 16, vocab: int = 1000, clock=time.perf_counter
 ) -> dict:
-    """As :func:`time_generation`, through the engine's model runner (:class:`service.model_runner.ModelRunner` over
-    a :class:`service.kv_cache.SlotKVCache`): what ``loadmaster serve`` runs for one sequence at each step, the
-    native decode step included where the model takes it (:mod:`loaders.native_decode`), without HTTP or sampling
+    """As :func:`time_generation`, through the engine's model runner (:class:`service.engine.model_runner.ModelRunner` over
+    a :class:`service.engine.kv_pool.SlotKVCache`): what ``loadmaster serve`` runs for one sequence at each step, the
+    native decode step included where the model takes it (:mod:`loaders.native.decode_step`), without HTTP or sampling
     (greedy argmax). ``clock``: ``time.process_time`` gives tokens per CPU-second instead."""
     import torch
 
-    from service.kv_cache import SlotKVCache
-    from service.model_runner import ModelRunner, Row
+    from service.engine.kv_pool import SlotKVCache
+    from service.engine.model_runner import ModelRunner, Row
 
     ids = [i % vocab for i in range(1, prompt_len + 1)]
     runner = ModelRunner(model, torch.device("cpu"), SlotKVCache(1, prompt_len + new_tokens))
@@ -327,7 +327,17 @@ def spawn_server(
     """Start a benchmark's ``loadmaster serve`` of ``model_dir`` on ``port`` (offline, warnings only, torch on
     ``threads``), with the benchmark's own ``flags``; its output goes to ``log_path``."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "service.cli", "serve", str(model_dir), "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     cmd += [*flags, *(["--threads", str(threads)] if threads else [])]
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
 

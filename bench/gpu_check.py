@@ -242,7 +242,17 @@ def check_serving(path: Path, device: str, tmp: Path, clients: int = 16, max_tok
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         if name == "loadmaster":
-            cmd = [sys.executable, "-m", "service.cli", "serve", str(path), "--port", str(port), "--dtype", "float32"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "serve",
+                str(path),
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+            ]
             cmd += ["--max-batch-size", str(clients), "--log-level", "warning"]
             ready = "/health/ready"
         else:

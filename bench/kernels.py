@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, print_table, write_json
-from loaders import cpu_kernels, cpu_quant, kernel_ops
+from loaders.native import kernel_build, operators, quantization
 
 FORMATS = ("bfloat16", "float32", "int8", "int4")
 
@@ -36,8 +36,8 @@ def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
             wt = w.to(getattr(torch, fmt))
             out.append({"w": wt, "bytes": wt.numel() * wt.element_size(), "dense": wt})
         else:
-            q, s = cpu_quant.QUANTIZERS[fmt](w)
-            deq = (kernel_ops.dequantize_int8 if fmt == "int8" else kernel_ops.dequantize_int4)(q, s, k, torch.bfloat16)
+            q, s = quantization.QUANTIZERS[fmt](w)
+            deq = (operators.dequantize_int8 if fmt == "int8" else operators.dequantize_int4)(q, s, k, torch.bfloat16)
             out.append(
                 {"q": q, "s": s, "bytes": q.numel() * q.element_size() + s.numel() * s.element_size(), "dense": deq}
             )
@@ -48,8 +48,8 @@ def _call(fmt: str, x: torch.Tensor, m: dict, k: int, native: bool) -> torch.Ten
     if not native:
         return torch.nn.functional.linear(x, m["dense"])
     if fmt in ("bfloat16", "float32"):
-        return kernel_ops.linear(x, m["w"], None)
-    op = kernel_ops.linear_q8 if fmt == "int8" else kernel_ops.linear_q4
+        return operators.linear(x, m["w"], None)
+    op = operators.linear_q8 if fmt == "int8" else operators.linear_q4
     return op(x, m["q"], m["s"], None, k)
 
 
@@ -74,8 +74,8 @@ def _time(fmt: str, mats: list[dict], rows: int, k: int, native: bool, sweeps: i
 
 def _use(path: str) -> None:
     os.environ["LOADMASTER_CPU_ISA"] = path
-    cpu_kernels.reset()
-    st = cpu_kernels.status()
+    kernel_build.reset()
+    st = kernel_build.status()
     if path != "torch" and (not st.available or st.isa != path):
         raise SystemExit(f"the {path} path did not load: {st.reason}")
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    paths = cpu_kernels.runnable_isas() + ["torch"]
+    paths = kernel_build.runnable_isas() + ["torch"]
     rows = []
     for fmt in args.formats.split(","):
         if fmt not in FORMATS:

@@ -155,8 +155,8 @@ def worker(spec: dict) -> dict:
 
 def _disk_bytes(path: str, device_map: dict, dtype) -> int:
     """Bytes of the checkpoint's tensors that the map sends to disk, in the run dtype."""
-    from loaders.device_map import entry_of
-    from loaders.safetensors_index import CheckpointIndex
+    from loaders.checkpoint.device_order import entry_of
+    from loaders.checkpoint.index import CheckpointIndex
 
     total = 0
     for key, e in CheckpointIndex.open(path).entries.items():

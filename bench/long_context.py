@@ -54,8 +54,8 @@ def loadmaster_worker(spec: dict) -> dict:
     import torch
 
     from loaders import load_model
-    from service.kv_cache import SlotKVCache
-    from service.model_runner import ModelRunner, Row
+    from service.engine.kv_pool import SlotKVCache
+    from service.engine.model_runner import ModelRunner, Row
 
     torch.set_num_threads(int(spec["threads"]))
     path, new = Path(spec["model"]), int(spec["new_tokens"])

@@ -1,7 +1,7 @@
 """Routed experts computed on the CPU: the native kernels' experts forward against transformers' own, side by side.
 
-A MoE whose experts stay in RAM beside GPUs computes them on the CPU (:mod:`loaders.cpu_experts`); each decode
-step hands each hit expert a few rows, the case :mod:`loaders.expert_kernels` sends to the native kernels. This
+A MoE whose experts stay in RAM beside GPUs computes them on the CPU (:mod:`loaders.run.cpu_experts`); each decode
+step hands each hit expert a few rows, the case :mod:`loaders.native.experts` sends to the native kernels. This
 times one Mixtral experts module (fused ``gate_up_proj``/``down_proj``, top-2 of 8, random weights, Mixtral's
 proportions scaled down to hidden 1024 x intermediate 3584 so that its 8 experts, 88 MiB in fp32, outgrow the
 caches) at 1, 4 and 16 tokens per step, in fp32 and bf16: transformers' eager experts forward, then the same
@@ -66,7 +66,7 @@ def best_mean_s(fn: Callable[[], object], rounds: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loaders.expert_kernels import native_experts_forward, takes_native_kernels
+    from loaders.native.experts import native_experts_forward, takes_native_kernels
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)

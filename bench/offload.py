@@ -6,7 +6,7 @@ reports time to ready, bytes written to its offload folder, time to first token 
 bandwidth achieved (weight bytes read per token x tokens/s). A fully resident loadmaster run is the reference
 for the ">= 0.8x resident" target.
 
-loadmaster runs its linear layers on the native kernels (``loaders/cpu_kernels.py``) where they build; two
+loadmaster runs its linear layers on the native kernels (``loaders/native/kernel_build.py``) where they build; two
 more rows run the same loader with torch's kernels (``cpu_kernels="torch"``), so the table shows what the loader
 buys and what the kernel buys. "tokens = transformers" counts how many greedy tokens, from the first, equal
 those of transformers on the same weights and map.

@@ -66,8 +66,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, new_tokens: int, rep
 
     from loaders.pipeline_stage import load_stage
     from planner.cluster import plan_cluster
-    from planner.inputs import PlanInputs
-    from service.pipeline import PipelineDriver, check_same_plan, serve_stage
+    from planner.placement.inputs import PlanInputs
+    from service.pipeline.wire import PipelineDriver, check_same_plan, serve_stage
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
@@ -185,7 +185,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.size == "tiny":
         from bench.common import model_cache_dir
-        from service.random_models import build_model
+        from service.model.random_models import build_model
 
         model_dir = build_model("llama", model_cache_dir() / "tiny-llama", size="tiny")
     else:

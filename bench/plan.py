@@ -34,14 +34,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from planner.api import plan  # noqa: E402
-from planner.devices import device_label  # noqa: E402
-from planner.hardware import build_hardware  # noqa: E402
-from planner.inputs import make_workload  # noqa: E402
-from planner.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
-from planner.solve import make_problem  # noqa: E402
-from planner.strategies import compute_loads  # noqa: E402
+from planner.hardware.device_inventory import build_hardware  # noqa: E402
+from planner.hardware.devices import device_label  # noqa: E402
+from planner.hardware.units import format_bytes, parse_size  # noqa: E402
+from planner.model.skeleton import config_from_dict, skeleton_from_model  # noqa: E402
+from planner.placement.inputs import make_workload  # noqa: E402
+from planner.placement.solve import make_problem  # noqa: E402
+from planner.placement.strategies import compute_loads  # noqa: E402
 from planner.types import Block, DeviceId, KVGeometry, Skeleton, TensorSpec  # noqa: E402
-from planner.units import format_bytes, parse_size  # noqa: E402
 
 log = logging.getLogger("bench.plan")
 GPUS = 4

@@ -14,7 +14,7 @@ on the native decode step), timed per token (median gap). The table gives tokens
 int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 
 ``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
-(``service.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
+(``service.model.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
 
 ``--peers`` adds CTranslate2's int8 (``bench/peers/kernels_ctranslate2.py``) and llama.cpp's q8_0
 (``bench/peers/llamacpp.py``) on the same checkpoint to the rounds (pip-installed on first use, never in CI).
@@ -90,7 +90,7 @@ def worker(spec: dict) -> dict:
     ready = time.perf_counter() - t0
     gen = time_engine_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
     cpu_tok_s = _cpu_decode_rate(model, spec["new_tokens"], model.config.vocab_size)
-    from loaders import cpu_kernels
+    from loaders.native import kernel_build
 
     per_token = _weight_bytes_per_token(model)
     q = model.load_stats.cpu_quantization
@@ -101,7 +101,7 @@ def worker(spec: dict) -> dict:
         "decode_tok_s_cpu": cpu_tok_s,
         "bytes_per_token": per_token,
         "decode_gb_s": per_token * gen["decode_tok_s"] / 1e9,
-        "isa": cpu_kernels.status().isa,
+        "isa": kernel_build.status().isa,
         "from_saved_file": bool(q and q.from_file),
         "tokens": gen["tokens"],
     }
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
             payload.setdefault("int8_vs_peers", {})[peer] = round(ours / theirs, 3)
             print(f"int8 against {peer}: {ours / theirs:.2f}x  (target >= 0.9x)")
     if args.agreement:
-        from service.demo_model import build_demo_model
+        from service.model.demo_model import build_demo_model
 
         res = run_isolated(
             "bench.quant",

@@ -1,4 +1,4 @@
-"""The batched sampler against choosing row by row: the same :func:`service.sampling.choose_batch`, called once
+"""The batched sampler against choosing row by row: the same :func:`service.engine.sampling.choose_batch`, called once
 for a batch of B rows or B times for one row each (what the engine did before: one chooser call per sequence).
 
 Rows mix the settings a real batch holds: greedy, temperature + top-p, top-k, penalties. Vocabulary 32,000 (a
@@ -15,7 +15,7 @@ import time
 import torch
 
 from bench.common import machine, print_table
-from service.sampling import SamplingParams, TokenChooser, choose_batch
+from service.engine.sampling import SamplingParams, TokenChooser, choose_batch
 
 VOCAB = 32_000
 MIX = [

@@ -7,16 +7,16 @@ Public API::
     load_model_and_tokenizer(path, ...) -> (model, tokenizer)
     load_checkpoint(path_or_described, ...) -> LoadResult   (typed: model, device_map, plan, stats, skeleton)
 
-Placement (``loaders.placement``) and execution (``loaders.execution``) are separate rooms; ``load_checkpoint``
+Placement (``loaders.checkpoint.placement``) and execution (``loaders.run.execution``) are separate rooms; ``load_checkpoint``
 runs one after the other. ``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"),
 a dict in transformers' hf_device_map format, or a :class:`planner.Plan` (obeyed exactly; refused when made for
 another checkpoint). The model carries ``hf_device_map`` and
 ``load_stats`` (:class:`LoadStats`); ``progress`` receives :class:`LoadProgress` updates.
 """
 
+from loaders.checkpoint.load_progress import LoadProgress, LoadStats
 from loaders.errors import CheckpointError
 from loaders.load import LoadResult, load_checkpoint, load_model, load_model_and_tokenizer, load_tokenizer
-from loaders.progress import LoadProgress, LoadStats
 
 __all__ = [
     "CheckpointError",

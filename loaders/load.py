@@ -22,24 +22,24 @@ from pathlib import Path
 
 import torch
 
-from loaders.cpu_quant import check_cpu_quantization
-from loaders.device_map import normalize_map
+from loaders.checkpoint.bitsandbytes_load import load_quantized
+from loaders.checkpoint.device_order import normalize_map
+from loaders.checkpoint.index import CheckpointIndex
+from loaders.checkpoint.load_progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
+from loaders.checkpoint.placement import place
+from loaders.checkpoint.residency import CPU_RESIDENCY_CHOICES, lock_resident
 from loaders.errors import CheckpointError
-from loaders.execution import apply_execution
-from loaders.fast_linear import CPU_KERNEL_CHOICES
-from loaders.placement import place
-from loaders.progress import LoadProgress, LoadStats, ProgressReporter, peak_rss_bytes, reset_peak_rss
-from loaders.quantized import load_quantized
-from loaders.residency import CPU_RESIDENCY_CHOICES, lock_resident
-from loaders.safetensors_index import CheckpointIndex
+from loaders.native.linear import CPU_KERNEL_CHOICES
+from loaders.native.quantization import check_cpu_quantization
+from loaders.run.execution import apply_execution
 from planner.api import plan as make_plan
 from planner.errors import PlanError
-from planner.fingerprint import check_plan_fingerprint
-from planner.inputs import make_workload
-from planner.model_ref import HubRef, cached_snapshot_of
-from planner.sizing import normalize_dtype
-from planner.skeleton import CheckpointModel, describe_checkpoint
-from planner.solve import STRATEGY_NAMES
+from planner.model.fingerprint import check_plan_fingerprint
+from planner.model.model_ref import HubRef, cached_snapshot_of
+from planner.model.skeleton import CheckpointModel, describe_checkpoint
+from planner.placement.inputs import make_workload
+from planner.placement.sizing import normalize_dtype
+from planner.placement.solve import STRATEGY_NAMES
 from planner.types import DeviceId, Plan, Skeleton
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def load_checkpoint(
 ) -> LoadResult:
     """Load a checkpoint onto the devices a device map (or Plan) names; see :func:`load_model` for the arguments.
 
-    ``source`` is a checkpoint directory, or the :class:`~planner.skeleton.CheckpointModel` a caller already
+    ``source`` is a checkpoint directory, or the :class:`~planner.model.skeleton.CheckpointModel` a caller already
     described (and planned with): its meta model is filled in place rather than built again.
     """
     if cpu_kernels not in CPU_KERNEL_CHOICES:
@@ -245,7 +245,7 @@ def load_checkpoint(
 def _local_checkpoint(model: str | os.PathLike, device_map: DeviceMapArg) -> tuple[Path, HubRef | None]:
     """The folder to load: ``model`` itself, or a Hub id ``org/name[@rev]`` fetched into the Hub cache (with the
     repository and commit it holds). A Plan made for a Hub commit must be loaded from that commit."""
-    from loaders.hub_download import resolve_model_path
+    from loaders.checkpoint.hub_download import resolve_model_path
 
     path, commit = resolve_model_path(model)
     planned = device_map.revision if isinstance(device_map, Plan) else None
@@ -281,12 +281,12 @@ def load_model(
     Raises :class:`CheckpointError` for a checkpoint that does not match its config, before any weight is
     allocated, and :class:`PlanError` for a Plan made for another checkpoint. ``cpu_kernels``: ``"auto"`` runs
     small bf16/fp32 linear products on the CPU through the native kernels where they build here
-    (:mod:`loaders.cpu_kernels`), ``"native"`` insists on them, ``"torch"`` never uses them.
+    (:mod:`loaders.native.kernel_build`), ``"native"`` insists on them, ``"torch"`` never uses them.
     ``cpu_quantization``: ``"int8"`` or ``"int4"`` quantizes the linear layers that compute on the CPU (resident or
-    streamed from disk) at load, weight-only (:mod:`loaders.cpu_quant`); with ``cpu_quantized_dir`` the quantized
+    streamed from disk) at load, weight-only (:mod:`loaders.native.quantization`); with ``cpu_quantized_dir`` the quantized
     weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
     ``cpu_residency``: ``"lock"`` (the default) locks the pages of the weights placed on the CPU, so memory pressure
-    cannot evict them (:mod:`loaders.residency`); ``"map"`` leaves them evictable maps.
+    cannot evict them (:mod:`loaders.checkpoint.residency`); ``"map"`` leaves them evictable maps.
     """
     return load_checkpoint(
         path,

@@ -13,8 +13,8 @@ the model's own class running its own forward (masks, rotary embeddings, KV cach
   layers pass them through, and the final norm and head run for real.
 
 The stage loads through the ordinary loader: its sub-model is described by the planner from the headers of its
-own tensors only (renamed to the sub-model's layer numbers), placed by :func:`loaders.placement.place` on the devices
-its stage plan names (GPUs, CPU, disk) and made to run there by :func:`loaders.execution.apply_execution` (streaming
+own tensors only (renamed to the sub-model's layer numbers), placed by :func:`loaders.checkpoint.placement.place` on the devices
+its stage plan names (GPUs, CPU, disk) and made to run there by :func:`loaders.run.execution.apply_execution` (streaming
 and readahead of disk blocks, CPU quantization, native kernels). No other stage's tensor is in its index, so a stage
 never reads another stage's tensors; ``keys_read`` and ``resident_bytes`` say what it read and holds.
 """
@@ -34,19 +34,19 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
+from loaders.checkpoint.index import CheckpointIndex
+from loaders.checkpoint.load_progress import LoadStats, ProgressReporter
+from loaders.checkpoint.placement import place
+from loaders.checkpoint.residency import CPU_RESIDENCY_CHOICES, lock_resident
 from loaders.errors import CheckpointError
-from loaders.execution import apply_execution
-from loaders.fast_linear import CPU_KERNEL_CHOICES
-from loaders.placement import place
-from loaders.progress import LoadStats, ProgressReporter
-from loaders.residency import CPU_RESIDENCY_CHOICES, lock_resident
-from loaders.safetensors_index import CheckpointIndex
+from loaders.native.linear import CPU_KERNEL_CHOICES
+from loaders.run.execution import apply_execution
 from planner.cluster import ClusterPlan, Stage
 from planner.errors import PlanError
-from planner.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
-from planner.inputs import resolve_skeleton
-from planner.safetensors_header import CheckpointHeaders
-from planner.skeleton import describe_config
+from planner.model.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
+from planner.model.safetensors_header import CheckpointHeaders
+from planner.model.skeleton import describe_config
+from planner.placement.inputs import resolve_skeleton
 from planner.types import DeviceId, Skeleton
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def load_stage(
     cpu_residency: str = "lock",
 ) -> StageModel:
     """Load stage ``index`` of ``plan`` from the checkpoint directory, reading only that stage's tensors, through
-    the ordinary loader (:func:`loaders.placement.place` then :func:`loaders.execution.apply_execution`): each of
+    the ordinary loader (:func:`loaders.checkpoint.placement.place` then :func:`loaders.run.execution.apply_execution`): each of
     its blocks lands on the device its stage plan names (a GPU, the CPU, or disk, streamed as in one process), CPU
     layers are quantized (``cpu_quantization``, which must be the plan's) and run on the native kernels
     (``cpu_kernels``) as a one-host load does.
@@ -322,7 +322,7 @@ def _without_blocks(skeleton: Skeleton, names: set[str]) -> Skeleton:
 def _quiet_size_check(quiet: bool) -> Iterator[None]:
     """Past stage 0 the sub-model's embedding and head are stage 0's, so the describer's "the checkpoint stores
     fewer bytes than the model needs" warning is expected there, and silenced rather than logged on every rank."""
-    logger = logging.getLogger("planner.skeleton")
+    logger = logging.getLogger("planner.model.skeleton")
     level = logger.level
     if quiet:
         logger.setLevel(logging.ERROR)

@@ -2,11 +2,11 @@
 
 Planning is three stages, each its own module and each public, so what-if, estimate and advice reuse them:
 
-1. resolve inputs (:mod:`planner.inputs`): model -> Skeleton, limits -> Hardware, workload -> Workload;
-2. solve (:mod:`planner.solve`): size every block, run the strategy, retry without GPUs too small to compute on;
-3. assemble (:mod:`planner.assemble`): the Plan with its device map, budgets, predictions, reasons and warnings.
+1. resolve inputs (:mod:`planner.placement.inputs`): model -> Skeleton, limits -> Hardware, workload -> Workload;
+2. solve (:mod:`planner.placement.solve`): size every block, run the strategy, retry without GPUs too small to compute on;
+3. assemble (:mod:`planner.placement.assemble`): the Plan with its device map, budgets, predictions, reasons and warnings.
 
-When nothing fits, :mod:`planner.advice` turns the failed solution into a PlanError naming the shortfall and the
+When nothing fits, :mod:`planner.placement.advice` turns the failed solution into a PlanError naming the shortfall and the
 smallest changes that would fit.
 """
 
@@ -16,11 +16,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from planner.advice import explain_no_fit
-from planner.assemble import assemble
 from planner.errors import PlanError
-from planner.inputs import PlanInputs, resolve_inputs
-from planner.solve import solve
+from planner.placement.advice import explain_no_fit
+from planner.placement.assemble import assemble
+from planner.placement.inputs import PlanInputs, resolve_inputs
+from planner.placement.solve import solve
 from planner.types import Hardware, Plan
 
 
@@ -67,7 +67,7 @@ def plan(
 
 
 def plan_inputs(model: Any, inputs: PlanInputs, *, hardware: Hardware | None = None, advise: bool = True) -> Plan:
-    """:func:`plan` for inputs already read into a :class:`~planner.inputs.PlanInputs` (the CLI, settings, /plan)."""
+    """:func:`plan` for inputs already read into a :class:`~planner.placement.inputs.PlanInputs` (the CLI, settings, /plan)."""
     resolved = resolve_inputs(model, inputs, hardware)
     solution = solve(resolved)
     if not solution.fits:

@@ -28,12 +28,10 @@ from typing import Any
 
 from planner.api import plan as plan_one_host
 from planner.errors import PlanError
-from planner.inputs import PlanInputs, make_workload, resolve_skeleton
+from planner.hardware.units import DEFAULT_INTER_HOST_BANDWIDTH, format_bytes
+from planner.placement.inputs import PlanInputs, make_workload, resolve_skeleton
 from planner.types import DTYPE_BYTES, Block, Device, Hardware, KVGeometry, Plan, Skeleton, Workload
-from planner.units import format_bytes
 
-#: 10 Gbit/s Ethernet, in bytes/s: a conservative default for the link between hosts. Override per cluster.
-DEFAULT_INTER_HOST_BANDWIDTH = 1.25e9
 #: Per-message latency of the inter-host link (TCP over a data-centre network), seconds.
 DEFAULT_HOP_LATENCY = 50e-6
 
@@ -267,7 +265,7 @@ def plan_cluster(
 ) -> ClusterPlan:
     """Plan ``model`` as a pipeline over ``hosts`` (one stage each, in rank order).
 
-    ``hosts``: each a :class:`~planner.inputs.PlanInputs` (its ``max_memory``/``gpus``/bandwidths; the workload
+    ``hosts``: each a :class:`~planner.placement.inputs.PlanInputs` (its ``max_memory``/``gpus``/bandwidths; the workload
     fields are taken from the arguments here) or a ready :class:`~planner.types.Hardware`. ``micro_batches``
     defaults to ``min(batch_size, number of hosts)``: enough to keep every stage busy when the batch allows.
     ``cpu_quantization`` (``int8``/``int4``) sizes each stage's CPU and disk layers in the native CPU formats its
@@ -392,7 +390,6 @@ def _assemble(
 
 
 __all__ = [
-    "DEFAULT_INTER_HOST_BANDWIDTH",
     "ClusterPlan",
     "Hop",
     "PipelinePrediction",

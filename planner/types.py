@@ -38,7 +38,7 @@ class TensorSpec(NamedTuple):
     still occupies memory on its device). ``quantizable`` marks the weight of a linear layer that bitsandbytes
     would replace; everything else stays in the compute dtype under quantization. ``cpu_quantizable`` marks the
     ``[out, in]`` weight of an ``nn.Linear`` below the head, which ``cpu_quantization`` replaces (GPT-2's
-    ``Conv1D`` is ``quantizable`` but not this); the head is sized by its block (:func:`planner.sizing.size_blocks`).
+    ``Conv1D`` is ``quantizable`` but not this); the head is sized by its block (:func:`planner.placement.sizing.size_blocks`).
 
     A NamedTuple rather than a dataclass: a 70B model has hundreds of them and MoE models hundreds of thousands,
     and building a tuple is several times cheaper than a frozen dataclass, which the planning time shows.
@@ -124,7 +124,7 @@ class Skeleton:
     #: Tensor names as stored in the checkpoint when they differ from the module tree (fused MoE experts):
     #: block name -> checkpoint keys. Empty when names are identical.
     checkpoint_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    #: Identity of the checkpoint this skeleton was read from (:mod:`planner.fingerprint`); None from a bare config.
+    #: Identity of the checkpoint this skeleton was read from (:mod:`planner.model.fingerprint`); None from a bare config.
     fingerprint: str | None = None
     #: The Hub commit the skeleton was read at (``None`` for local models), so a plan can name what it was made for.
     revision: str | None = None
@@ -187,7 +187,7 @@ class Workload:
     quantization: str | None = None  # None, "int8", "nf4", "fp4"
     batch_size: int = 1
     context: int = 2048
-    #: None, "int8" or "int4": the native weight-only formats of CPU and disk layers (``loaders.cpu_quant``).
+    #: None, "int8" or "int4": the native weight-only formats of CPU and disk layers (``loaders.native.quantization``).
     cpu_quantization: str | None = None
 
 
@@ -238,14 +238,14 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     #: Block name -> device: the unmerged placement, for readers that want per-layer detail.
     placement: dict[str, DeviceId] = field(default_factory=dict)
-    #: The checkpoint this plan was made for (:mod:`planner.fingerprint`); None when planned from a bare config.
+    #: The checkpoint this plan was made for (:mod:`planner.model.fingerprint`); None when planned from a bare config.
     #: The loader refuses to apply the plan to a checkpoint with another fingerprint.
     fingerprint: str | None = None
     #: The Hub commit of the checkpoint this plan was made for (``None`` for local models); the loader checks it.
     revision: str | None = None
     #: Device-map keys on ``cpu`` whose modules compute on the CPU, where they live, while GPUs compute the rest:
     #: routed experts (``model.layers.N.mlp.experts``) and layers that did not fit the GPUs. A ``cpu`` entry not
-    #: listed is streamed to the first GPU, as in transformers (:mod:`planner.sub_layer`, :mod:`loaders.cpu_experts`).
+    #: listed is streamed to the first GPU, as in transformers (:mod:`planner.placement.sub_layer`, :mod:`loaders.run.cpu_experts`).
     cpu_compute: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

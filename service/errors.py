@@ -1,7 +1,7 @@
 """The service's exceptions, each carrying its HTTP status and the stable ``error_type`` of the JSON error envelope.
 
 These classes are the one statement of which failure answers which status: the exception handlers in
-:mod:`service.app`, the engine's error events and the routes all read ``status_code`` and ``error_type`` from the
+:mod:`service.http.app`, the engine's error events and the routes all read ``status_code`` and ``error_type`` from the
 error itself (:func:`http_status`), never from a table of their own. Errors of the planner and the loader (a plan
 that cannot work, a broken checkpoint) are the request's inputs at fault and answer 422. Anything else is a 500
 without its traceback.

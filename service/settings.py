@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from planner.inputs import PlanInputs
+from planner.placement.inputs import PlanInputs
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -76,7 +76,7 @@ class ServiceSettings(BaseSettings):
         None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map."
     )
 
-    # A pipeline: one stage per torchrun rank (service/pipeline_serve.py).
+    # A pipeline: one stage per torchrun rank (service/pipeline/launch.py).
     pipeline: bool = Field(False, description="Serve as one rank of a pipeline under torchrun (rank 0 serves HTTP).")
     pipeline_timeout: float = Field(30.0, gt=0, description="Seconds a pipeline rank may stay silent.")
     micro_batches: int | None = Field(
@@ -88,7 +88,7 @@ class ServiceSettings(BaseSettings):
     inter_host_bandwidth: str | None = Field(None, description="Link between pipeline hosts (prediction), e.g. 100Gb.")
 
     #: Test only, no flag: split the decoder layers into this many stand-in device runs that all compute on the
-    #: CPU, so the device pipeline serves on a machine without GPUs (service/device_pipeline_runner.py).
+    #: CPU, so the device pipeline serves on a machine without GPUs (service/engine/multi_gpu_runner.py).
     standin_device_runs: int | None = Field(
         None, ge=2, description="TEST ONLY: serve through the device pipeline over N stand-in runs on the CPU."
     )
@@ -183,9 +183,9 @@ class ServiceSettings(BaseSettings):
     def check_plan_flags(self) -> PlanInputs:
         """The planning settings, every one read now (sizes, strategy, dtype, quantization), so that a bad value
         stops ``serve`` at start with its message instead of failing the load later."""
-        from planner.sizing import normalize_dtype, normalize_quantization
-        from planner.solve import check_strategy_name
-        from planner.units import parse_size
+        from planner.hardware.units import parse_size
+        from planner.placement.sizing import normalize_dtype, normalize_quantization
+        from planner.placement.solve import check_strategy_name
 
         inputs = self.plan_inputs()
         for size in (inputs.max_memory or {}).values():
@@ -193,7 +193,7 @@ class ServiceSettings(BaseSettings):
         if self.gpu_reserve is not None:
             parse_size(self.gpu_reserve)
         if self.gpus:
-            from planner.hardware import parse_gpus
+            from planner.hardware.device_inventory import parse_gpus
 
             parse_gpus(self.gpus)
         check_strategy_name(inputs.checked_strategy())

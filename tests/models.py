@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.demo_model import build_demo_model
-from service.random_models import build_model
+from service.model.demo_model import build_demo_model
+from service.model.random_models import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from planner.safetensors_header import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
+from planner.model.safetensors_header import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME
 from planner.types import DTYPE_BYTES
 
 #: Dtype names of :data:`planner.types.DTYPE_BYTES` -> safetensors dtype codes.

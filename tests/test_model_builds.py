@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from service import random_models
-from service.build_cache import MARKER_NAME
-from service.corpus_tokenizer import make_tokenizer
-from service.demo_model import greedy_sample
-from service.random_models import build_model
+from service.model import random_models
+from service.model.build_folders import MARKER_NAME
+from service.model.corpus_tokenizer import make_tokenizer
+from service.model.demo_model import greedy_sample
+from service.model.random_models import build_model
 from tests import models
 
 
@@ -136,7 +136,7 @@ def test_a_complete_build_is_reused_and_foreign_folders_are_refused(tmp_path: Pa
 
 def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_path: Path):
     out = tmp_path / "shared"
-    code = f"from service.random_models import build_model; print(build_model('gpt2', {str(out)!r}))"
+    code = f"from service.model.random_models import build_model; print(build_model('gpt2', {str(out)!r}))"
     repo = Path(__file__).resolve().parent.parent
     procs = [
         subprocess.Popen(

@@ -74,7 +74,7 @@ user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
 
 # -- run it on the demo model ----------------------------------------------------------------------------------------
 PY=".venv/bin/python"; [ -x "$PY" ] || PY=python3
-demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.demo_model import build_demo_model; print(build_demo_model())')"
+demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.model.demo_model import build_demo_model; print(build_demo_model())')"
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 wait_healthy() {  # container name
     local status=starting
@@ -125,7 +125,7 @@ reply="$(curl -sf "http://127.0.0.1:$port/generate" -H 'Content-Type: applicatio
 echo "$reply" | "$PY" -c 'import json, sys; r = json.load(sys.stdin); assert r["details"]["generated_tokens"] == 20, r; print("docker smoke: /generate ->", repr(r["generated_text"]))'
 # The native kernels were built in the build stage (when a compiler could be installed there) and are used in
 # the image, which has no compiler, wherever the CPU has the instructions (avx512_bf16 covers both).
-kernel="$(docker exec "$NAME" python -c 'from loaders import cpu_kernels; sts = [cpu_kernels.status(d) for d in cpu_kernels.KERNELS]; print(all(s.available for s in sts), "|", "; ".join(s.reason for s in sts))')"
+kernel="$(docker exec "$NAME" python -c 'from loaders.native import kernel_build; sts = [kernel_build.status(d) for d in kernel_build.KERNELS]; print(all(s.available for s in sts), "|", "; ".join(s.reason for s in sts))')"
 if grep -q "native CPU kernels built:" "$LOGS/docker-build.log" && grep -qw avx512_bf16 /proc/cpuinfo; then
     case "$kernel" in True*) say "native kernels: in use in the image ($kernel)" ;;
         *) say "FAILED: the kernels were built in the image but do not load: $kernel"; exit 1 ;; esac

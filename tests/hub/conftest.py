@@ -52,7 +52,12 @@ def hub_env(endpoint: str, hf_home: Path, **extra: str) -> dict[str, str]:
 
 def loadmaster(args: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "service.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -66,8 +71,8 @@ def big_llama(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Pat
     is zeros and costs no disk, with a real config and the tiny models' tokenizer (same vocabulary)."""
     from transformers import LlamaConfig
 
-    from planner.skeleton import build_meta_model
-    from service.random_models import MODEL_SPECS
+    from planner.model.skeleton import build_meta_model
+    from service.model.random_models import MODEL_SPECS
 
     tiny_cfg = json.loads((tiny_llama / "config.json").read_text())
     cfg = LlamaConfig(

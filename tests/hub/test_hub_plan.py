@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import planner
-import planner.estimate
+import planner.placement.estimate
 from planner.errors import ModelSourceError
-from planner.model_ref import HubRef, parse_model_ref
+from planner.model.model_ref import HubRef, parse_model_ref
 from planner.types import Plan
 from tests.hub.conftest import BIG, TINY, hub_env, loadmaster
 from tests.hub.fake_hub import FakeHub
@@ -58,7 +58,7 @@ def test_plan_names_a_revision_and_the_estimate_takes_ids(fake_hub: FakeHub, tin
     r = loadmaster(["estimate", TINY, "--json"], env)
     assert r.returncode == 0, r.stderr
     remote = json.loads(r.stdout)
-    local = planner.estimate.estimate(str(tiny_llama))
+    local = planner.placement.estimate.estimate(str(tiny_llama))
     assert [{k: v for k, v in row.items() if k != "model"} for row in remote] == [
         {k: v for k, v in row.items() if k != "model"} for row in local
     ]
@@ -115,6 +115,6 @@ def test_a_name_that_is_both_a_path_and_a_cached_repo_is_reported_ambiguous(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     (tmp_path / "org" / "name").mkdir(parents=True)
     (tmp_path / "cache" / repo_folder_name(repo_id="org/name", repo_type="model")).mkdir(parents=True)
-    with caplog.at_level("WARNING", logger="planner.model_ref"):
+    with caplog.at_level("WARNING", logger="planner.model.model_ref"):
         assert parse_model_ref("org/name") == Path("org/name")
     assert "ambiguous" in caplog.text and "hf://org/name" in caplog.text

@@ -17,14 +17,14 @@ def _offload_dir_in_tmp(tmp_path_factory):
 
 def pytest_terminal_summary(terminalreporter):
     """State which native-kernel paths this run exercised, and which this CPU cannot run (CI logs show it)."""
-    from loaders import cpu_kernels
+    from loaders.native import kernel_build
     from tests.loaders.kernel_paths import KERNEL_PATHS_RUN
 
     if not KERNEL_PATHS_RUN:
         return
 
-    runnable = cpu_kernels.runnable_isas()
-    skipped = [isa for isa in cpu_kernels.ISAS if isa not in runnable]
+    runnable = kernel_build.runnable_isas()
+    skipped = [isa for isa in kernel_build.ISAS if isa not in runnable]
     terminalreporter.write_line(
         f"native CPU kernel paths run: {', '.join(sorted(KERNEL_PATHS_RUN))}"
         + (f"; not runnable on this CPU: {', '.join(skipped)}" if skipped else "")

@@ -1,6 +1,6 @@
 """Stand-ins for several GPUs on a machine without one, keeping the CUDA rules the loader must obey.
 
-:class:`StandInGpus` implements :class:`loaders.materialize.CudaCopies`' calls. Its "GPU" tensors are CPU tensors
+:class:`StandInGpus` implements :class:`loaders.checkpoint.materialize.CudaCopies`' calls. Its "GPU" tensors are CPU tensors
 remembered by address range, each "GPU" has one stream, and a copy issued on a stream runs only when an event
 recorded *after it on that same stream* is waited for (or at :meth:`StandInGpus.flush_all`, the end of the
 program). That is as late as CUDA may run it: code that waits on the wrong stream's event (torch's ``record()``

@@ -151,7 +151,7 @@ def test_moe_disk_share_goes_through_offload_folder_once(tiny_moe, tmp_path):
 def test_cast_to_bfloat16_with_disk_share(tiny_llama, tmp_path):
     dm = {"model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
     # torch's kernels, so that the bf16 comparison is exact: this checks the loaded values, not the native
-    # kernel's summation order (tests/loaders/test_cpu_kernels.py checks that, within bf16 rounding)
+    # kernel's summation order (tests/loaders/native/test_kernel_build.py checks that, within bf16 rounding)
     model = _load(tiny_llama, dm, tmp_path, dtype="bfloat16", cpu_kernels="torch")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.load_stats.offload_bytes_written > 0  # fp32 on disk must be cast once

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import loaders
 from loaders import CheckpointError
-from loaders.offload_folder import DATA, INDEX
+from loaders.checkpoint.offload_folder import DATA, INDEX
 from planner.errors import PlanError
 from tests.loaders.helpers import assert_equivalent, copy_checkpoint
 
@@ -149,7 +149,7 @@ def test_offload_folder_of_another_model_is_refused(tiny_llama, tiny_gpt2, tmp_p
 
 def test_offload_folder_from_an_interrupted_run_is_rewritten(tiny_llama, tmp_path, monkeypatch):
     folder = tmp_path / "offload"
-    from loaders import materialize
+    from loaders.checkpoint import materialize
 
     calls = {"n": 0}
     real = materialize.Materializer._load_cpu

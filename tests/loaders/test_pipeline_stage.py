@@ -11,7 +11,7 @@ import pytest
 from loaders.pipeline_stage import load_stage
 from planner.cluster import plan_cluster
 from planner.errors import PlanError
-from planner.inputs import PlanInputs
+from planner.placement.inputs import PlanInputs
 
 
 def test_a_stage_planned_onto_a_gpu_takes_the_one_host_gpu_path(tiny_llama: Path) -> None:

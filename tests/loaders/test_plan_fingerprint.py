@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 import loaders
 import planner
 from planner.errors import PlanError
-from planner.skeleton import skeleton_from_dir
+from planner.model.skeleton import skeleton_from_dir
 from tests.loaders.helpers import assert_equivalent, copy_checkpoint
 
 CPU = {"cpu": "1GiB"}

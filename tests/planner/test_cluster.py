@@ -11,8 +11,8 @@ import pytest
 from planner import plan
 from planner.cluster import ClusterPlan, plan_cluster
 from planner.errors import PlanError
-from planner.inputs import PlanInputs
-from planner.sizing import size_blocks
+from planner.placement.inputs import PlanInputs
+from planner.placement.sizing import size_blocks
 from planner.types import Workload
 from tests.planner.synthetic import llama_like
 
@@ -127,7 +127,7 @@ def test_cluster_planning_imports_no_torch():
     code = (
         "import sys\n"
         "from planner.cluster import plan_cluster\n"
-        "from planner.inputs import PlanInputs\n"
+        "from planner.placement.inputs import PlanInputs\n"
         "from tests.planner.synthetic import llama_like\n"
         "plan_cluster(llama_like(), [PlanInputs(max_memory={'cpu': '1GiB'})] * 2)\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_planning_a_skeleton_imports_no_torch():
     code = (
         "import sys\n"
-        "import planner, planner.api, planner.estimate, planner.advice, planner.safetensors_header\n"
+        "import planner, planner.api, planner.placement.estimate, planner.placement.advice, planner.model.safetensors_header\n"
         "from tests.planner.synthetic import llama_like\n"
         "p = planner.plan(llama_like(), max_memory={0: '1GiB', 'cpu': '1GiB'}, gpus=None)\n"
         "assert p.device_map\n"

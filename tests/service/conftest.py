@@ -19,7 +19,7 @@ import torch
 import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.app import create_app
+from service.http.app import create_app
 from service.settings import ServiceSettings
 
 

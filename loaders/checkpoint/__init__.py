@@ -1,0 +1,1 @@
+"""From a checkpoint's files to placed tensors: the index, shard reading, layout, offload folder, residency."""

@@ -1,0 +1,115 @@
+"""Keep CPU-resident weights resident under memory pressure: lock their pages (``mlock``).
+
+Why: resident CPU weights are views of the shards' memory maps (no copy at load). Those pages belong to the page
+cache, which the kernel evicts first when memory runs short; decode then reads the weights from disk again, token
+after token (one run under pressure fell from 5 tok/s to 0.25). Locked pages are never evicted.
+
+How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and a plain
+``mlock`` of a writable private map would fault every page in for writing, which copies it. ``mlock2`` with
+``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped and any page of the range read later, and
+each stays the page cache's page. The loader locks each resident tensor's bytes in its shard's map
+(:meth:`~loaders.checkpoint.shard_reader.ShardReader.lock`) just before it maps them in for reading
+(:meth:`~loaders.checkpoint.shard_reader.ShardReader.make_resident`), so each page is locked as it is mapped: one pass over
+the pages, where locking after mapping walked them all a second time (the 1B's six bf16 shards: 0.09 s to map and
+lock, against 0.12 s). :func:`lock_resident` then covers every resident tensor (the ranges
+already locked cost nothing again). The locks end when the maps do (with the model's tensors). Tensors that are not
+views of a shard (converted dtypes, quantized weights) are locked the same way where they are. Disk-offloaded
+tensors are not locked: they are meant to be read from the file.
+
+Locking needs ``CAP_IPC_LOCK`` or a large enough ``ulimit -l``; where it is refused, one warning says so and the
+weights stay as they were (maps that the kernel may evict).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from planner.types import DeviceId
+
+log = logging.getLogger(__name__)
+
+#: Values of ``load_model(cpu_residency=...)``: ``lock`` pins resident CPU weights, ``map`` leaves them evictable.
+CPU_RESIDENCY_CHOICES = ("lock", "map")
+PAGE = mmap.PAGESIZE
+
+#: ``mlock2`` flag (linux/mman.h): lock pages as they are mapped in, rather than mapping them all in now.
+MLOCK_ONFAULT = 1
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+@dataclass
+class ResidencyStats:
+    """What :func:`lock_resident` did, for ``load_stats``."""
+
+    mode: str
+    locked_bytes: int = 0
+    seconds: float = 0.0
+    #: Why nothing (or not everything) was locked; None when all went well.
+    error: str | None = None
+
+
+def lock_pages(addr: int, nbytes: int) -> None:
+    """Lock the pages of ``[addr, addr + nbytes)`` that are mapped, and those mapped later, without faulting any in.
+    Raises :class:`OSError` where locking is refused (no ``CAP_IPC_LOCK``, ``ulimit -l`` too small)."""
+    lo = addr - addr % PAGE
+    hi = addr + nbytes
+    if _libc.mlock2(lo, hi - lo, MLOCK_ONFAULT) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _device_of(name: str, device_map: dict[str, DeviceId]) -> DeviceId | None:
+    """The device of tensor ``name`` by the longest module prefix of the map that holds it."""
+    parts = name.split(".")
+    for i in range(len(parts), -1, -1):
+        key = ".".join(parts[:i])
+        if key in device_map:
+            return device_map[key]
+    return None
+
+
+def resident_tensors(model: torch.nn.Module, device_map: dict[str, DeviceId]) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer (shared ones once) that the map places on the CPU, not on disk or a GPU."""
+    out = []
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type != "cpu" or t.numel() == 0 or t.data_ptr() in seen:
+            continue
+        if _device_of(name, device_map) != "cpu":
+            continue
+        seen.add(t.data_ptr())
+        out.append((name, t))
+    return out
+
+
+def lock_resident(model: torch.nn.Module, device_map: dict[str, DeviceId]) -> ResidencyStats:
+    """Lock the pages of every CPU-resident tensor of ``model`` (see the module docstring). The locks live as long
+    as the memory the tensors view."""
+    t0 = time.perf_counter()
+    stats = ResidencyStats("lock")
+    tensors = resident_tensors(model, device_map)
+    try:
+        for _, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            lock_pages(t.data_ptr(), nbytes)
+            stats.locked_bytes += nbytes
+    except OSError as exc:
+        stats.error = (
+            f"could not lock the resident weights ({exc.strerror or exc}); they stay evictable under memory pressure. "
+            "Run with CAP_IPC_LOCK or a larger `ulimit -l`, or pass cpu_residency='map' to skip locking."
+        )
+        log.warning("%s", stats.error)
+    stats.seconds = time.perf_counter() - t0
+    if stats.error is None and tensors:
+        log.info("locked %.2f GiB of resident CPU weights in %.2fs", stats.locked_bytes / 2**30, stats.seconds)
+    return stats

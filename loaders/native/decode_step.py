@@ -1,0 +1,519 @@
+"""A decode step of a Llama-family model run on the native CPU kernels, without transformers' module code.
+
+Why: at a decode step a layer's linear products are memory-bound kernel calls, and everything around them (two
+RMSNorms, rotary embedding, the KV cache's write, the attention call, the MLP's activation, residual adds, and the
+module calls and dispatch of each) ran as ~40 torch operators and Python calls per layer. On the 22-layer 1B Llama
+that was ~9 ms of a 40 ms int8 step (measured by stubbing the products out), a fifth of the step; llama.cpp's whole
+step is ~33 ms. :class:`NativeDecoder` runs the same arithmetic as a short list of native calls per layer:
+
+    norm(h) -> q, k, v -> rotary + cache write -> attention -> o -> h += o, norm(h) -> gate, up -> silu * up
+    -> down -> (h += down at the next layer's norm)
+
+on preallocated buffers (:data:`MAX_ROWS` decode rows), the products on the same kernels the modules use
+(``loaders.native.linear``'s float kernels, ``loaders.native.quantization``'s int8 and 4-bit ones, q/k/v and gate/up in one
+call each where the float kernel takes them together), the element-wise steps in ``kernels/decoder_ops.c``, which
+rounds as the modules do in torch (see there).
+
+It takes decode rows only (one new token per sequence, its KV written into the engine's slot cache at its position),
+for the models whose layers it knows to be Llama-shaped (:data:`LLAMA_LAYERS`) with every weight on the CPU and on a
+native kernel, full attention and a position-independent rotary embedding. :meth:`NativeDecoder.for_model` says why
+not otherwise, and the caller runs the model's own forward. Prompts always run the model's forward; both write the
+same cache, which holds each layer's keys and values as ``[slots, kv_heads, capacity, head_dim]``.
+
+Each row's result depends on that row alone, as on the module path, so batched decode equals sequential decode.
+Forward pre-hooks (disk readahead) on a layer or its parts are called when the step reaches that layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loaders.native import kernel_build
+from loaders.native.linear import NativeCPULinear
+from loaders.native.quantization import QuantizedCPULinear
+
+log = logging.getLogger(__name__)
+
+#: Decoder-layer classes whose forward is Llama's: pre-norm RMSNorm, attention with rotary q/k (optional q/k/v
+#: bias; Qwen3's RMSNorm of each q and k head before the rotary), residual, RMSNorm, SiLU-gated MLP, residual.
+LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+#: Their RMSNorm classes (``weight * (x * rsqrt(mean(x^2) + eps))``, rounded to the dtype before the weight).
+LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+#: Rotary types whose cos/sin at a position do not depend on the sequence length (so a table serves every step).
+FIXED_ROPE_TYPES = ("default", "linear", "llama3")
+#: Rows one step takes: the float kernels' row limit (``kernel_build.KERNELS``). Bigger decode batches run the model.
+MAX_ROWS = 32
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_ON = ("1", "true", "on", "yes", "")
+_OFF = ("0", "false", "off", "no")
+
+
+class NotNativeDecodable(Exception):
+    """Why a model's decode steps cannot run on :class:`NativeDecoder` (the caller runs the model's forward)."""
+
+
+@dataclass
+class _Product:
+    """One linear layer as a bound kernel call: ``out[:m] = x[:m] @ W^T (+ b)`` on the step's buffers."""
+
+    call: Callable[[int, int], None]  # (rows, threads)
+
+
+@dataclass
+class _Layer:
+    """What one decoder layer's step needs: its norms, products, cache index, and the modules whose pre-hooks run."""
+
+    index: int  # the cache layer index (``self_attn.layer_idx``)
+    input_norm: tuple[int, float]  # weight pointer, eps
+    post_norm: tuple[int, float]
+    head_norms: tuple[tuple[int, float], tuple[int, float]] | None  # Qwen3's q_norm and k_norm, per head
+    qkv: list[_Product]
+    o: _Product
+    gate_up: list[_Product]
+    down: _Product
+    scale: float
+    module: nn.Module  # the decoder layer (its pre-hooks and its parts' run when the step reaches it)
+
+
+def _rms(norm: nn.Module, dtype: torch.dtype) -> tuple[int, float]:
+    if type(norm).__name__ not in LLAMA_NORMS:
+        raise NotNativeDecodable(f"{type(norm).__name__} is not a Llama RMSNorm")
+    w = norm.weight
+    if w.dtype is not dtype or not w.is_cpu or not w.is_contiguous():
+        raise NotNativeDecodable(f"a norm weight is {w.dtype} on {w.device}, not contiguous {dtype} on the CPU")
+    return w.data_ptr(), float(norm.variance_epsilon)
+
+
+class NativeDecoder:
+    """Decode steps of one model on the native kernels (see the module docstring). Build with :meth:`for_model`.
+    One step at a time: the steps share the decoder's buffers (the engine's thread runs them)."""
+
+    def __init__(self, model: nn.Module):
+        config = model.config
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        head = getattr(model, "lm_head", None)
+        if inner is None or layers is None or head is None or getattr(config, "is_encoder_decoder", False):
+            raise NotNativeDecodable("not a decoder-only model with model.layers and lm_head")
+        names = {type(layer).__name__ for layer in layers}
+        if not names <= set(LLAMA_LAYERS):
+            raise NotNativeDecodable(f"layers {', '.join(sorted(names))} are not Llama-shaped")
+        if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+            raise NotNativeDecodable(f"the MLP's activation is {config.hidden_act!r}, not SiLU")
+        rotary = getattr(inner, "rotary_emb", None)
+        if rotary is None or getattr(rotary, "rope_type", None) not in FIXED_ROPE_TYPES:
+            raise NotNativeDecodable(f"rotary type {getattr(rotary, 'rope_type', None)!r} is not position-fixed")
+        embed = inner.embed_tokens
+        dtype = embed.weight.dtype
+        if dtype not in _DTYPES or not embed.weight.is_cpu:
+            raise NotNativeDecodable(f"the embedding is {dtype} on {embed.weight.device}, not fp32 or bf16 on the CPU")
+        self._modules = list(model.modules())
+        if not self._hooks_allow_a_step():
+            raise NotNativeDecodable("a module has forward hooks, which only its own forward would run")
+        if not kernel_build.status().available:
+            raise NotNativeDecodable(f"the native kernels are not loaded: {kernel_build.status().reason}")
+        attn0 = layers[0].self_attn
+        self.model = model
+        self.dtype = dtype
+        self.bf16 = int(dtype is torch.bfloat16)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(attn0.head_dim)
+        self.hidden = int(config.hidden_size)
+        self.intermediate = int(layers[0].mlp.gate_proj.out_features)
+        self.vocab = int(head.out_features)
+        if self.head_dim > 256 or self.head_dim % 8 or self.heads % self.kv_heads:
+            raise NotNativeDecodable(f"head size {self.head_dim} / heads {self.heads}:{self.kv_heads} not taken")
+        self.embed = embed
+        self.rotary = rotary
+        self._keep: list[torch.Tensor] = []  # biases converted for the kernels, whose pointers the calls hold
+        self._fn = {
+            name: kernel_build.function(name) for name in ("add_rms_norm", "rope_store", "silu_mul", "decode_attention")
+        }
+        self._buffers()
+        self.layers = [self._layer(layer) for layer in layers]
+        self.final_norm = _rms(inner.norm, dtype)
+        self.head = self._product(head, self.x, self.logits)
+        self.final_norm_module, self.head_module = inner.norm, head
+        staged = {id(m) for part in (embed, *layers, inner.norm, head) for m in part.modules()}
+        #: Modules around the stages (``model.model``, ``model.model.layers``): their pre-hooks run first.
+        self._outer = [m for m in self._modules[1:] if id(m) not in staged]
+        self._cos = self._sin = torch.empty(0)
+        #: Steps run so far (tests check that decode calls came here).
+        self.steps = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> NativeDecoder | None:
+        """The decoder for ``model``, or ``None`` (logged once, with the reason) where it does not apply.
+        ``LOADMASTER_NATIVE_DECODE=0`` turns it off (decode steps then run the model's forward)."""
+        setting = os.environ.get("LOADMASTER_NATIVE_DECODE", "1").strip().lower()
+        if setting not in _ON + _OFF:
+            raise ValueError(
+                f"LOADMASTER_NATIVE_DECODE={setting!r} is not one of 1, 0 (or on/off, true/false, yes/no); "
+                "unset it to run decode steps on the native kernels where the model allows it."
+            )
+        if setting in _OFF:
+            log.info("decode steps run the model's forward (LOADMASTER_NATIVE_DECODE=%s)", setting)
+            return None
+        try:
+            decoder = cls(model)
+        except NotNativeDecodable as exc:
+            log.info("decode steps run the model's forward: %s", exc)
+            return None
+        log.info("decode steps run on the native kernels end to end (%d layers)", len(decoder.layers))
+        return decoder
+
+    # -- set-up ------------------------------------------------------------------------------------------------------
+    def _buffers(self) -> None:
+        r, d = MAX_ROWS, self.dtype
+        qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.h = torch.zeros(r, self.hidden, dtype=d)
+        self.x = torch.zeros(r, self.hidden, dtype=d)
+        self.delta = torch.zeros(r, self.hidden, dtype=d)
+        self.q = torch.zeros(r, qd, dtype=d)
+        self.k = torch.zeros(r, kvd, dtype=d)
+        self.v = torch.zeros(r, kvd, dtype=d)
+        self.attn = torch.zeros(r, qd, dtype=d)
+        self.gate = torch.zeros(r, self.intermediate, dtype=d)
+        self.up = torch.zeros(r, self.intermediate, dtype=d)
+        self.act = torch.zeros(r, self.intermediate, dtype=d)
+        self.logits = torch.zeros(r, self.vocab, dtype=d)
+
+    def _layer(self, layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "sliding_window", None) is not None or getattr(self.model.config, "sliding_window", None):
+            if getattr(self.model.config, "use_sliding_window", True) is not False:
+                raise NotNativeDecodable("a layer attends over a sliding window")
+        if int(attn.head_dim) != self.head_dim or mlp.gate_proj.out_features != self.intermediate:
+            raise NotNativeDecodable("layers differ in shape")
+        qkv = self._products([attn.q_proj, attn.k_proj, attn.v_proj], self.x, [self.q, self.k, self.v])
+        gate_up = self._products([mlp.gate_proj, mlp.up_proj], self.x, [self.gate, self.up])
+        return _Layer(
+            index=int(attn.layer_idx),
+            input_norm=_rms(layer.input_layernorm, self.dtype),
+            post_norm=_rms(layer.post_attention_layernorm, self.dtype),
+            head_norms=self._head_norms(attn),
+            qkv=qkv,
+            o=self._product(attn.o_proj, self.attn, self.delta),
+            gate_up=gate_up,
+            down=self._product(mlp.down_proj, self.act, self.delta),
+            scale=float(attn.scaling),
+            module=layer,
+        )
+
+    def _head_norms(self, attn: nn.Module) -> tuple[tuple[int, float], tuple[int, float]] | None:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None and k_norm is None:
+            return None
+        if q_norm is None or k_norm is None or any(n.weight.shape != (self.head_dim,) for n in (q_norm, k_norm)):
+            raise NotNativeDecodable("the attention normalises q or k in a way the step does not")
+        return _rms(q_norm, self.dtype), _rms(k_norm, self.dtype)
+
+    def _float_weight(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        if type(linear) is not NativeCPULinear:
+            return None
+        w = linear.weight
+        if w.dtype is not self.dtype or not w.is_cpu or w.dim() != 2 or w.stride(1) != 1:
+            raise NotNativeDecodable(f"a linear weight is {w.dtype} {tuple(w.shape)}, not row-contiguous {self.dtype}")
+        if w.shape[1] != x.shape[1] or w.shape[0] != out.shape[1]:
+            raise NotNativeDecodable("a linear layer's shape differs from the model's")
+        return w
+
+    def _bias(self, linear: nn.Module) -> int | None:
+        b = getattr(linear, "bias", None)
+        if b is None:
+            return None
+        b = b.detach().to(self.dtype).contiguous()
+        self._keep.append(b)
+        return b.data_ptr()
+
+    def _products(self, linears: Sequence[nn.Module], x: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[_Product]:
+        """Sibling products of one input: one ``*_multi`` call where every weight is a float native one, else one
+        call each (the quantized kernels gain nothing from sharing a call: measured, see docs/kernels.md)."""
+        weights = [self._float_weight(m, x, o) for m, o in zip(linears, outs)]
+        if any(w is None for w in weights):
+            return [self._product(m, x, o) for m, o in zip(linears, outs)]
+        fn = kernel_build.function(kernel_build.KERNELS[self.dtype].multi)
+        count = len(linears)
+        ptrs = ctypes.c_void_p * count
+        ws = ptrs(*(w.data_ptr() for w in weights))
+        ldw = (ctypes.c_long * count)(*(w.stride(0) for w in weights))
+        bs = ptrs(*(self._bias(m) for m in linears))
+        os_ = ptrs(*(o.data_ptr() for o in outs))
+        ldo = (ctypes.c_long * count)(*(o.stride(0) for o in outs))
+        ns = (ctypes.c_int * count)(*(w.shape[0] for w in weights))
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        arrays = (ws, ldw, bs, os_, ldo, ns)  # kept alive by the closure
+
+        def call(m: int, threads: int) -> None:
+            if fn(xp, ldx, count, *arrays, m, k, threads) != 0:
+                raise RuntimeError("the native multi-product kernel rejected a decode step's shapes")
+
+        return [_Product(call)]
+
+    def _product(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> _Product:
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
+        bias = self._bias(linear)
+        w = self._float_weight(linear, x, out)
+        if w is not None:
+            fn = kernel_build.function(kernel_build.KERNELS[self.dtype].name)
+            wp, ldw = w.data_ptr(), w.stride(0)
+
+            def call(m: int, threads: int) -> None:
+                if fn(xp, ldx, wp, ldw, bias, yp, ldy, m, n, k, threads) != 0:
+                    raise RuntimeError("the native linear kernel rejected a decode step's shapes")
+
+            return _Product(call)
+        if not isinstance(linear, QuantizedCPULinear):
+            raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
+        if linear.in_features != k or linear.out_features != n:
+            raise NotNativeDecodable("a quantized layer's shape differs from the model's")
+        qw, sc, bf16 = linear.qweight, linear.scales, self.bf16
+        if linear.scheme == "int8":
+            fn = kernel_build.function("linear_q8")
+            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr())
+        else:
+            fn = kernel_build.function("linear_q4")
+            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr(), sc.stride(0))
+
+        def qcall(m: int, threads: int) -> None:
+            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
+                raise RuntimeError("the native quantized kernel rejected a decode step's shapes")
+
+        return _Product(qcall)
+
+    def _rope_table(self, need: int) -> None:
+        """cos and sin for positions ``[0, need)`` as the model's rotary module makes them, grown by doubling."""
+        if self._cos.shape[0] >= need:
+            return
+        n = max(64, self._cos.shape[0])
+        while n < need:
+            n *= 2
+        probe = torch.zeros(1, dtype=self.dtype)
+        cos, sin = self.rotary(probe, torch.arange(n).unsqueeze(0))
+        self._cos = cos[0].to(self.dtype).contiguous()
+        self._sin = sin[0].to(self.dtype).contiguous()
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+    def takes(self, rows: int, keys: Mapping[int, torch.Tensor]) -> bool:
+        """Whether a step of ``rows`` decode rows runs here: within :data:`MAX_ROWS`, every layer's cache made, and
+        no hook that only the model's own forward would run (hooks may be added after the decoder was made)."""
+        if not 0 < rows <= MAX_ROWS or not self._hooks_allow_a_step():
+            return False
+        return all(layer.index in keys for layer in self.layers)
+
+    def _hooks_allow_a_step(self) -> bool:
+        """No forward hooks, no pre-hooks that take keyword arguments, none on the model itself (they would expect
+        its forward's arguments); plain pre-hooks below it (disk readahead) are called as the step reaches them.
+        Checked at every step over a flat list of the modules (~20 us on the 1B)."""
+        root = self._modules[0]
+        if root._forward_pre_hooks or root._forward_hooks:  # noqa: SLF001
+            return False
+        for m in self._modules:
+            if m._forward_hooks or m._forward_pre_hooks_with_kwargs:  # noqa: SLF001
+                return False
+        return True
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        keys: Mapping[int, torch.Tensor],
+        values: Mapping[int, torch.Tensor],
+    ) -> torch.Tensor:
+        """One decode step: row ``b`` feeds token ``tokens[b]`` at position ``positions[b]`` of cache slot
+        ``slots[b]`` (each ``[B]`` long, on the CPU); its key and value are written there, and it attends positions
+        ``0 .. positions[b]`` of its slot. Returns the logits after each row's token, ``[B, vocab]``."""
+        m = int(tokens.shape[0])
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        pos_list = positions.tolist()
+        slot_list = slots.tolist()
+        self._rope_table(max(pos_list) + 1)
+        threads = torch.get_num_threads()
+        bf16 = self.bf16
+        fn = self._fn
+        h, x, delta = self.h, self.x, self.delta
+        hp, xp, dp = h.data_ptr(), x.data_ptr(), delta.data_ptr()
+        ld = self.hidden
+        runs, mask, span = _runs(pos_list, slot_list)
+        mp = mask.data_ptr() if mask is not None else None
+        hooks = any(m._forward_pre_hooks for m in self._modules)  # noqa: SLF001 - disk readahead's, usually none
+        if hooks:
+            _call_hooks([m for m in self._outer if m._forward_pre_hooks] + _hooked(self.embed))  # noqa: SLF001
+        torch.index_select(self.embed.weight, 0, tokens.to(torch.int64), out=h[:m])
+        rc = 0  # the element-wise kernels' return codes, OR-ed: non-zero means one refused its shapes
+        first = True
+        for layer in self.layers:
+            if hooks:
+                _call_hooks(_hooked(layer.module))
+            kc, vc = keys[layer.index], values[layer.index]
+            w, eps = layer.input_norm
+            # the previous layer's MLP output joins the residual stream here, then this layer's input norm
+            rc |= fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            first = False
+            for p in layer.qkv:
+                p.call(m, threads)
+            if layer.head_norms is not None:  # each head of q and k normalised on its own, in place
+                d = self.head_dim
+                for buf, heads, (w, eps) in zip((self.q, self.k), (self.heads, self.kv_heads), layer.head_norms):
+                    p = buf.data_ptr()
+                    rc |= fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
+            rc |= fn["rope_store"](
+                self.q.data_ptr(), self.q.stride(0), self.k.data_ptr(), self.k.stride(0), self.v.data_ptr(),
+                self.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),
+                positions.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
+                kc.stride(2), m, self.heads, self.kv_heads, self.head_dim, bf16,
+            )  # fmt: skip
+            self._attend(layer, kc, vc, runs, mp, span, threads)
+            layer.o.call(m, threads)
+            w, eps = layer.post_norm
+            rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            for p in layer.gate_up:
+                p.call(m, threads)
+            rc |= fn["silu_mul"](
+                self.gate.data_ptr(), self.intermediate, self.up.data_ptr(), self.intermediate, self.act.data_ptr(),
+                self.intermediate, m, self.intermediate, bf16, threads,
+            )  # fmt: skip
+            layer.down.call(m, threads)
+        if hooks:
+            _call_hooks(_hooked(self.final_norm_module) + _hooked(self.head_module))
+        w, eps = self.final_norm
+        rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+        if rc:
+            raise RuntimeError(f"a native decoder kernel (norm, rotary or activation) rejected a step of {m} rows")
+        self.head.call(m, threads)
+        self.steps += 1
+        return self.logits[:m].clone()
+
+    def _attend(
+        self,
+        layer: _Layer,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        runs: list[_AttentionRun],
+        mask_ptr: int | None,
+        span: int,
+        threads: int,
+    ) -> None:
+        """Attention of each run of rows in consecutive slots over its slots' keys, into ``self.attn``."""
+        es = kc.element_size()
+        qd = self.heads * self.head_dim
+        d = self.head_dim
+        for run in runs:
+            rc = self._fn["decode_attention"](
+                self.q.data_ptr() + run.first * qd * es, qd, d, 0,
+                kc.data_ptr() + run.slot * kc.stride(0) * es, kc.stride(0), kc.stride(1), kc.stride(2),
+                vc.data_ptr() + run.slot * vc.stride(0) * es, vc.stride(0), vc.stride(1), vc.stride(2),
+                (mask_ptr + run.first * span) if run.masked and mask_ptr is not None else None, span, 0,
+                self.attn.data_ptr() + run.first * qd * es, qd, qd, d,
+                run.rows, self.heads, self.kv_heads, 1, run.keys, d, layer.scale, self.bf16, threads,
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"the native attention kernel rejected a decode step ({rc})")
+
+
+@dataclass(frozen=True)
+class _AttentionRun:
+    """Rows ``first .. first + rows`` of a step, in consecutive slots from ``slot``: one attention call over keys
+    ``[0, keys)`` of those slots, with the step's mask where their lengths differ."""
+
+    first: int
+    rows: int
+    slot: int
+    keys: int
+    masked: bool
+
+
+def _runs(positions: list[int], slots: list[int]) -> tuple[list[_AttentionRun], torch.Tensor | None, int]:
+    """The step's attention runs, and the mask they share where some run needs one: row ``b`` attends keys
+    ``0 .. positions[b]``, one row of ``span`` booleans per row."""
+    runs = []
+    start = 0
+    for b in range(1, len(slots) + 1):
+        if b == len(slots) or slots[b] != slots[b - 1] + 1:
+            lengths = positions[start:b]
+            runs.append(_AttentionRun(start, b - start, slots[start], max(lengths) + 1, min(lengths) != max(lengths)))
+            start = b
+    span = max(positions) + 1
+    if not any(r.masked for r in runs):
+        return runs, None, span
+    mask = torch.arange(span).unsqueeze(0) <= torch.tensor(positions).unsqueeze(1)
+    return runs, mask.contiguous(), span
+
+
+def _hooked(module: nn.Module) -> list[nn.Module]:
+    """The modules under ``module`` (itself included) with forward pre-hooks, in the order a forward meets them."""
+    return [m for m in module.modules() if m._forward_pre_hooks]  # noqa: SLF001
+
+
+def _call_hooks(modules: list[nn.Module]) -> None:
+    for m in modules:
+        for hook in list(m._forward_pre_hooks.values()):  # noqa: SLF001
+            hook(m, ())
+
+
+# -- the element-wise kernels on tensors (tests check them against transformers' modules) ---------------------------
+def _flag(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"the decoder kernels take contiguous float32 or bfloat16 CPU tensors, not {t.dtype}")
+    return int(t.dtype is torch.bfloat16)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (if given), then ``RMSNorm(h) * weight`` as a new tensor; ``h`` is ``[rows, n]``."""
+    bf16 = _flag(h)
+    rows, n = h.shape
+    out = torch.empty_like(h)
+    ptr = None if delta is None else delta.data_ptr()
+    fn = kernel_build.function("add_rms_norm")
+    if fn(h.data_ptr(), n, ptr, n, weight.data_ptr(), out.data_ptr(), n, rows, n, eps, bf16, torch.get_num_threads()):
+        raise ValueError(f"add_rms_norm rejected {tuple(h.shape)}")
+    return out
+
+
+def rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    kcache: torch.Tensor,
+    vcache: torch.Tensor,
+) -> None:
+    """Rotate ``q`` (``[rows, H * D]``) in place, rotate ``k`` and copy ``v`` (``[rows, KV * D]``) into the caches
+    (``[slots, KV, capacity, D]``) at each row's slot and position; ``cos``/``sin`` are ``[positions, D]``."""
+    bf16 = _flag(q)
+    rows, d = q.shape[0], kcache.shape[3]
+    fn = kernel_build.function("rope_store")
+    pos, sl = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    rc = fn(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), pos.data_ptr(), sl.data_ptr(), kcache.data_ptr(), vcache.data_ptr(),
+        kcache.stride(0), kcache.stride(1), kcache.stride(2), rows, q.shape[1] // d, kcache.shape[1], d, bf16,
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"rope_store rejected q {tuple(q.shape)} and a cache {tuple(kcache.shape)}")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[rows, n]`` tensors."""
+    bf16 = _flag(gate)
+    rows, n = gate.shape
+    out = torch.empty_like(gate)
+    fn = kernel_build.function("silu_mul")
+    if fn(gate.data_ptr(), n, up.data_ptr(), n, out.data_ptr(), n, rows, n, bf16, torch.get_num_threads()):
+        raise ValueError(f"silu_mul rejected {tuple(gate.shape)}")
+    return out

@@ -1,0 +1,391 @@
+"""The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8``,
+``linear_q4`` and ``decode_attention``.
+
+Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
+checked by the dispatcher), a Meta implementation (shapes and dtypes propagate through the meta device and fake
+tensors, which run it, so tracing and ``torch.compile`` see what comes out without running C), and one CPU
+implementation that checks its operands and calls :mod:`loaders.native.kernel_build`. Each call passes
+``torch.get_num_threads()``.
+
+The CPU implementations fall back to torch's own kernels where the native library is not loaded (another CPU, no
+compiler, ``LOADMASTER_CPU_ISA=torch``) and, for the quantized operators, for products with more rows than the
+kernel takes (long prefills), where the weight is dequantized for that call and torch's GEMM runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch.nn import functional as F
+
+from loaders.native import kernel_build
+from loaders.native.kernel_build import KERNELS, QUANT_KERNELS
+
+GROUP = 64  # inputs per activation group and per 4-bit scale group; LM_GROUP in kernels/common.h
+MULTI_MAX = 8  # products per linear_multi call; LM_MULTI_MAX in kernels/common.h
+
+_lib = torch.library.Library("loadmaster", "DEF")
+_lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("linear_multi(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]")
+_lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
+_lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
+_lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
+
+
+_bound: dict[str, object] = {}
+
+
+def _fn(name: str):
+    """The bound kernel, or ``None`` where the native library is not loaded (the torch fallback runs).
+
+    Looked up once per process and kernel: this runs for every linear layer at every decode step."""
+    try:
+        return _bound[name]
+    except KeyError:
+        fn = kernel_build.function(name) if kernel_build.status().available else None
+        _bound[name] = fn
+        return fn
+
+
+kernel_build.on_reset(_bound.clear)  # a reset (tests, benches switching paths) rebinds on the next call
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _out_shape(x: torch.Tensor, n: int) -> list[int]:
+    return [*x.shape[:-1], n]
+
+
+# -- float kernels -----------------------------------------------------------------------------------------------
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    dtype = weight.dtype
+    kernel = KERNELS.get(dtype)
+    if kernel is None:
+        raise ValueError(f"loadmaster::linear takes bfloat16 or float32 weights, not {dtype}")
+    if x.dtype is not dtype or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"loadmaster::linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} {dtype}"
+        )
+    n, k = weight.shape
+    fn = _fn(kernel.name)
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    if fn is None or weight.stride(1) != 1 or not 0 < m <= kernel.max_rows or k == 0:
+        return F.linear(x, weight, bias)
+    out = torch.empty((m, n), dtype=dtype)
+    bias_ptr = None
+    if bias is not None:
+        bias = bias.to(dtype).contiguous()
+        bias_ptr = bias.data_ptr()
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        weight.data_ptr(),
+        weight.stride(0),
+        bias_ptr,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"{kernel.symbol} rejected shapes x={tuple(x.shape)} weight={tuple(weight.shape)}")
+    return out.view(_out_shape(x, n))
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "loadmaster::linear: x and weight disagree on in_features")
+    torch._check(x.dtype == weight.dtype, lambda: "loadmaster::linear: x and weight dtypes differ")
+    return x.new_empty(_out_shape(x, weight.shape[0]))
+
+
+def _linear_multi_cpu(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """Every ``x @ W_i^T (+ b_i)`` in one native call when the float kernel takes them all (the same dtype, x's
+    features, contiguous rows); each result equals :func:`_linear_cpu`'s for that weight bit for bit. Otherwise one
+    product at a time."""
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"loadmaster::linear_multi: {len(weights)} weights but {len(biases)} biases")
+    k = x.shape[-1]
+    kernel = KERNELS.get(x.dtype)
+    fn = _fn(kernel.multi) if kernel is not None else None
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    native = (
+        fn is not None
+        and len(weights) <= MULTI_MAX
+        and 0 < m <= kernel.max_rows
+        and k > 0
+        and all(w.dtype is x.dtype and w.dim() == 2 and w.shape[1] == k and w.stride(1) == 1 for w in weights)
+    )
+    if not native:
+        return [_linear_cpu(x, w, b) for w, b in zip(weights, biases)]
+    count = len(weights)
+    outs = [torch.empty((m, w.shape[0]), dtype=x.dtype) for w in weights]
+    kept = [None if b is None else b.to(x.dtype).contiguous() for b in biases]  # alive until the call returns
+    pointers = ctypes.c_void_p * count
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        count,
+        pointers(*(w.data_ptr() for w in weights)),
+        (ctypes.c_long * count)(*(w.stride(0) for w in weights)),
+        pointers(*(None if b is None else b.data_ptr() for b in kept)),
+        pointers(*(o.data_ptr() for o in outs)),
+        (ctypes.c_long * count)(*(w.shape[0] for w in weights)),
+        (ctypes.c_int * count)(*(w.shape[0] for w in weights)),
+        m,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"lm_{kernel.multi} rejected x={tuple(x.shape)} and {count} weights")
+    return [o.view(_out_shape(x, w.shape[0])) for o, w in zip(outs, weights)]
+
+
+def _linear_multi_fake(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    return [_linear_fake(x, w, b) for w, b in zip(weights, biases)]
+
+
+# -- quantized kernels -------------------------------------------------------------------------------------------
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, in_features]`` that int8 rows and per-channel scales stand for."""
+    return (qweight[:, :in_features].to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight ``[N, in_features]`` that packed 4-bit groups and their float16 scales stand for."""
+    n = packed.shape[0]
+    p = packed.view(n, -1, GROUP // 2)
+    q = torch.cat([p & 0x0F, p >> 4], dim=2).to(torch.float32) - 8.0  # [N, G, 64]
+    w = q * scales.to(torch.float32)[:, :, None]
+    return w.reshape(n, -1)[:, :in_features].to(dtype)
+
+
+def _check_quant(
+    op: str,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    in_features: int,
+    row_bytes: int,
+    qdtype: torch.dtype,
+    sdtype: torch.dtype,
+    scale_cols: int | None,
+) -> None:
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        raise ValueError(f"loadmaster::{op} takes float32 or bfloat16 x, not {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"loadmaster::{op}: x has {x.shape[-1]} features, the layer {in_features}")
+    if qweight.dtype is not qdtype or qweight.dim() != 2 or qweight.shape[1] < row_bytes or qweight.stride(1) != 1:
+        raise ValueError(
+            f"loadmaster::{op}: weight must be {qdtype} [N, >= {row_bytes}] with contiguous rows, "
+            f"got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    want_scale = (qweight.shape[0],) if scale_cols is None else (qweight.shape[0], scale_cols)
+    if scale.dtype is not sdtype or tuple(scale.shape) != want_scale or not scale.is_contiguous():
+        raise ValueError(
+            f"loadmaster::{op}: scales must be contiguous {sdtype} {want_scale}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+
+
+def _groups(in_features: int) -> int:
+    return (in_features + GROUP - 1) // GROUP
+
+
+def _call_quant(name: str, x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, args) -> torch.Tensor | None:
+    """Run a quantized kernel, or return ``None`` for the torch fallback."""
+    fn = _fn(name)
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    if fn is None or not 0 < m <= QUANT_KERNELS["int8" if name == "linear_q8" else "int4"].max_rows:
+        return None
+    out = torch.empty((m, n), dtype=x.dtype)
+    bias_ptr = None
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+        bias_ptr = bias.data_ptr()
+    rc = fn(
+        x2.data_ptr(),
+        x2.stride(0),
+        int(x.dtype == torch.bfloat16),
+        *args,
+        bias_ptr,
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"lm_{name} failed ({rc}) for x={tuple(x.shape)} and {n} outputs")
+    return out.view(_out_shape(x, n))
+
+
+def _linear_q8_cpu(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
+    _check_quant(
+        "linear_q8", x, qweight, scale, in_features, _groups(in_features) * GROUP, torch.int8, torch.float32, None
+    )
+    n = qweight.shape[0]
+    out = _call_quant("linear_q8", x, bias, n, in_features, (qweight.data_ptr(), qweight.stride(0), scale.data_ptr()))
+    if out is None:
+        out = F.linear(x, dequantize_int8(qweight, scale, in_features, x.dtype), bias)
+    return out
+
+
+def _linear_q4_cpu(x, packed, scales, bias, in_features: int) -> torch.Tensor:
+    g = _groups(in_features)
+    _check_quant("linear_q4", x, packed, scales, in_features, g * GROUP // 2, torch.uint8, torch.float16, g)
+    n = packed.shape[0]
+    out = _call_quant(
+        "linear_q4", x, bias, n, in_features, (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0))
+    )
+    if out is None:
+        out = F.linear(x, dequantize_int4(packed, scales, in_features, x.dtype), bias)
+    return out
+
+
+def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
+    torch._check(x.shape[-1] == in_features, lambda: "x's last dimension must equal in_features")
+    torch._check(x.dtype in (torch.float32, torch.bfloat16), lambda: "x must be float32 or bfloat16")
+    return x.new_empty(_out_shape(x, qweight.shape[0]))
+
+
+# -- attention over the slot cache ---------------------------------------------------------------------------------
+def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+    b, h, width, d = query.shape
+    if key.dim() != 4 or key.shape != value.shape or key.shape[0] != b or key.shape[3] != d or h % key.shape[1]:
+        raise ValueError(
+            f"loadmaster::decode_attention: query {tuple(query.shape)} does not fit key {tuple(key.shape)} "
+            f"and value {tuple(value.shape)} ([B, H, T, D] and [B, KV, L, D] with H a multiple of KV)"
+        )
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"loadmaster::decode_attention takes float32 or bfloat16 query, key and value of one dtype, not "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if mask is None and width != 1:
+        raise ValueError(
+            "loadmaster::decode_attention: several query tokens per row need a mask (which keys each attends)"
+        )
+    if mask is not None and (
+        mask.dtype is not torch.bool
+        or mask.dim() != 4
+        or mask.shape[-1] != key.shape[2]
+        or mask.shape[2] not in (1, width)
+    ):
+        raise ValueError(
+            f"loadmaster::decode_attention: the mask must be bool [B, 1, T, L] (T = {width} query tokens, "
+            f"L = {key.shape[2]} keys), not {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+def _decode_attention_torch(query, key, value, mask, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def _decode_attention_cpu(query, key, value, mask, scale: float) -> torch.Tensor:
+    """Softmax attention of each row's query tokens over its keys (each token over the keys its mask row lets
+    through), as ``[B, T, H, D]`` (the layout transformers' attention functions return). The native kernel when it
+    takes the operands (every last dimension contiguous, a head size it handles), else torch's SDPA."""
+    _check_attention(query, key, value, mask)
+    b, h, width, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    fn = _fn("decode_attention")
+    if mask is not None:
+        mask = mask.expand(b, 1, width, length)
+    contiguous_rows = all(t.stride(-1) == 1 for t in (query, key, value)) and (mask is None or mask.stride(-1) == 1)
+    if fn is None or not contiguous_rows:
+        return _decode_attention_torch(query, key, value, mask, scale)
+    out = torch.empty((b, width, h, d), dtype=query.dtype)
+    rc = fn(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        None if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.stride(0),
+        0 if mask is None else mask.stride(2),
+        out.data_ptr(),
+        width * h * d,
+        h * d,
+        d,
+        b,
+        h,
+        kv,
+        width,
+        length,
+        d,
+        scale,
+        int(query.dtype is torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:  # a head size or group the kernel does not take
+        return _decode_attention_torch(query, key, value, mask, scale)
+    return out
+
+
+def decode_available() -> bool:
+    """Whether the native attention kernel is loaded (else the operator runs torch's SDPA)."""
+    return _fn("decode_attention") is not None
+
+
+def _decode_attention_fake(query, key, value, mask, scale: float) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+
+
+_lib.impl("linear", _linear_cpu, "CPU")
+_lib.impl("linear_multi", _linear_multi_cpu, "CPU")
+_lib.impl("linear_q8", _linear_q8_cpu, "CPU")
+_lib.impl("linear_q4", _linear_q4_cpu, "CPU")
+_lib.impl("decode_attention", _decode_attention_cpu, "CPU")
+# Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
+# caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
+# server's start, for a record only torch's error messages read.)
+_lib.impl("linear", _linear_fake, "Meta")
+_lib.impl("linear_multi", _linear_multi_fake, "Meta")
+_lib.impl("linear_q8", _quant_fake, "Meta")
+_lib.impl("linear_q4", _quant_fake, "Meta")
+_lib.impl("decode_attention", _decode_attention_fake, "Meta")
+
+linear = torch.ops.loadmaster.linear.default
+linear_multi = torch.ops.loadmaster.linear_multi.default
+linear_q8 = torch.ops.loadmaster.linear_q8.default
+linear_q4 = torch.ops.loadmaster.linear_q4.default
+decode_attention = torch.ops.loadmaster.decode_attention.default
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the native float kernel takes these operands: a small CPU product in a dtype with a kernel, with
+    the kernels loaded. Called once per linear layer per token, so it reads only cheap attributes."""
+    dtype = weight.dtype
+    kernel = KERNELS.get(dtype)
+    if kernel is None or x.dtype is not dtype or not x.is_cpu or not weight.is_cpu:
+        return False
+    if _fn(kernel.name) is None:
+        return False
+    k = x.shape[-1]
+    if weight.dim() != 2 or weight.stride(1) != 1 or k != weight.shape[1] or k == 0:
+        return False
+    if not 0 < x.numel() // k <= kernel.max_rows:
+        return False
+    return not ((x.requires_grad or weight.requires_grad) and torch.is_grad_enabled())

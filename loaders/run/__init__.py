@@ -1,0 +1,1 @@
+"""Making a placed model run: execution hooks, streaming from disk, readahead, CPU experts, the multi-GPU schedule."""

@@ -1,0 +1,93 @@
+"""Execution: making a placed model run across its devices, applied explicitly after placement.
+
+* Host without GPUs: ``"cpu"`` and ``"disk"`` modules run as plain modules (disk tensors are memory maps); the only
+  hooks are :class:`loaders.run.readahead.DiskReadahead`'s on disk blocks. Linear layers are then quantized when asked
+  (:mod:`loaders.native.quantization`), and small linear products run on the native CPU kernels (:mod:`loaders.native.linear`)
+  where they build, as does decode steps' attention (:mod:`loaders.native.attention`).
+* With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
+  the caller's device, and offloaded blocks are streamed (:mod:`loaders.run.streaming`); routed experts the plan puts
+  on the CPU, and the layers its ``cpu_compute`` lists, compute there (:mod:`loaders.run.cpu_experts`), on the native
+  CPU kernels where they build (``cpu_kernels``); nothing else is switched to them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loaders.checkpoint.device_order import entry_of, ordered_entries
+from loaders.checkpoint.placement import PlacedModel
+from loaders.native.attention import use_native_attention
+from loaders.native.linear import use_native_linears
+from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
+from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
+from loaders.run.readahead import DiskReadahead, merge_ranges
+from planner.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What execution changed: linear layers (and routed-experts modules computed on the CPU beside GPUs) switched to
+    the native kernels, and CPU quantization's report."""
+
+    native_linears: int = 0
+    cpu_quantization: QuantizationStats | None = None
+    #: Whether decode steps' attention runs on the native kernel (:mod:`loaders.native.attention`).
+    native_attention: bool = False
+
+
+def apply_execution(
+    placed: PlacedModel,
+    cpu_kernels: str = "auto",
+    *,
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: Path | None = None,
+    checkpoint_files: Sequence[tuple[str, int, int]] = (),
+) -> Execution:
+    """Install the hooks the placement needs; on a CPU-executed model, quantize its linears first when
+    ``cpu_quantization`` asks (:mod:`loaders.native.quantization`; ``checkpoint_files`` (path, size, mtime_ns) key the saved
+    copy in ``cpu_quantized_dir``), then switch them to the native kernels (``cpu_kernels``: "auto", "native" or
+    "torch")."""
+    model, device_map = placed.model, placed.device_map
+    model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
+    if placed.execution_device.type != "cpu":
+        if cpu_quantization:
+            raise PlanError(
+                f"cpu_quantization={cpu_quantization!r} quantizes layers that compute on the CPU, "
+                "but this device map computes on a GPU. Use quantization='int8' or 'nf4' "
+                "(bitsandbytes) for GPU layers."
+            )
+        install_gpu_execution_with_cpu_experts(
+            model,
+            device_map,
+            placed.tensor_devices,
+            placed.execution_device,
+            cpu_compute=placed.cpu_compute,
+            cpu_kernels=cpu_kernels,
+            reader=placed.reader,
+        )
+        return Execution(native_cpu_modules(model))
+    by_entry: dict[str, list] = OrderedDict()
+    for name, rng in placed.disk_ranges.items():
+        by_entry.setdefault(entry_of(name, device_map), []).append(rng)
+    if by_entry:
+        blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
+        readahead = DiskReadahead(placed.reader, blocks)
+        readahead.install(model)
+        model._loadmaster_readahead = readahead
+    quant_stats = None
+    if cpu_quantization:
+        quant_stats = quantize_cpu_linears(
+            model, cpu_quantization, checkpoint_files=list(checkpoint_files), save_dir=cpu_quantized_dir
+        )
+    native = use_native_linears(model, cpu_kernels)
+    attention = cpu_kernels != "torch" and use_native_attention(model)
+    return Execution(native, quant_stats, native_attention=attention)
+
+
+__all__ = ["Execution", "apply_execution"]

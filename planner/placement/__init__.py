@@ -1,0 +1,1 @@
+"""From a Skeleton, Hardware and Workload to a Plan: inputs, sizing, strategies, solve, cost model, advice."""

@@ -1,0 +1,215 @@
+"""Predicted load time and decode speed of a placement, from a cost model simple enough to state in one line.
+
+Decoding is memory-bound: each step reads every weight once (an embedding reads one row per sequence) and the
+whole KV cache. So a step takes, summed over blocks, the bytes each block reads divided by the rate they
+reach the computing device:
+
+- a block on a GPU: the GPU's memory bandwidth;
+- a block on ``cpu`` while GPUs compute: the host link (PCIe), or host memory if slower;
+- a block on ``cpu`` without GPUs: host memory bandwidth;
+- a block on ``disk``: host memory (then the link) while the disk share fits in the RAM the plan leaves
+  free (a warm page cache), the disk's read bandwidth otherwise;
+- KV cache: the bandwidth of the device that holds it.
+
+Load time is the bytes copied out of the checkpoint over the storage read rate, plus the GPU share over the
+link. Disk-placed tensors are served from the checkpoint in place, so they cost nothing to load.
+
+With a calibration of this machine (``loadmaster env --calibrate``, :mod:`planner.hardware.calibration`), the figures the
+caller did not set are replaced by measured ones: without GPUs, cpu blocks read at the rate the decode kernels
+reach for the workload's dtype, warm disk blocks at the rate they reach on memory-mapped weights, and each step
+pays the measured overheads (:func:`calibrated_overhead`): once per step, once per decoder layer (more for a layer
+on disk), once per linear call outside the layers (the head), and once per output row of every matrix read; warm
+disk blocks never read faster than resident ones (:meth:`Calibration.kernel_rate`); cold disk and checkpoint reads
+use the measured disk rate, and the host link its measured rate. The cost-model line then says so.
+"""
+
+from __future__ import annotations
+
+from planner.hardware.calibration import Calibration, calibration_path, load_calibration
+from planner.hardware.device_inventory import DEFAULT_BANDWIDTHS
+from planner.hardware.devices import device_key
+from planner.placement.sizing import SizedBlock
+from planner.placement.strategies import Loads, Problem
+from planner.types import Device, DeviceId, Hardware, Prediction, Workload
+
+#: Per MoE layer whose routed experts compute on the CPU while GPUs compute the rest, and per layer the CPU computes
+#: whole: the hidden states go to the host and back (two small copies and a synchronisation).
+CPU_EXPERT_HOP_SECONDS = 5e-5
+
+COST_MODEL = (
+    "decode step = sum over blocks of bytes read per token / bandwidth of where they are read from "
+    "(GPU memory; host link for cpu-offloaded blocks; RAM or disk read for disk blocks, warm if the disk share fits "
+    "in free RAM) + KV cache / bandwidth of its device; tokens/s = batch / step; "
+    "load = non-disk bytes / storage read + GPU bytes / host link"
+)
+
+
+#: Appended to the cost-model line for mixture-of-experts models.
+MOE_COST_MODEL = (
+    "; routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute (routed experts kept on the "
+    "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states), "
+    "whole blocks when streamed"
+)
+
+
+def _is_default(value: float, kind: str) -> bool:
+    """Whether a rate is the built-in figure (so a calibration may replace it) rather than one the caller set."""
+    return value == DEFAULT_BANDWIDTHS[kind] or (
+        kind == "link" and value == min(DEFAULT_BANDWIDTHS["cpu"], DEFAULT_BANDWIDTHS["link"])
+    )
+
+
+def _calibrated_rates(hw: Hardware, cal: Calibration, has_gpu: bool, dtype: str | None) -> dict[str, float]:
+    """The measured rates that replace default figures: keys ``cpu``, ``disk_warm``, ``kv``, ``disk``, ``storage``,
+    ``link``."""
+    by_id = {d.id: d for d in hw.devices}
+    out: dict[str, float] = {}
+    cpu, disk = by_id.get("cpu"), by_id.get("disk")
+    if has_gpu:
+        if cal.link is not None and cpu is not None and _is_default(cpu.link_bandwidth, "link"):
+            out["cpu"] = out["disk_warm"] = min(cal.link, cal.memory_read)
+    elif cpu is not None and _is_default(cpu.bandwidth, "cpu"):
+        out["cpu"] = cal.kernel_rate(dtype)
+        out["disk_warm"] = cal.kernel_rate(dtype, mapped=True)
+        out["kv"] = cal.memory_read
+    if disk is not None and _is_default(disk.bandwidth, "disk"):
+        out["disk"] = cal.disk_cold
+    if _is_default(hw.storage_bandwidth, "disk"):
+        out["storage"] = cal.disk_cold
+    if has_gpu and cal.link is not None and _is_default(hw.link_bandwidth, "link"):
+        out["link"] = cal.link
+    return out
+
+
+def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calibration, dtype: str | None) -> float:
+    """Seconds a CPU decode step spends besides reading weights and KV cache, from the calibration.
+
+    The per-layer figure was measured on a real decoder layer stack with its hooks (norms, attention, rotary,
+    residuals, and the fixed cost of its seven linear calls); a layer placed on ``disk`` adds its readahead hook and
+    mapped pages. Blocks outside the layers pay one linear call each for a head; the rest (embedding lookup, final
+    norm, sampling, the generation loop) is the per-step figure. Every block pays the kernels' cost per output row
+    of its matrices (only the share of rows it reads, for routed experts): what makes narrow models slower per byte.
+    """
+    seconds = cal.step_overhead
+    per_row = cal.row_overhead(dtype)
+    for item, dev in zip(problem.items, assignment):
+        if item.is_layer:
+            seconds += cal.layer_overhead + (cal.disk_layer_overhead if dev == "disk" else 0.0)
+        elif item.is_head:
+            seconds += cal.call_overhead(dtype)
+        if per_row and item.matrix_rows and item.weight:
+            seconds += per_row * item.matrix_rows * min(item.read_per_token / item.weight, 1.0)
+    return seconds
+
+
+def block_read_seconds(
+    item: SizedBlock,
+    device: DeviceId,
+    runs_on: DeviceId,
+    rate: float,
+    cpu_compute_rate: float | None,
+    hop: bool = True,
+) -> float:
+    """Seconds one decode step spends reading ``item`` placed on ``device`` (sparsity-aware).
+
+    A block that computes where it lives reads ``read_per_token`` (routed experts: only those the batch touches,
+    :mod:`planner.model.moe`) at ``rate``; routed experts kept on the CPU while GPUs compute read at the CPU's own memory
+    rate (``cpu_compute_rate``, None without GPUs) and pay a hop of the hidden states to the host and back (not
+    ``hop`` when the layer around them already computes on the CPU). A streamed block copies ``streamed`` bytes
+    (every tensor of it, touched or not) over the link.
+    """
+    if runs_on != device:
+        return item.streamed / rate
+    if item.in_place and device == "cpu" and cpu_compute_rate is not None:
+        return item.read_per_token / cpu_compute_rate + (CPU_EXPERT_HOP_SECONDS if hop else 0.0)
+    return item.read_per_token / rate
+
+
+def _cpu_compute_rate(cpu: Device | None, cal: Calibration | None, dtype: str | None) -> float:
+    """The rate the CPU reads weights it computes with itself: the calibrated kernel rate, else its bandwidth."""
+    if cpu is None:
+        return DEFAULT_BANDWIDTHS["cpu"]
+    if cal is not None and _is_default(cpu.bandwidth, "cpu"):
+        return cal.kernel_rate(dtype)
+    return cpu.bandwidth
+
+
+def compute_dtype(workload: Workload) -> str | None:
+    """The dtype decode kernels read weights in (None when quantized: the calibrated kernel rates do not apply)."""
+    return None if workload.quantization else workload.dtype
+
+
+def predict(
+    problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int, dtype: str | None = None
+) -> Prediction:
+    """``dtype``: :func:`compute_dtype` of the workload (picks the calibrated kernel rate)."""
+    hw = problem.hardware
+    by_id = {d.id: d for d in hw.devices}
+    cpu = by_id.get("cpu")
+    has_gpu = problem.main_gpu is not None
+    disk_bytes = sum(i.weight for i, d in zip(problem.items, assignment) if d == "disk")
+    cpu_free = (cpu.capacity - loads.total("cpu")) if cpu else 0
+    warm = disk_bytes <= cpu_free
+    cal = load_calibration()
+    measured = _calibrated_rates(hw, cal, has_gpu, dtype) if cal is not None else {}
+
+    seconds_by_dev: dict[DeviceId, float] = {}
+    rate_of: dict[DeviceId, float] = {}
+    for dev_id, dev in by_id.items():
+        if isinstance(dev_id, int):
+            rate_of[dev_id] = dev.bandwidth
+        elif dev_id == "cpu":
+            rate_of[dev_id] = measured.get("cpu", dev.link_bandwidth if has_gpu else dev.bandwidth)
+        elif warm and cpu is not None:
+            rate_of[dev_id] = measured.get("disk_warm", cpu.link_bandwidth if has_gpu else cpu.bandwidth)
+        else:
+            rate_of[dev_id] = measured.get("disk", dev.bandwidth)
+    cpu_compute_rate = _cpu_compute_rate(cpu, cal, dtype) if has_gpu else None
+    host_blocks: set[int] = set()  # skeleton blocks (layers) the CPU computes whole: their experts add no hop
+    for i, (item, dev) in enumerate(zip(problem.items, assignment)):
+        runs_on = problem.item_runs_on(i, dev)
+        hop = item.block not in host_blocks
+        if item.in_place and dev == "cpu" and item.is_layer:
+            host_blocks.add(item.block)
+        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + block_read_seconds(
+            item, dev, runs_on, rate_of[dev], cpu_compute_rate, hop
+        )
+        if item.kv:
+            kv_rate = measured["kv"] if runs_on == "cpu" and "kv" in measured else by_id[runs_on].bandwidth
+            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / kv_rate
+    seconds = {device_key(d): v for d, v in seconds_by_dev.items()}
+    step = sum(seconds.values())
+    line = COST_MODEL
+    if any(item.expert_weight or item.in_place for item in problem.items):
+        line += MOE_COST_MODEL
+    if cal is not None and not has_gpu:
+        overhead = calibrated_overhead(problem, assignment, cal, dtype)
+        seconds["overhead"] = overhead
+        step += overhead
+    if cal is not None:
+        used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
+        extra = (
+            f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer "
+            f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call "
+            f"+ {cal.row_overhead(dtype) * 1e9:.0f} ns/matrix row"
+            if "overhead" in seconds
+            else ""
+        )
+        line = f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
+    tps = batch_size / step if step > 0 else float("inf")
+
+    storage = measured.get("storage", hw.storage_bandwidth)
+    link = measured.get("link", hw.link_bandwidth)
+    load = 0.0
+    for item, dev in zip(problem.items, assignment):
+        if dev == "disk":
+            continue
+        load += item.weight / storage
+        if isinstance(dev, int):
+            load += item.weight / link
+    return Prediction(
+        load_seconds=round(load, 4),
+        decode_tokens_per_s=round(tps, 4) if tps != float("inf") else 0.0,
+        seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
+        cost_model=line,
+    )

@@ -1,0 +1,1 @@
+"""The ``loadmaster`` command line: serve, demo, plan, estimate, env, and the pipeline launcher."""

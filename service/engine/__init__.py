@@ -1,0 +1,1 @@
+"""The engine: continuous batching over one KV pool, the model runner, sampling, grammar, detokenizing, stops."""

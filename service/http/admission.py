@@ -1,0 +1,339 @@
+"""What the routes share at run time: settings, load state, engine, admission control and engine streams.
+
+Admission is counted here, on the event loop: a generation request holds a slot from validation until its
+response ends (or its client goes away), and a request beyond ``max_concurrent_requests`` is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import anyio.to_thread
+from starlette.requests import Request
+
+from service.engine.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent, eos_ids
+from service.errors import NotReadyError, OverloadedError
+from service.http import access_log
+from service.http.metrics import Metrics
+from service.model.background_load import LoadedModel, ModelHost
+from service.schemas.validation import Validator
+from service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Runtime:
+    """The service's shared state, one per app (``app.state.runtime``)."""
+
+    def __init__(self, settings: ServiceSettings, host: ModelHost, metrics: Metrics):
+        self.settings = settings
+        self.host = host
+        self.metrics = metrics
+        self.engine: Engine | None = None
+        self.validator: Validator | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.max_total_tokens = settings.max_total_tokens
+        self.weight_bytes: dict[str, int] | None = None
+        #: The engine streams whose responses are not over (the end of the grace period ends them).
+        self.streams: set[EngineStream] = set()
+        self._streams_lock = threading.Lock()  # the loop adds and removes; the grace timer's thread reads
+        host.on_ready(self._start_engine)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def _start_engine(self, loaded: LoadedModel) -> None:
+        s = self.settings
+        max_total = s.max_total_tokens
+        limit = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and 0 < limit < max_total:
+            log.info("max_total_tokens %d exceeds the model's %d positions; using %d", max_total, limit, limit)
+            max_total = limit
+        self.max_total_tokens = max_total
+        self.validator = Validator(
+            loaded.tokenizer,
+            max_input_tokens=min(s.max_input_tokens, max_total - 1),
+            max_total_tokens=max_total,
+            default_max_new_tokens=s.default_max_new_tokens,
+            vocab_size=_logits_width(loaded.model, loaded.tokenizer),
+            stop_ids=eos_ids(loaded.model, loaded.tokenizer),
+            grammar_timeout=s.grammar_timeout,
+        )
+        engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            max_batch_size=s.max_batch_size,
+            max_queue=s.max_concurrent_requests,
+            max_total_tokens=max_total,
+            metrics=self.metrics,
+            # under --pipeline, --micro-batches splits the ring's batches (the model is the ring's rank 0)
+            micro_batches=None if s.pipeline else s.micro_batches,
+            standin_runs=s.standin_device_runs,
+            prefix_cache=s.prefix_cache,
+        )
+        self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
+        engine.start()
+        self.engine = engine
+
+    def shutdown(self) -> None:
+        self.draining = True
+        if self.engine is not None:
+            self.engine.stop()
+
+    def end_grace_period(self) -> None:
+        """The grace period after SIGTERM is over: end every open request now, each with a ``not_ready`` error
+        (a stream's last event, a plain request's JSON 503), rather than cutting connections without an answer.
+
+        The error goes straight to each open stream (a step in progress may take a while to end); then the engine
+        stops. Called from a timer thread."""
+        with self._streams_lock:
+            streams = list(self.streams)
+        if streams:
+            log.warning("grace period over; ending %d open request(s) with an error", len(streams))
+        error = ErrorEvent.of(NotReadyError("The server is shutting down: its grace period ended before the answer."))
+        for stream in streams:
+            stream.deliver(error)
+        self.shutdown()
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        return self.host.loaded
+
+    # -- admission -------------------------------------------------------------------------------------------------
+    def require_ready(self) -> tuple[Engine, Validator, LoadedModel]:
+        if self.draining:
+            raise NotReadyError("The server is shutting down and accepts no new requests.")
+        loaded = self.host.loaded
+        if self.engine is None or self.validator is None or loaded is None:
+            st = self.host.state
+            if st.phase == "failed":
+                raise NotReadyError(f"The model failed to load: {st.error}")
+            raise NotReadyError(
+                f"The model is still loading ({st.phase}, {100 * st.to_dict()['progress']:.0f}%); "
+                "retry when GET /health/ready answers 200."
+            )
+        if not self.engine.alive:
+            raise NotReadyError("The generation engine has stopped; the server must be restarted (see its log).")
+        return self.engine, self.validator, loaded
+
+    def acquire(self) -> Slot:
+        if self.in_flight >= self.settings.max_concurrent_requests:
+            self.metrics.request_rejected()
+            raise OverloadedError(
+                f"The server is at its limit of {self.settings.max_concurrent_requests} concurrent requests; "
+                "retry after the Retry-After delay.",
+                retry_after=1,
+            )
+        self.in_flight += 1
+        self.metrics.set_in_flight(self.in_flight)
+        return Slot(self)
+
+
+class Slot:
+    """One admitted request. ``release`` is idempotent, so every exit path may call it."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.runtime.in_flight -= 1
+            self.runtime.metrics.set_in_flight(self.runtime.in_flight)
+
+
+class EngineStream:
+    """An engine request seen from the event loop: an async iterator of its events, cancellable."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, slot: Slot, tokens: bool = True):
+        #: Whether each token event reaches the loop (a stream's do); a non-streaming response waits for the final
+        #: event only, so its tokens are counted on the engine side and never wake the loop.
+        self.tokens = tokens
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.slot = slot
+        self.request = request
+        self.finished = False
+        self.record = access_log.current()
+        if self.record is not None:
+            self.record.prompt_tokens = len(request.prompt_ids)
+        self.submitted_at = time.perf_counter()
+        self.generated = 0
+        self.ticket = engine.submit(request, self._sink)
+        with slot.runtime._streams_lock:  # noqa: SLF001 - the runtime's own bookkeeping of its streams
+            slot.runtime.streams.add(self)
+
+    def _sink(self, event: Event) -> None:
+        # Runs on the engine thread: count the tokens (a cancelled stream's count still) and time the first.
+        if isinstance(event, TokenEvent):
+            self.generated += 1
+            if self.record is not None:
+                if self.record.ttft_s is None:
+                    self.record.ttft_s = time.perf_counter() - self.submitted_at
+                    self.record.queue_s = self.request.queued_s
+                self.record.generated_tokens = self.generated
+            if not self.tokens:
+                return
+        self.deliver(event)
+
+    def deliver(self, event: Event) -> None:
+        """Queue ``event`` for the response (from any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.queue.get()
+            last = isinstance(event, (FinishEvent, ErrorEvent))
+            if last:
+                self.finished = True  # before the yield: a caller that returns after the last event ends it
+            yield event
+            if last:
+                return
+
+    def close(self) -> None:
+        """End of the response: cancel the sequence if it is still running and free the slot at once."""
+        if not self.finished and self.slot.held:
+            self.ticket.cancel()
+            if self.record is not None:
+                self.record.cancelled = True
+            self.slot.runtime.metrics.cancelled(len(self.request.prompt_ids), self.generated)
+        with self.slot.runtime._streams_lock:  # noqa: SLF001
+            self.slot.runtime.streams.discard(self)
+        self.slot.release()
+
+    async def wait_final(self, request: Request) -> FinishEvent | ErrorEvent | None:
+        """Wait for the last event of a non-streaming request; ``None`` (and cancelled) if the client left."""
+
+        async def final() -> FinishEvent | ErrorEvent:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return event
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message.get("type") == "http.disconnect":
+                    return
+
+        done_task = asyncio.ensure_future(final())
+        gone_task = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (done_task, gone_task):
+                if not task.done():
+                    task.cancel()
+        if done_task.done() and not done_task.cancelled():
+            self.finished = True
+            return done_task.result()
+        log.info("request %s: client disconnected; cancelled", self.request.request_id)
+        self.close()
+        return None
+
+
+def _logits_width(model: Any, tokenizer: Any) -> int:
+    """The size of the model's logits (its output embeddings), which can exceed the tokenizer's vocabulary."""
+    try:
+        return int(model.get_output_embeddings().weight.shape[0])
+    except (AttributeError, NotImplementedError, TypeError):
+        size = getattr(getattr(model, "config", None), "vocab_size", None)
+        return int(size) if isinstance(size, int) else len(tokenizer)
+
+
+def open_streams(
+    runtime: Runtime, engine: Engine, requests: list[GenerationRequest], stream: bool
+) -> list[EngineStream]:
+    """Submit every sequence of one HTTP request (``n``, ``best_of``, several prompts), each holding a slot of the
+    concurrency limit; if one cannot be admitted, those already submitted are cancelled and the error raised.
+    ``stream``: the response streams tokens (else only the final events are delivered, see :class:`EngineStream`)."""
+    streams: list[EngineStream] = []
+    try:
+        for gen in requests:
+            slot = runtime.acquire()
+            try:
+                streams.append(EngineStream(engine, gen, slot, tokens=stream))
+            except BaseException:
+                slot.release()
+                raise
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+async def wait_all(streams: list[EngineStream], request: Request) -> list[FinishEvent | ErrorEvent] | None:
+    """The final event of every stream, in order; ``None`` (all cancelled) if the client went away first."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                return
+
+    async def final(stream: EngineStream) -> FinishEvent | ErrorEvent:
+        while True:
+            event = await stream.queue.get()
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                stream.finished = True
+                return event
+
+    finals = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({finals, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (finals, gone):
+            if not task.done():
+                task.cancel()
+        for stream in streams:
+            stream.close()
+    if finals.done() and not finals.cancelled():
+        return list(finals.result())
+    log.info("request %s: client disconnected; cancelled", streams[0].request.request_id)
+    return None
+
+
+async def merged_events(streams: list[EngineStream]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of several streams as they come, each with its stream's index; ends when all have ended."""
+    getters: dict[int, asyncio.Future[Event]] = {}
+    try:
+        for i, stream in enumerate(streams):
+            getters[i] = asyncio.ensure_future(stream.queue.get())
+        while getters:
+            await asyncio.wait(set(getters.values()), return_when=asyncio.FIRST_COMPLETED)
+            for i in sorted(i for i, g in getters.items() if g.done()):
+                event = getters.pop(i).result()
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    streams[i].finished = True
+                else:
+                    getters[i] = asyncio.ensure_future(streams[i].queue.get())
+                yield i, event
+    finally:
+        for g in getters.values():
+            g.cancel()
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on a worker thread: tokenizing or chat-templating a large prompt takes long enough to
+    stall every other route (health included) if it ran on the event loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def request_id_of(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))

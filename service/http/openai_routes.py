@@ -1,0 +1,366 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (streaming or not) and ``/v1/models``.
+
+Responses follow OpenAI's shapes closely enough that the official ``openai`` client works unchanged. Stop
+sequences are cut from the text (OpenAI's convention); in streams, text that might begin a stop sequence is held
+back until it is known not to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from service.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from service.engine.stop_matcher import StopHoldback
+from service.errors import openai_status
+from service.http.admission import (
+    EngineStream,
+    merged_events,
+    off_loop,
+    open_streams,
+    request_id_of,
+    runtime_of,
+    wait_all,
+)
+from service.http.event_stream import event_stream, json_event, text_event
+from service.schemas.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
+from service.schemas.response_models import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorEnvelope,
+    openai_error_body,
+)
+from service.schemas.validation import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+def openai_error(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
+    return openai_error_body(message, error_type, code)
+
+
+def _final_text(final: FinishEvent) -> str:
+    return final.text[: final.stop_at] if final.stop_at is not None else final.text
+
+
+def _usage(finals: list[FinishEvent], per_prompt: int) -> dict[str, int]:
+    """Token counts: each prompt once (its ``n`` sequences share it), every generated token (best_of's too)."""
+    prompt = sum(f.prompt_tokens for f in finals[::per_prompt])
+    generated = sum(f.generated_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def cumulative_logprob(final: FinishEvent) -> float:
+    return sum(t.logprob for t in final.tokens)
+
+
+def _check_model(request: Request, name: str | None) -> str:
+    """The served model's name. As in TGI, the request's ``model`` is not checked: one model is served, and
+    clients that must send some name (huggingface_hub sends ``"dummy"``, others ``"tgi"``) work unchanged."""
+    loaded = runtime_of(request).loaded
+    served = loaded.name if loaded else ""
+    if name and loaded and name not in (served, str(loaded.path)):
+        log.debug("request names model %r; serving %r", name, served)
+    return served
+
+
+async def _start(request: Request, build, user: str | None, stream: bool) -> tuple[list[EngineStream], Any]:
+    """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
+    runtime = runtime_of(request)
+    engine, validator, _ = runtime.require_ready()
+    gens = await off_loop(build, validator, request_id_of(request))
+    if user:
+        log.info("request %s: user %r", request_id_of(request), user)
+    return open_streams(runtime, engine, gens, stream), validator
+
+
+async def _finals_or_response(
+    streams: list[EngineStream], request: Request, rid: str
+) -> tuple[list[FinishEvent], Response | None]:
+    """Wait for every sequence of a non-streamed request. When there is nothing to build an answer on (the client
+    left, or a sequence failed), the second item is the response to send instead."""
+    finals = await wait_all(streams, request)
+    if finals is None:
+        return [], Response(status_code=499)
+    for final in finals:
+        if isinstance(final, ErrorEvent):
+            log.error("request %s failed: %s", rid, final.message)
+            status = openai_status(final.status_code, final.error_type)
+            return [], JSONResponse(openai_error(final.message, final.error_type), status_code=status)
+    return [f for f in finals if isinstance(f, FinishEvent)], None
+
+
+def _stream_response(
+    request: Request,
+    streams: list[EngineStream],
+    rid: str,
+    make_chunk: Callable[[int, str, str | None, TokenEvent | None], dict[str, Any]],
+    first_chunks: list[dict[str, Any]],
+    include_usage: bool,
+    every_token: bool,
+    per_prompt: int,
+) -> EventSourceResponse:
+    """Server-sent chunks for one or more sequences (choice ``i`` is stream ``i``). With ``every_token`` (logprobs
+    asked for) each token gets a chunk even while its text is held back."""
+
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        holds = [StopHoldback(s.request.stop) for s in streams]
+        finals: dict[int, FinishEvent] = {}
+        try:
+            for first in first_chunks:
+                yield json_event(first)
+            async for i, ev in merged_events(streams):
+                if isinstance(ev, ErrorEvent):
+                    log.error("request %s failed mid-stream: %s", rid, ev.message)
+                    yield json_event(openai_error(ev.message, ev.error_type))
+                    return
+                if not isinstance(ev, TokenEvent):
+                    continue
+                if ev.final is None:
+                    piece = holds[i].push(ev.text)
+                    if piece or every_token:
+                        yield json_event(make_chunk(i, piece, None, ev))
+                    continue
+                finals[i] = ev.final
+                rest = holds[i].finish(_final_text(ev.final))
+                yield json_event(make_chunk(i, rest, FINISH[ev.final.reason], ev))
+            if include_usage:
+                last = make_chunk(0, "", None, None)
+                last["choices"] = []
+                last["usage"] = _usage([finals[i] for i in sorted(finals)], per_prompt)
+                yield json_event(last)
+            yield text_event("[DONE]")
+        finally:
+            for stream in streams:
+                stream.close()
+
+    return event_stream(events(), runtime_of(request).settings)
+
+
+def _model_card(request: Request) -> dict[str, Any] | None:
+    runtime = runtime_of(request)
+    loaded = runtime.loaded
+    if loaded is None:
+        return None
+    return {
+        "id": loaded.name,
+        "object": "model",
+        "created": int(runtime.host.state.ready_at or time.time()),
+        "owned_by": "loadmaster",
+    }
+
+
+#: The statuses every ``/v1`` route may answer (the middleware's, in OpenAI's envelope: validation is 400 here).
+_V1_ERRORS = (400, 401, *(s for s in BODY_ERRORS if s != 422))
+
+
+@router.get("/models", summary="The served model", response_model=ModelList, responses=errors(*_V1_ERRORS, openai=True))
+async def models(request: Request) -> dict[str, Any]:
+    card = _model_card(request)
+    return {"object": "list", "data": [card] if card else []}
+
+
+@router.get(
+    "/models/{model_id:path}",
+    summary="One model by id (404 unless it is the served one)",
+    response_model=ModelCard,
+    responses=errors(*_V1_ERRORS, 404, openai=True),
+)
+async def model(request: Request, model_id: str) -> Response:
+    card = _model_card(request)
+    if card is None or model_id != card["id"]:
+        served = card["id"] if card else "none (still loading)"
+        message = f"The model {model_id!r} does not exist on this server; it serves {served!r} (see GET /v1/models)."
+        return JSONResponse(openai_error(message, "not_found", "model_not_found"), status_code=404)
+    return JSONResponse(card)
+
+
+def _completion_logprobs(tokens: list[Any], top: bool, start: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object for completions: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (token text -> logprob, per position) and ``text_offset``. ``tokens`` are prompt then generated tokens."""
+    offsets, pos = [], start
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} if t.logprob is not None else None for t in tokens]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
+
+
+def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[list[int]]) -> list[str]:
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if body.prompt and all(isinstance(x, str) for x in body.prompt):
+        return list(body.prompt)  # type: ignore[arg-type]
+    return [validator.tokenizer.decode(ids) for ids in gens_prompts]
+
+
+@router.post(
+    "/completions",
+    summary="Text completion (OpenAI shape)",
+    response_model=CompletionResponse,
+    responses={
+        **streamed(
+            "The completion, or (stream: true) chunks.", CompletionChunk, OpenAIErrorEnvelope, done_sentinel=True
+        ),
+        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+    },
+)
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    name = _check_model(request, body.model)
+    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user, bool(body.stream))
+    rid = request_id_of(request)
+    cid, created = f"cmpl-{rid}", int(time.time())
+    n = body.n
+    per = body.best_of or n
+    want_logprobs = body.logprobs is not None
+    top = bool(body.logprobs)
+
+    if body.stream:
+
+        def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
+            lp = _completion_logprobs([ev], top) if want_logprobs and ev is not None else None
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
+            }
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return _stream_response(request, streams, rid, chunk, [], include_usage, want_logprobs, n)
+
+    finals, early = await _finals_or_response(streams, request, rid)
+    if early is not None:
+        return early
+    prompts = _prompt_texts(body, validator, [s.request.prompt_ids for s in streams[::per]])
+    choices = []
+    for p, prompt_text in enumerate(prompts):
+        group = finals[p * per : (p + 1) * per]
+        if per > n:
+            group = sorted(group, key=cumulative_logprob, reverse=True)[:n]
+        for j, final in enumerate(group):
+            text = _final_text(final)
+            logprobs = None
+            if want_logprobs:
+                # echoed special tokens (a BOS) add no text, so the tokens still spell the echoed text
+                prompt = [replace(t, text="") if t.special else t for t in final.prefill] if body.echo else []
+                tokens = prompt + list(final.tokens)
+                logprobs = _completion_logprobs(tokens, top)
+            if body.echo:
+                text = prompt_text + text
+            choices.append(
+                {"index": p * n + j, "text": text, "logprobs": logprobs, "finish_reason": FINISH[final.reason]}
+            )
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": _usage(finals, per),
+        }
+    )
+
+
+def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
+    return {
+        "token": ev.text,
+        "logprob": ev.logprob,
+        "bytes": list(ev.text.encode()),
+        "top_logprobs": [
+            {"token": a.text, "logprob": a.logprob, "bytes": list(a.text.encode())} for a in ev.top_tokens
+        ],
+    }
+
+
+@router.post(
+    "/chat/completions",
+    summary="Chat completion (OpenAI shape)",
+    response_model=ChatCompletionResponse,
+    responses={
+        **streamed(
+            "The chat completion, or (stream: true) chunks.",
+            ChatCompletionChunk,
+            OpenAIErrorEnvelope,
+            done_sentinel=True,
+        ),
+        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+    },
+)
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    name = _check_model(request, body.model)
+    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user, bool(body.stream))
+    rid = request_id_of(request)
+    cid, created = f"chatcmpl-{rid}", int(time.time())
+
+    if body.stream:
+
+        def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
+            delta = {"content": text} if text or finish is None else {}
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": {"content": [_chat_logprob(ev)]} if body.logprobs and ev is not None else None,
+                        "finish_reason": finish,
+                    }
+                ],
+            }
+
+        firsts = []
+        for i in range(len(streams)):
+            first = chunk(i, "", None, None)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            firsts.append(first)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return _stream_response(request, streams, rid, chunk, firsts, include_usage, body.logprobs, len(streams))
+
+    finals, early = await _finals_or_response(streams, request, rid)
+    if early is not None:
+        return early
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": _final_text(final)},
+                    "logprobs": {"content": [_chat_logprob(t) for t in final.tokens]} if body.logprobs else None,
+                    "finish_reason": FINISH[final.reason],
+                }
+                for i, final in enumerate(finals)
+            ],
+            "usage": _usage(finals, len(finals)),
+        }
+    )

@@ -1,0 +1,1 @@
+"""The served model: loading it in the background, its positions, path confinement, demo and random models."""

@@ -1,0 +1,419 @@
+"""What each route answers, as pydantic models: the OpenAPI document's response schemas.
+
+The routes build their answers as plain dicts (and return them as ``JSONResponse``), so these models document the
+answers rather than produce them; the schemathesis test (``tests/service/schemas/test_openapi_fuzz.py``) holds them to the
+real responses by validating every answer it receives against them. Two models here are also the one definition
+of the error envelopes that :func:`service.http.app.error_response` and the routes build: :class:`ErrorEnvelope`
+(loadmaster's own routes) and :class:`OpenAIErrorEnvelope` (OpenAI's shape, under ``/v1``).
+
+Optional keys that a route leaves out unless asked for (TGI ``details``, ``top_tokens``) are fields with a default,
+so the schema does not require them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Answer(BaseModel):
+    """Base of the response models: closed (an undocumented key is a mismatch the fuzz test reports)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ------------------------------------------------------------------------------------------------------
+
+
+class ErrorEnvelope(_Answer):
+    """Every error of loadmaster's own routes (and a TGI stream's error event): the message says what was wrong and
+    what to do; ``error_type`` is stable (``validation``, ``overloaded``, ``not_ready``, ``authentication``,
+    ``payload_too_large``, ``unsupported_media_type``, ``plan_limit``, ``plan``, ``checkpoint``, ``generation``...)."""
+
+    error: str = Field(description="What was wrong, and what to do about it.")
+    error_type: str = Field(description="A stable machine-readable kind of error.")
+
+
+class OpenAIErrorDetail(_Answer):
+    message: str
+    type: str = Field(description="The same stable kinds as ErrorEnvelope.error_type.")
+    param: str | None = None
+    code: str | None = Field(None, description="e.g. model_not_found")
+
+
+class OpenAIErrorEnvelope(_Answer):
+    """Every error under ``/v1``, in OpenAI's shape (a request that fails validation is a 400 there, not a 422)."""
+
+    error: OpenAIErrorDetail
+
+
+def error_body(message: str, error_type: str) -> dict[str, Any]:
+    """The error envelope of loadmaster's own routes, as a JSON-ready dict."""
+    return ErrorEnvelope(error=message, error_type=error_type).model_dump()
+
+
+def openai_error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope, as a JSON-ready dict."""
+    return OpenAIErrorEnvelope(error=OpenAIErrorDetail(message=message, type=error_type, code=code)).model_dump()
+
+
+# -- TGI ---------------------------------------------------------------------------------------------------------
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class TGIToken(_Answer):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class TGIPrefillToken(_Answer):
+    id: int
+    text: str
+    logprob: float | None = Field(description="null for the first prompt token.")
+
+
+class TGISequenceDetails(_Answer):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[TGIPrefillToken] = Field(description="The prompt's tokens with decoder_input_details, else [].")
+    tokens: list[TGIToken]
+    top_tokens: list[list[TGIToken]] | None = Field(None, description="With top_n_tokens: alternatives per token.")
+
+
+class TGIBestOfSequence(TGISequenceDetails):
+    generated_text: str
+
+
+class TGIDetails(TGISequenceDetails):
+    best_of_sequences: list[TGIBestOfSequence] | None = Field(None, description="With best_of > 1: the others.")
+
+
+class TGIGenerateResponse(_Answer):
+    """``POST /generate`` (and each item of ``POST /``'s list)."""
+
+    generated_text: str
+    details: TGIDetails | None = Field(None, description="With parameters.details=true.")
+
+
+class TGIStreamDetails(_Answer):
+    finish_reason: FinishReason
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+class TGIStreamEvent(_Answer):
+    """One ``data:`` event of ``POST /generate_stream``; the last one carries ``generated_text`` and ``details``.
+    A failure mid-stream is one :class:`ErrorEnvelope` event instead."""
+
+    index: int
+    token: TGIToken
+    generated_text: str | None
+    details: TGIStreamDetails | None
+    top_tokens: list[TGIToken] | None
+
+
+class TokenSpan(_Answer):
+    """One token of ``POST /tokenize``: its id, and the span of the input it covers."""
+
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+# -- health and info ---------------------------------------------------------------------------------------------
+
+
+class HealthResponse(_Answer):
+    status: Literal["ok"]
+
+
+class LoadState(_Answer):
+    """How far the model's load has come (``GET /health/ready``, and ``status`` in ``GET /info``)."""
+
+    status: str = Field(description="The load phase (ready, loading, failed, ...) or draining / engine stopped.")
+    progress: float = Field(ge=0, le=1)
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+    rate_bytes_per_s: int | None = None
+    error: str | None = Field(None, description="Why the load failed.")
+    error_type: str | None = None
+
+
+class ServerLimits(_Answer):
+    max_concurrent_requests: int
+    max_batch_size: int
+    max_input_tokens: int
+    max_total_tokens: int
+    default_max_new_tokens: int
+    max_body_bytes: int
+
+
+class KernelState(_Answer):
+    available: bool
+    reason: str
+
+
+class KernelReport(_Answer):
+    choice: str
+    kernels: dict[str, KernelState | None]
+
+
+class DevicePipelineInfo(_Answer):
+    """The micro-batch schedule over this host's GPUs (``service.engine.multi_gpu_runner``)."""
+
+    active: bool
+    reason: str
+    runs: int
+    devices: list[str]
+    layers: list[list[int]]
+    micro_batches: int
+    standin: bool
+
+
+class InfoResponse(_Answer):
+    """``GET /info``: the version, load state and limits; with the model loaded, what was loaded and how."""
+
+    version: str
+    status: LoadState
+    limits: ServerLimits
+    model_id: str | None
+    model_path: str | None = None
+    architecture: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    device_map: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = Field(None, description="The plan in force, as POST /plan answers it.")
+    memory: dict[str, Any] | None = Field(None, description="Per device: planned and measured bytes.")
+    load_stats: Any = None
+    cpu_kernels: KernelReport | None = None
+    prefix_cache: bool = Field(True, description="Whether prompts reuse the KV of prefixes the cache holds.")
+    pipeline: dict[str, Any] | None = Field(
+        None, description="Served with --pipeline: every stage's rank, layers, memory planned and measured, busy time."
+    )
+    device_pipeline: DevicePipelineInfo | None = Field(
+        None, description="Whether steps run in micro-batches over the GPUs of this host, over which runs, and why."
+    )
+
+
+# -- /plan -------------------------------------------------------------------------------------------------------
+
+
+class PlanWorkload(_Answer):
+    dtype: str
+    quantization: str | None
+    batch_size: int
+    context: int
+    cpu_quantization: str | None = None
+
+
+class PlanBudget(_Answer):
+    device: int | str
+    capacity: int
+    weights: int
+    kv_cache: int
+    activations: int
+    reserve: int
+    blocks: list[str]
+    total: int
+    free: int
+
+
+class PlanPrediction(_Answer):
+    load_seconds: float
+    decode_tokens_per_s: float
+    seconds_per_token_by_device: dict[str, float]
+    cost_model: str
+
+
+class WhatIfAnswer(_Answer):
+    question: Literal["max_context", "max_batch"]
+    batch_size: int | None = None
+    context: int | None = None
+    max_context: int | None = None
+    max_batch_size: int | None = None
+    limit: int | None = None
+
+
+class PlanResponse(_Answer):
+    """``POST /plan``: the Plan JSON (``Plan.from_dict`` reads it back), with ``what_if`` when asked."""
+
+    model: str
+    architecture: str
+    strategy: str
+    workload: PlanWorkload
+    device_map: dict[str, int | str]
+    budgets: list[PlanBudget]
+    offloaded_bytes: int
+    prediction: PlanPrediction
+    warnings: list[str]
+    reasons: list[str]
+    placement: dict[str, int | str]
+    fingerprint: str | None
+    revision: str | None
+    cpu_compute: list[str] = Field(
+        default_factory=list, description="Device-map keys on cpu that compute there (routed experts, CPU layers)."
+    )
+    what_if: WhatIfAnswer | None = None
+
+
+class NoPlanResponse(_Answer):
+    """``POST /plan`` with ``what_if`` when nothing fits the request as given: no plan, and the what-if answer."""
+
+    plan: None
+    what_if: WhatIfAnswer
+
+
+class ClusterPlanResponse(_Answer):
+    """``POST /plan`` with ``hosts``: the ClusterPlan JSON (``ClusterPlan.from_dict`` reads it back); each stage
+    holds its host's Plan."""
+
+    model: str
+    architecture: str
+    workload: PlanWorkload
+    micro_batches: int
+    micro_batch_size: int
+    inter_host_bandwidth: float
+    stages: list[dict[str, Any]]
+    hops: list[dict[str, Any]]
+    prediction: dict[str, Any]
+    reasons: list[str]
+    fingerprint: str | None
+    revision: str | None
+
+
+# -- OpenAI ------------------------------------------------------------------------------------------------------
+
+OpenAIFinish = Literal["length", "stop"]
+
+
+class Usage(_Answer):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Answer):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(_Answer):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: OpenAIFinish
+
+
+class CompletionResponse(_Answer):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(_Answer):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: OpenAIFinish | None
+
+
+class CompletionChunk(_Answer):
+    """One ``data:`` event of a streamed completion (then ``data: [DONE]``). With ``stream_options.include_usage``
+    the last chunk has no choices and carries ``usage``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Answer):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(_Answer):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Answer):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: OpenAIFinish
+
+
+class ChatCompletionResponse(_Answer):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Answer):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Answer):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: OpenAIFinish | None
+
+
+class ChatCompletionChunk(_Answer):
+    """One ``data:`` event of a streamed chat completion (then ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Answer):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Answer):
+    object: Literal["list"]
+    data: list[ModelCard]

@@ -1,0 +1,260 @@
+"""Decode steps on the native kernels end to end (:mod:`loaders.native.decode_step`), on every instruction-set path this
+CPU has: fp32 logits within 1e-5 of transformers' own forward, a row's bf16 result independent of its batch and of
+the slots around it, quantized layers, biases (Qwen2), disk readahead's pre-hooks, and the models it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import loaders
+from loaders.native.attention import use_native_attention
+from loaders.native.decode_step import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul
+from loaders.native.linear import use_native_linears
+from tests.models import tiny_gpt2_dir, tiny_llama_dir
+
+SLOTS, CAPACITY = 6, 64
+#: Llama 3's frequency-dependent scaling (positions past 16 are scaled), so the step's cos/sin table is tested on it.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def _model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A small random model of a transformers class, switched to the native kernels as a load would do."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    if kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":  # an RMSNorm on each q and k head
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=LLAMA3_ROPE))
+    model = model.to(dtype).eval()
+    with torch.no_grad():  # random biases and norm weights (their default init, 0 and 1, would test little)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.normal_(1, 0.3)
+    use_native_linears(model)
+    use_native_attention(model)
+    return model
+
+
+def _prefilled(model, prompts: dict[int, list[int]]) -> tuple[dict, dict]:
+    """Slot storage ``[SLOTS, KV, CAPACITY, D]`` per layer, each prompt's keys and values written into its slot by
+    transformers' own forward."""
+    keys: dict[int, torch.Tensor] = {}
+    values: dict[int, torch.Tensor] = {}
+    with torch.inference_mode():
+        for slot, ids in prompts.items():
+            cache = DynamicCache()
+            model(torch.tensor([ids]), cache=cache, use_cache=True)
+            for i, layer in enumerate(cache.layers):
+                k, v = layer.keys[0], layer.values[0]  # [KV, T, D]
+                if i not in keys:
+                    keys[i] = k.new_zeros(SLOTS, k.shape[0], CAPACITY, k.shape[2])
+                    values[i] = v.new_zeros(SLOTS, v.shape[0], CAPACITY, v.shape[2])
+                keys[i][slot, :, : len(ids)] = k
+                values[i][slot, :, : len(ids)] = v
+    return keys, values
+
+
+def _step(decoder, rows: list[tuple[int, list[int], int]], keys, values) -> torch.Tensor:
+    """One step over rows (slot, prompt, next token)."""
+    with torch.inference_mode():
+        return decoder.step(
+            torch.tensor([t for _, _, t in rows]),
+            torch.tensor([len(p) for _, p, _ in rows]),
+            torch.tensor([s for s, _, _ in rows]),
+            keys,
+            values,
+        )
+
+
+#: Rows (slot, prompt, next token): different lengths, slots out of order and with gaps (several attention runs).
+ROWS = [(0, list(range(5, 22)), 7), (1, list(range(40, 49)), 11), (3, list(range(9, 40)), 3), (2, [4, 5], 290)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fp32_step_matches_transformers(native_path, kind):
+    model = _model(kind, torch.float32)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    logits = _step(decoder, ROWS, keys, values)
+    with torch.inference_mode():
+        for b, (slot, prompt, token) in enumerate(ROWS):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+            # the step wrote the token's keys where the next step reads them
+            cache = DynamicCache()
+            model(torch.tensor([prompt + [token]]), cache=cache, use_cache=True)
+            k = cache.layers[1].keys[0, :, -1]
+            assert (keys[1][slot, :, len(prompt)] - k).abs().max().item() <= 1e-5
+
+
+def test_bf16_row_does_not_depend_on_its_batch(native_path):
+    model = _model("qwen2", torch.bfloat16)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    together = _step(decoder, ROWS, keys, values)
+    for b, row in enumerate(ROWS):
+        alone = _step(decoder, [row], keys, values)
+        assert torch.equal(alone[0], together[b])
+    with torch.inference_mode():  # and within bf16 rounding of transformers' own forward
+        for b, (_, prompt, token) in enumerate(ROWS):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1].float()
+            assert (together[b].float() - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("kernel", ["add_rms_norm", "rope_store", "silu_mul"])
+def test_a_refused_element_step_fails_the_step_not_its_logits(native_path, kernel):
+    """Were an element-wise kernel to refuse a step (its shape checks), the step raises rather than return logits
+    computed from what its buffers held before."""
+    model = _model("llama", torch.float32)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    real = decoder._fn[kernel]  # noqa: SLF001
+    decoder._fn[kernel] = lambda *args: real(*args) or -1  # noqa: SLF001 - runs, then reports a refusal
+    with pytest.raises(RuntimeError, match="rejected a step of 4 rows"):
+        _step(decoder, ROWS, keys, values)
+    decoder._fn[kernel] = real  # noqa: SLF001
+    assert torch.isfinite(_step(decoder, ROWS, keys, values)).all()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_layers_run_their_kernels(native_path, scheme):
+    model = loaders.load_model(tiny_llama_dir(), device_map={"": "cpu"}, show_progress=False, cpu_quantization=scheme)
+    decoder = NativeDecoder(model)
+    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
+    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
+    logits = _step(decoder, rows, keys, values)
+    with torch.inference_mode():
+        for b, (_, prompt, token) in enumerate(rows):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            # the same kernels, fed the same activations up to the norms' order of summation; activation
+            # quantization can turn such a difference into one quantum of a product
+            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+def test_pre_hooks_run_at_their_layer(native_path):
+    model = _model("llama", torch.float32)
+    seen: list[str] = []
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.append("layer 1 mlp"))
+    model.lm_head.register_forward_pre_hook(lambda m, a: seen.append("head"))
+    model.model.register_forward_pre_hook(lambda m, a: seen.append("decoder"))  # around every layer
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {0: [1, 2, 3]})
+    seen.clear()
+    _step(decoder, [(0, [1, 2, 3], 4)], keys, values)
+    assert seen == ["decoder", "layer 1 mlp", "head"]
+
+
+def test_declines_what_it_does_not_run(kernel_path, monkeypatch):
+    llama = _model("llama", torch.float32)
+    gpt2 = loaders.load_model(tiny_gpt2_dir(), device_map={"": "cpu"}, show_progress=False)
+    assert NativeDecoder.for_model(gpt2) is None
+    if not kernel_path.available:
+        assert NativeDecoder.for_model(llama) is None
+        return
+    decoder = NativeDecoder.for_model(llama)
+    assert decoder is not None
+    every_cache = {layer.index: torch.empty(0) for layer in decoder.layers}
+    assert decoder.takes(1, every_cache) and not decoder.takes(MAX_ROWS + 1, every_cache)
+    handle = llama.register_forward_pre_hook(lambda m, a: None)  # added later: only the model's forward runs it
+    assert not decoder.takes(1, every_cache)
+    handle.remove()
+    monkeypatch.setenv("LOADMASTER_NATIVE_DECODE", "0")
+    assert NativeDecoder.for_model(llama) is None
+    monkeypatch.setenv("LOADMASTER_NATIVE_DECODE", "sometimes")
+    with pytest.raises(ValueError, match="LOADMASTER_NATIVE_DECODE='sometimes'"):
+        NativeDecoder.for_model(llama)
+    monkeypatch.delenv("LOADMASTER_NATIVE_DECODE")
+    llama.model.layers[0].register_forward_hook(lambda m, a, o: None)
+    assert NativeDecoder.for_model(llama) is None
+    plain_head = _model("llama", torch.float32)
+    plain_head.lm_head.__class__ = torch.nn.Linear  # a layer on no native kernel
+    assert NativeDecoder.for_model(plain_head) is None
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance in bf16 steps between two bf16 tensors of finite values."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_element_steps_round_as_transformers_modules(native_path, dtype):
+    """RMSNorm after the residual add, rotary + cache write, SiLU * up against transformers' own modules: rotary
+    bit for bit (the same products and sum, each rounded where torch rounds), the norm and SiLU within one bf16 step
+    (the order of the norm's sum, the last bits of exp) or a few float32 ulps."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    rows, hidden, heads, kv, d = 5, 96, 6, 2, 16
+    h = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g))
+    want_h = h + delta
+    with torch.inference_mode():
+        want = norm(want_h)
+        got = add_rms_norm(h, delta, norm.weight.detach(), 1e-5)
+    assert torch.equal(h, want_h)
+    if dtype is torch.bfloat16:
+        assert _ulps_apart(got, want) <= 1
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    angles = torch.randn(40, d // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q = torch.randn(rows, heads * d, generator=g).to(dtype)
+    k = torch.randn(rows, kv * d, generator=g).to(dtype)
+    v = torch.randn(rows, kv * d, generator=g).to(dtype)
+    positions, slots = torch.tensor([0, 7, 39, 3, 12]), torch.tensor([2, 0, 5, 1, 4])
+    kc, vc = torch.zeros(6, kv, 40, d, dtype=dtype), torch.zeros(6, kv, 40, d, dtype=dtype)
+    q4, k4 = q.view(rows, heads, 1, d), k.view(rows, kv, 1, d)
+    want_q, want_k = apply_rotary_pos_emb(q4, k4, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), 1)
+    rope_store(q, k, v, cos, sin, positions, slots, kc, vc)
+    assert torch.equal(q.view(rows, heads, 1, d), want_q)
+    for b in range(rows):
+        assert torch.equal(kc[slots[b], :, positions[b]], want_k[b, :, 0])
+        assert torch.equal(vc[slots[b], :, positions[b]], v[b].view(kv, d))
+    assert int((kc != 0).any(-1).sum()) == rows * kv  # nothing else written
+
+    gate = (torch.randn(rows, 2100, generator=g) * 4).to(dtype)
+    gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range both ways, and zero
+    up = torch.randn(rows, 2100, generator=g).to(dtype)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate, up)
+    if dtype is torch.bfloat16:
+        assert _ulps_apart(got, want) <= 1
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)

@@ -1,0 +1,81 @@
+"""Disk-block readahead on a host without GPUs: advice only when the next block's bytes are not cached."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+import loaders
+from loaders.checkpoint.shard_reader import ShardReader
+from tests.loaders.helpers import copy_checkpoint
+
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4; Python < 3.12 lacks the constant
+
+
+def _page_out(reader: ShardReader, path: str, start: int, end: int) -> None:
+    """Drop a mapped range from memory and from the page cache (clean file pages), as memory pressure would.
+
+    Only the whole pages inside the range: a page it shares with a resident tensor is locked (loaders.checkpoint.residency),
+    and paging out a locked page is refused, as memory pressure would leave it."""
+    mm = reader.mapping(path)
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = min(len(mm), end) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        mm.madvise(MADV_PAGEOUT, lo, hi - lo)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _sync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_is_cached_follows_the_page_cache(tmp_path):
+    path = tmp_path / "blob.bin"
+    size = 8 << 20
+    path.write_bytes(os.urandom(size))
+    _sync(path)
+    reader = ShardReader()
+    reader.mapping(str(path))
+    reader.make_resident(str(path), 0, size)
+    assert reader.is_cached(str(path), 0, size)
+    _page_out(reader, str(path), 0, size)
+    assert not reader.is_cached(str(path), 0, size)
+    reader.make_resident(str(path), 0, size)
+    assert reader.is_cached(str(path), 0, size)
+    assert not reader.is_cached(str(tmp_path / "never-mapped"), 0, size)
+
+
+def test_readahead_advises_only_cold_blocks_and_results_do_not_change(tiny_llama, tmp_path):
+    # A private copy: other models in this process map the fixture's shards, which would keep its pages cached.
+    path = copy_checkpoint(tiny_llama, tmp_path / "model")
+    for f in path.glob("*.safetensors"):
+        _sync(f)  # dirty pages cannot be dropped
+    dm = {"model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
+    model = loaders.load_model(path, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
+    ra = model._loadmaster_readahead
+    reader = model._loadmaster_reader
+    advised: list[tuple[str, int, int]] = []
+    real = reader.advise_willneed
+    reader.advise_willneed = lambda path, start, end: (advised.append((path, start, end)), real(path, start, end))
+    ids = torch.arange(1, 10).unsqueeze(0)
+    with torch.no_grad():
+        first = model(ids).logits
+        advised.clear()
+        warm = model(ids).logits
+        assert advised == []  # every disk block was cached: no advice, no cost
+        for _, ranges in ra.blocks:
+            for path, start, end in ranges:
+                _page_out(reader, path, start, end)
+        cold = model(ids).logits
+    assert advised, "cold disk blocks were not advised"
+    assert torch.equal(first, warm) and torch.equal(first, cold)
