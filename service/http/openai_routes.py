@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from service.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
 from service.errors import openai_status
 from service.http.admission import (

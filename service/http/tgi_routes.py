@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 
-from service.engine.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
+from service.engine.requests import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.http.admission import EngineStream, off_loop, open_streams, request_id_of, runtime_of, wait_all
 from service.http.event_stream import event_stream, json_event
