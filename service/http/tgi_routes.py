@@ -39,7 +39,8 @@ from service.schemas.response_models import (
     TokenSpan,
     error_body,
 )
-from service.schemas.validation import TGIRequest, TokenizeRequest, refuse_unknown
+from service.schemas.tgi_requests import TGIRequest, TokenizeRequest, validate_tgi
+from service.schemas.validation import refuse_unknown
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     _check_tgi(body, stream)
-    gens = await off_loop(validator.tgi, body, request_id_of(request))
+    gens = await off_loop(validate_tgi, validator, body, request_id_of(request))
     return open_streams(runtime, engine, gens, stream)
 
 
