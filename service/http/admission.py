@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import anyio.to_thread
 from starlette.requests import Request
 
-from service.engine.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent, eos_ids
+from service.engine.engine import Engine, eos_ids
+from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
 from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics

@@ -48,7 +48,7 @@ class _MemoryCollector(Collector):
 
 
 class Metrics:
-    """All the service's metrics. Implements :class:`service.engine.engine.EngineMetrics`."""
+    """All the service's metrics. Implements :class:`service.engine.requests.EngineMetrics`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

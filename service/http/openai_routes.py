@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from service.engine.engine import ErrorEvent, FinishEvent, TokenEvent
+from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
 from service.errors import openai_status
 from service.http.admission import (
@@ -30,6 +30,7 @@ from service.http.admission import (
     wait_all,
 )
 from service.http.event_stream import event_stream, json_event, text_event
+from service.schemas.openai_requests import ChatCompletionRequest, CompletionRequest, validate_chat, validate_completion
 from service.schemas.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
 from service.schemas.response_models import (
     ChatCompletionChunk,
@@ -41,7 +42,6 @@ from service.schemas.response_models import (
     OpenAIErrorEnvelope,
     openai_error_body,
 )
-from service.schemas.validation import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,9 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
 )
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, validator = await _start(request, lambda v, rid: v.completion(body, rid), body.user, bool(body.stream))
+    streams, validator = await _start(
+        request, lambda v, rid: validate_completion(v, body, rid), body.user, bool(body.stream)
+    )
     rid = request_id_of(request)
     cid, created = f"cmpl-{rid}", int(time.time())
     n = body.n
@@ -312,7 +314,7 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
 )
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, _ = await _start(request, lambda v, rid: v.chat(body, rid), body.user, bool(body.stream))
+    streams, _ = await _start(request, lambda v, rid: validate_chat(v, body, rid), body.user, bool(body.stream))
     rid = request_id_of(request)
     cid, created = f"chatcmpl-{rid}", int(time.time())
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 
-from service.engine.engine import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
+from service.engine.requests import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.http.admission import EngineStream, off_loop, open_streams, request_id_of, runtime_of, wait_all
 from service.http.event_stream import event_stream, json_event
@@ -39,7 +39,8 @@ from service.schemas.response_models import (
     TokenSpan,
     error_body,
 )
-from service.schemas.validation import TGIRequest, TokenizeRequest, refuse_unknown
+from service.schemas.tgi_requests import TGIRequest, TokenizeRequest, validate_tgi
+from service.schemas.validation import refuse_unknown
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     _check_tgi(body, stream)
-    gens = await off_loop(validator.tgi, body, request_id_of(request))
+    gens = await off_loop(validate_tgi, validator, body, request_id_of(request))
     return open_streams(runtime, engine, gens, stream)
 
 

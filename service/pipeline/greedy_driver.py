@@ -16,7 +16,8 @@ from typing import Any
 
 from loaders.pipeline_stage import StageModel
 from planner.cluster import ClusterPlan
-from service.engine.engine import Engine, ErrorEvent, Event, FinishEvent, GenerationRequest
+from service.engine.engine import Engine
+from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRequest
 from service.errors import GenerationError
 from service.pipeline.stage_model import PipelineModel
 from service.pipeline.wire import PipelineBrokenError

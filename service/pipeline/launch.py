@@ -276,7 +276,7 @@ class Rank0:
 
 def _on_broken(app: Any, message: str) -> None:
     """The ring broke: readiness 503 with the reason, the error to every open request, then exit 1."""
-    from service.engine.engine import ErrorEvent
+    from service.engine.requests import ErrorEvent
     from service.errors import NotReadyError
 
     watchdog = threading.Timer(BROKEN_EXIT_S, os._exit, args=(1,))

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+from service.engine.engine import Engine
+from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import SamplingParams
 from service.errors import GenerationError, NotReadyError
 
@@ -315,7 +316,7 @@ def test_admission_waits_for_kv_budget_tokens(tiny_llama: Path) -> None:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(tiny_llama: Path, monkeypatch) -> None:
-    monkeypatch.setattr("service.engine.engine.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     long_prompt = tok(" ".join(PROMPTS * 4))["input_ids"]
@@ -425,7 +426,7 @@ def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_an
     a layer on disk is read once per iteration, not once for the prefill and again for the decode step."""
     from loaders.load import load_model
 
-    monkeypatch.setattr("service.engine.engine.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     device_map = {"": "cpu", "model.layers.1": "disk"}
     model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -436,7 +437,7 @@ def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_an
     step = engine._step
 
     def counted_step() -> None:
-        live = [s for s in engine._running if not s.done]
+        live = [s for s in engine.scheduler.running if not s.done]
         decoding = sum(1 for s in live if s.generated)
         prefilling = sum(1 for s in live if s.prefilling)
         before = reads[0]
@@ -466,7 +467,7 @@ def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_an
 def test_prompt_logprobs_come_from_the_chunked_prefill_itself(tiny_llama: Path, monkeypatch) -> None:
     """A prompt's own logprobs are scored from its prefill's logits, chunk after chunk (no second forward), and
     match plain transformers; such a prompt is prefilled whole even when the prefix cache holds it."""
-    monkeypatch.setattr("service.engine.engine.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompt = tok(" ".join(PROMPTS * 2))["input_ids"]

@@ -351,7 +351,8 @@ def test_poisoned_prefill_batch_is_bisected(tiny_llama: Path, reference) -> None
     first forward of all 13 prompts; only the request holding the marker fails."""
     from transformers import AutoModelForCausalLM
 
-    from service.engine.engine import Engine, ErrorEvent, FinishEvent, GenerationRequest
+    from service.engine.engine import Engine
+    from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest
 
     greedy, tok = reference
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
@@ -399,7 +400,8 @@ def test_a_one_off_model_error_in_a_batch_is_retried_apart(tiny_llama: Path, ref
     (Out of memory is not retried: tests/service/engine/test_engine.py checks that it fails the step's requests.)"""
     from transformers import AutoModelForCausalLM
 
-    from service.engine.engine import Engine, FinishEvent, GenerationRequest
+    from service.engine.engine import Engine
+    from service.engine.requests import FinishEvent, GenerationRequest
     from tests.service.engine.test_engine import _FailingForward, _run
 
     greedy, tok = reference

@@ -68,7 +68,7 @@ def test_stream_events_match_the_non_streamed_answer(client: httpx.Client) -> No
 def test_only_a_stream_wakes_the_event_loop_per_token(client: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-streamed answer waits for the final event alone: its tokens are counted on the engine side but never
     queued for the event loop (one wake-up per token would steal CPU from the decode loop); a stream gets each."""
-    from service.engine.engine import TokenEvent
+    from service.engine.requests import TokenEvent
     from service.http.admission import EngineStream
 
     delivered: list[tuple[bool, str]] = []
