@@ -9,7 +9,8 @@ with the cluster cost model's prediction for each.
 client sending two requests; tokens/s is all generated tokens over the wall time of the run.
 
 "Sequences" is the batch decoded together (1 and 16); the pipeline splits it into min(batch, ranks) micro-batches.
-One process is the model's own transformers class with the same left-padded greedy loop. Every figure is the best
+The pipeline runs rank 0's engine over the ring (``service.pipeline.greedy_driver``, as ``serve --pipeline`` does);
+one process is the model's own transformers class with a plain greedy loop. Every figure is the best
 of ``--repeats`` runs in one invocation. On a machine with fewer cores than ranks, ranks share cores, so no
 speed-up is expected: see docs/pipeline.md.
 """
@@ -67,7 +68,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, new_tokens: int, rep
     from loaders.load import load_stage
     from planner.cluster import plan_cluster
     from planner.placement.inputs import PlanInputs
-    from service.pipeline.wire import PipelineDriver, check_same_plan, serve_stage
+    from service.pipeline.greedy_driver import PipelineDriver
+    from service.pipeline.stage_loop import serve_stage
+    from service.pipeline.wire import check_same_plan
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
@@ -79,7 +82,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, new_tokens: int, rep
         check_same_plan(plan)
         stage = load_stage(model_dir, plan, rank)
         if rank == 0:
-            driver = PipelineDriver(stage, plan.micro_batches)
+            driver = PipelineDriver(stage, plan)
             best = float("inf")
             for i in range(repeats + 1):  # the first run warms up and is dropped
                 t0 = time.perf_counter()

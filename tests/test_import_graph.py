@@ -1,4 +1,5 @@
-"""The project's imports point one way and never in a circle: service -> loaders -> planner, and nothing into tests.
+"""The project's imports point one way and never in a circle: service -> loaders -> planner, and nothing into tests;
+inside each package, its subpackages too point one way (``service.http -> service.engine``, never back).
 
 Every import counts, including the function-local ones that hide a cycle from Python at start-up
 (see :mod:`tests.import_graph`).
@@ -18,8 +19,42 @@ PROJECT = ("planner", "loaders", "service", "bench", "tests")
 LAYERS = ("service", "loaders", "planner")
 
 
+#: Inside each package, its rooms from the top down: a module may import its own room or a room below it, never one
+#: above. A room is a subpackage, or a module at the package's top level; "" is the package's face (``__init__``).
+#: Rooms in one tuple stand on one floor (they may import each other, as long as no module cycle results).
+ROOMS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "planner": (
+        ("",),
+        ("cluster",),
+        ("api",),
+        ("placement",),
+        ("model",),
+        ("hardware",),
+        ("user_cache", "types", "errors"),
+    ),
+    "loaders": (("",), ("load", "pipeline_stage"), ("run",), ("native",), ("checkpoint",), ("errors",)),
+    "service": (
+        ("",),
+        ("cli",),
+        ("pipeline",),
+        ("http",),
+        ("schemas",),
+        ("engine",),
+        ("model",),
+        ("ui",),
+        ("settings",),
+        ("errors",),
+    ),
+}
+
+
 def _top(module: str) -> str:
     return module.split(".", 1)[0]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +91,28 @@ def test_layers_import_only_downwards(graph: ImportGraph):
         if _top(e.importer) in rank and _top(e.imported) in rank and rank[_top(e.imported)] < rank[_top(e.importer)]
     ]
     assert not bad, "imports must point service -> loaders -> planner:\n  " + "\n  ".join(bad)
+
+
+def test_every_room_of_every_package_is_named_in_the_order(graph: ImportGraph):
+    unnamed = sorted(
+        {f"{_top(m)}.{_room(m)}" for m in graph.files if _top(m) in ROOMS}
+        - {f"{top}.{room}" for top, floors in ROOMS.items() for floor in floors for room in floor}
+    )
+    assert not unnamed, f"new rooms: give each its floor in ROOMS (tests/test_import_graph.py): {unnamed}"
+
+
+def test_subpackages_import_only_downwards(graph: ImportGraph):
+    floor = {(top, room): i for top, floors in ROOMS.items() for i, rooms in enumerate(floors) for room in rooms}
+    bad = [
+        str(e)
+        for e in graph.edges
+        if _top(e.importer) == _top(e.imported) in ROOMS
+        and floor[(_top(e.imported), _room(e.imported))] < floor[(_top(e.importer), _room(e.importer))]
+    ]
+    assert not bad, (
+        "an import runs back up between subpackages (e.g. service.engine -> service.http): move the piece both "
+        "need down, or pass it in\n  " + "\n  ".join(bad)
+    )
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -1,6 +1,6 @@
 """Filling a model built on the meta device: setting each tensor, computing non-persistent buffers (rotary
 ``inv_freq``...) on their real device, and re-tying tied weights. The model itself is built by the planner's
-:func:`planner.model.skeleton.build_meta_model`, the one place a config becomes a model class.
+:func:`planner.model.meta_skeleton.build_meta_model`, the one place a config becomes a model class.
 """
 
 from __future__ import annotations

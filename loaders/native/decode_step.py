@@ -92,6 +92,199 @@ def _rms(norm: nn.Module, dtype: torch.dtype) -> tuple[int, float]:
     return w.data_ptr(), float(norm.variance_epsilon)
 
 
+@dataclass(frozen=True)
+class _Geometry:
+    """The sizes the step's buffers and kernel calls are cut to, read off the model's config and first layer."""
+
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def bf16(self) -> int:
+        """The kernels' dtype flag."""
+        return int(self.dtype is torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _StepBuffers:
+    """The step's activations, preallocated for :data:`MAX_ROWS` rows: every kernel call is bound to their
+    pointers once, when the decoder is made, so a step allocates nothing but its logits' copy."""
+
+    h: torch.Tensor  # the residual stream
+    x: torch.Tensor  # a norm's output: the products' input
+    delta: torch.Tensor  # attention's and the MLP's output, added to ``h`` at the next norm
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    act: torch.Tensor
+    logits: torch.Tensor
+
+    @classmethod
+    def allocate(cls, g: _Geometry) -> _StepBuffers:
+        r, d = MAX_ROWS, g.dtype
+        qd, kvd = g.heads * g.head_dim, g.kv_heads * g.head_dim
+        return cls(
+            h=torch.zeros(r, g.hidden, dtype=d),
+            x=torch.zeros(r, g.hidden, dtype=d),
+            delta=torch.zeros(r, g.hidden, dtype=d),
+            q=torch.zeros(r, qd, dtype=d),
+            k=torch.zeros(r, kvd, dtype=d),
+            v=torch.zeros(r, kvd, dtype=d),
+            attn=torch.zeros(r, qd, dtype=d),
+            gate=torch.zeros(r, g.intermediate, dtype=d),
+            up=torch.zeros(r, g.intermediate, dtype=d),
+            act=torch.zeros(r, g.intermediate, dtype=d),
+            logits=torch.zeros(r, g.vocab, dtype=d),
+        )
+
+
+def _llama_geometry(model: nn.Module) -> _Geometry:
+    """The geometry of a model :class:`NativeDecoder` has checked to be Llama-shaped, or why the kernels do not
+    take it (head size past 256 or not a multiple of 8, query heads not a multiple of the KV heads)."""
+    config, layers = model.config, model.model.layers
+    heads = int(config.num_attention_heads)
+    g = _Geometry(
+        dtype=model.model.embed_tokens.weight.dtype,
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(layers[0].self_attn.head_dim),
+        hidden=int(config.hidden_size),
+        intermediate=int(layers[0].mlp.gate_proj.out_features),
+        vocab=int(model.lm_head.out_features),
+    )
+    if g.head_dim > 256 or g.head_dim % 8 or g.heads % g.kv_heads:
+        raise NotNativeDecodable(f"head size {g.head_dim} / heads {g.heads}:{g.kv_heads} not taken")
+    return g
+
+
+class _KernelBinder:
+    """Binds each linear layer of the model to a kernel call on the step's buffers (a float, int8 or 4-bit native
+    kernel; sibling float products in one call), checking each weight's dtype, layout and shape on the way. Apart
+    from the decoder because it runs once, at set-up: the step only calls what it bound. Biases are converted once
+    and kept alive in ``keep``, since the calls hold only their pointers."""
+
+    def __init__(self, geometry: _Geometry, buffers: _StepBuffers, config: object):
+        self.geometry = geometry
+        self.buffers = buffers
+        self.config = config
+        self.keep: list[torch.Tensor] = []
+
+    def layer(self, layer: nn.Module) -> _Layer:
+        """One decoder layer's norms and products, or why the step cannot run it (a sliding window, other shapes)."""
+        attn, mlp, g, buf = layer.self_attn, layer.mlp, self.geometry, self.buffers
+        if getattr(attn, "sliding_window", None) is not None or getattr(self.config, "sliding_window", None):
+            if getattr(self.config, "use_sliding_window", True) is not False:
+                raise NotNativeDecodable("a layer attends over a sliding window")
+        if int(attn.head_dim) != g.head_dim or mlp.gate_proj.out_features != g.intermediate:
+            raise NotNativeDecodable("layers differ in shape")
+        qkv = self.products([attn.q_proj, attn.k_proj, attn.v_proj], buf.x, [buf.q, buf.k, buf.v])
+        gate_up = self.products([mlp.gate_proj, mlp.up_proj], buf.x, [buf.gate, buf.up])
+        return _Layer(
+            index=int(attn.layer_idx),
+            input_norm=_rms(layer.input_layernorm, g.dtype),
+            post_norm=_rms(layer.post_attention_layernorm, g.dtype),
+            head_norms=self._head_norms(attn),
+            qkv=qkv,
+            o=self.product(attn.o_proj, buf.attn, buf.delta),
+            gate_up=gate_up,
+            down=self.product(mlp.down_proj, buf.act, buf.delta),
+            scale=float(attn.scaling),
+            module=layer,
+        )
+
+    def _head_norms(self, attn: nn.Module) -> tuple[tuple[int, float], tuple[int, float]] | None:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None and k_norm is None:
+            return None
+        g = self.geometry
+        if q_norm is None or k_norm is None or any(n.weight.shape != (g.head_dim,) for n in (q_norm, k_norm)):
+            raise NotNativeDecodable("the attention normalises q or k in a way the step does not")
+        return _rms(q_norm, g.dtype), _rms(k_norm, g.dtype)
+
+    def _float_weight(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        if type(linear) is not NativeCPULinear:
+            return None
+        w, dtype = linear.weight, self.geometry.dtype
+        if w.dtype is not dtype or not w.is_cpu or w.dim() != 2 or w.stride(1) != 1:
+            raise NotNativeDecodable(f"a linear weight is {w.dtype} {tuple(w.shape)}, not row-contiguous {dtype}")
+        if w.shape[1] != x.shape[1] or w.shape[0] != out.shape[1]:
+            raise NotNativeDecodable("a linear layer's shape differs from the model's")
+        return w
+
+    def _bias(self, linear: nn.Module) -> int | None:
+        b = getattr(linear, "bias", None)
+        if b is None:
+            return None
+        b = b.detach().to(self.geometry.dtype).contiguous()
+        self.keep.append(b)
+        return b.data_ptr()
+
+    def products(self, linears: Sequence[nn.Module], x: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[_Product]:
+        """Sibling products of one input: one ``*_multi`` call where every weight is a float native one, else one
+        call each (the quantized kernels gain nothing from sharing a call: measured, see docs/kernels.md)."""
+        weights = [self._float_weight(m, x, o) for m, o in zip(linears, outs)]
+        if any(w is None for w in weights):
+            return [self.product(m, x, o) for m, o in zip(linears, outs)]
+        fn = kernel_build.function(kernel_build.KERNELS[self.geometry.dtype].multi)
+        count = len(linears)
+        ptrs = ctypes.c_void_p * count
+        ws = ptrs(*(w.data_ptr() for w in weights))
+        ldw = (ctypes.c_long * count)(*(w.stride(0) for w in weights))
+        bs = ptrs(*(self._bias(m) for m in linears))
+        os_ = ptrs(*(o.data_ptr() for o in outs))
+        ldo = (ctypes.c_long * count)(*(o.stride(0) for o in outs))
+        ns = (ctypes.c_int * count)(*(w.shape[0] for w in weights))
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        arrays = (ws, ldw, bs, os_, ldo, ns)  # kept alive by the closure
+
+        def call(m: int, threads: int) -> None:
+            if fn(xp, ldx, count, *arrays, m, k, threads) != 0:
+                raise RuntimeError("the native multi-product kernel rejected a decode step's shapes")
+
+        return [_Product(call)]
+
+    def product(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> _Product:
+        """``out = x @ W^T (+ b)`` on the float kernel of the model's dtype, or the int8 or 4-bit one."""
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
+        bias = self._bias(linear)
+        w = self._float_weight(linear, x, out)
+        if w is not None:
+            fn = kernel_build.function(kernel_build.KERNELS[self.geometry.dtype].name)
+            wp, ldw = w.data_ptr(), w.stride(0)
+
+            def call(m: int, threads: int) -> None:
+                if fn(xp, ldx, wp, ldw, bias, yp, ldy, m, n, k, threads) != 0:
+                    raise RuntimeError("the native linear kernel rejected a decode step's shapes")
+
+            return _Product(call)
+        if not isinstance(linear, QuantizedCPULinear):
+            raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
+        if linear.in_features != k or linear.out_features != n:
+            raise NotNativeDecodable("a quantized layer's shape differs from the model's")
+        qw, sc, bf16 = linear.qweight, linear.scales, self.geometry.bf16
+        if linear.scheme == "int8":
+            fn = kernel_build.function("linear_q8")
+            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr())
+        else:
+            fn = kernel_build.function("linear_q4")
+            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr(), sc.stride(0))
+
+        def qcall(m: int, threads: int) -> None:
+            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
+                raise RuntimeError("the native quantized kernel rejected a decode step's shapes")
+
+        return _Product(qcall)
+
+
 class NativeDecoder:
     """Decode steps of one model on the native kernels (see the module docstring). Build with :meth:`for_model`.
     One step at a time: the steps share the decoder's buffers (the engine's thread runs them)."""
@@ -120,28 +313,19 @@ class NativeDecoder:
             raise NotNativeDecodable("a module has forward hooks, which only its own forward would run")
         if not kernel_build.status().available:
             raise NotNativeDecodable(f"the native kernels are not loaded: {kernel_build.status().reason}")
-        attn0 = layers[0].self_attn
         self.model = model
-        self.dtype = dtype
-        self.bf16 = int(dtype is torch.bfloat16)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(attn0.head_dim)
-        self.hidden = int(config.hidden_size)
-        self.intermediate = int(layers[0].mlp.gate_proj.out_features)
-        self.vocab = int(head.out_features)
-        if self.head_dim > 256 or self.head_dim % 8 or self.heads % self.kv_heads:
-            raise NotNativeDecodable(f"head size {self.head_dim} / heads {self.heads}:{self.kv_heads} not taken")
+        self.geometry = _llama_geometry(model)
         self.embed = embed
         self.rotary = rotary
-        self._keep: list[torch.Tensor] = []  # biases converted for the kernels, whose pointers the calls hold
         self._fn = {
             name: kernel_build.function(name) for name in ("add_rms_norm", "rope_store", "silu_mul", "decode_attention")
         }
-        self._buffers()
-        self.layers = [self._layer(layer) for layer in layers]
+        self.buffers = _StepBuffers.allocate(self.geometry)
+        binder = _KernelBinder(self.geometry, self.buffers, config)
+        self.layers = [binder.layer(layer) for layer in layers]
         self.final_norm = _rms(inner.norm, dtype)
-        self.head = self._product(head, self.x, self.logits)
+        self.head = binder.product(head, self.buffers.x, self.buffers.logits)
+        self._keep = binder.keep  # biases converted for the kernels, whose pointers the calls hold
         self.final_norm_module, self.head_module = inner.norm, head
         staged = {id(m) for part in (embed, *layers, inner.norm, head) for m in part.modules()}
         #: Modules around the stages (``model.model``, ``model.model.layers``): their pre-hooks run first.
@@ -171,126 +355,7 @@ class NativeDecoder:
         log.info("decode steps run on the native kernels end to end (%d layers)", len(decoder.layers))
         return decoder
 
-    # -- set-up ------------------------------------------------------------------------------------------------------
-    def _buffers(self) -> None:
-        r, d = MAX_ROWS, self.dtype
-        qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.h = torch.zeros(r, self.hidden, dtype=d)
-        self.x = torch.zeros(r, self.hidden, dtype=d)
-        self.delta = torch.zeros(r, self.hidden, dtype=d)
-        self.q = torch.zeros(r, qd, dtype=d)
-        self.k = torch.zeros(r, kvd, dtype=d)
-        self.v = torch.zeros(r, kvd, dtype=d)
-        self.attn = torch.zeros(r, qd, dtype=d)
-        self.gate = torch.zeros(r, self.intermediate, dtype=d)
-        self.up = torch.zeros(r, self.intermediate, dtype=d)
-        self.act = torch.zeros(r, self.intermediate, dtype=d)
-        self.logits = torch.zeros(r, self.vocab, dtype=d)
-
-    def _layer(self, layer: nn.Module) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "sliding_window", None) is not None or getattr(self.model.config, "sliding_window", None):
-            if getattr(self.model.config, "use_sliding_window", True) is not False:
-                raise NotNativeDecodable("a layer attends over a sliding window")
-        if int(attn.head_dim) != self.head_dim or mlp.gate_proj.out_features != self.intermediate:
-            raise NotNativeDecodable("layers differ in shape")
-        qkv = self._products([attn.q_proj, attn.k_proj, attn.v_proj], self.x, [self.q, self.k, self.v])
-        gate_up = self._products([mlp.gate_proj, mlp.up_proj], self.x, [self.gate, self.up])
-        return _Layer(
-            index=int(attn.layer_idx),
-            input_norm=_rms(layer.input_layernorm, self.dtype),
-            post_norm=_rms(layer.post_attention_layernorm, self.dtype),
-            head_norms=self._head_norms(attn),
-            qkv=qkv,
-            o=self._product(attn.o_proj, self.attn, self.delta),
-            gate_up=gate_up,
-            down=self._product(mlp.down_proj, self.act, self.delta),
-            scale=float(attn.scaling),
-            module=layer,
-        )
-
-    def _head_norms(self, attn: nn.Module) -> tuple[tuple[int, float], tuple[int, float]] | None:
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        if q_norm is None and k_norm is None:
-            return None
-        if q_norm is None or k_norm is None or any(n.weight.shape != (self.head_dim,) for n in (q_norm, k_norm)):
-            raise NotNativeDecodable("the attention normalises q or k in a way the step does not")
-        return _rms(q_norm, self.dtype), _rms(k_norm, self.dtype)
-
-    def _float_weight(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-        if type(linear) is not NativeCPULinear:
-            return None
-        w = linear.weight
-        if w.dtype is not self.dtype or not w.is_cpu or w.dim() != 2 or w.stride(1) != 1:
-            raise NotNativeDecodable(f"a linear weight is {w.dtype} {tuple(w.shape)}, not row-contiguous {self.dtype}")
-        if w.shape[1] != x.shape[1] or w.shape[0] != out.shape[1]:
-            raise NotNativeDecodable("a linear layer's shape differs from the model's")
-        return w
-
-    def _bias(self, linear: nn.Module) -> int | None:
-        b = getattr(linear, "bias", None)
-        if b is None:
-            return None
-        b = b.detach().to(self.dtype).contiguous()
-        self._keep.append(b)
-        return b.data_ptr()
-
-    def _products(self, linears: Sequence[nn.Module], x: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[_Product]:
-        """Sibling products of one input: one ``*_multi`` call where every weight is a float native one, else one
-        call each (the quantized kernels gain nothing from sharing a call: measured, see docs/kernels.md)."""
-        weights = [self._float_weight(m, x, o) for m, o in zip(linears, outs)]
-        if any(w is None for w in weights):
-            return [self._product(m, x, o) for m, o in zip(linears, outs)]
-        fn = kernel_build.function(kernel_build.KERNELS[self.dtype].multi)
-        count = len(linears)
-        ptrs = ctypes.c_void_p * count
-        ws = ptrs(*(w.data_ptr() for w in weights))
-        ldw = (ctypes.c_long * count)(*(w.stride(0) for w in weights))
-        bs = ptrs(*(self._bias(m) for m in linears))
-        os_ = ptrs(*(o.data_ptr() for o in outs))
-        ldo = (ctypes.c_long * count)(*(o.stride(0) for o in outs))
-        ns = (ctypes.c_int * count)(*(w.shape[0] for w in weights))
-        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
-        arrays = (ws, ldw, bs, os_, ldo, ns)  # kept alive by the closure
-
-        def call(m: int, threads: int) -> None:
-            if fn(xp, ldx, count, *arrays, m, k, threads) != 0:
-                raise RuntimeError("the native multi-product kernel rejected a decode step's shapes")
-
-        return [_Product(call)]
-
-    def _product(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> _Product:
-        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
-        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
-        bias = self._bias(linear)
-        w = self._float_weight(linear, x, out)
-        if w is not None:
-            fn = kernel_build.function(kernel_build.KERNELS[self.dtype].name)
-            wp, ldw = w.data_ptr(), w.stride(0)
-
-            def call(m: int, threads: int) -> None:
-                if fn(xp, ldx, wp, ldw, bias, yp, ldy, m, n, k, threads) != 0:
-                    raise RuntimeError("the native linear kernel rejected a decode step's shapes")
-
-            return _Product(call)
-        if not isinstance(linear, QuantizedCPULinear):
-            raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
-        if linear.in_features != k or linear.out_features != n:
-            raise NotNativeDecodable("a quantized layer's shape differs from the model's")
-        qw, sc, bf16 = linear.qweight, linear.scales, self.bf16
-        if linear.scheme == "int8":
-            fn = kernel_build.function("linear_q8")
-            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr())
-        else:
-            fn = kernel_build.function("linear_q4")
-            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr(), sc.stride(0))
-
-        def qcall(m: int, threads: int) -> None:
-            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
-                raise RuntimeError("the native quantized kernel rejected a decode step's shapes")
-
-        return _Product(qcall)
-
+    # -- the step ----------------------------------------------------------------------------------------------------
     def _rope_table(self, need: int) -> None:
         """cos and sin for positions ``[0, need)`` as the model's rotary module makes them, grown by doubling."""
         if self._cos.shape[0] >= need:
@@ -298,10 +363,11 @@ class NativeDecoder:
         n = max(64, self._cos.shape[0])
         while n < need:
             n *= 2
-        probe = torch.zeros(1, dtype=self.dtype)
+        dtype = self.geometry.dtype
+        probe = torch.zeros(1, dtype=dtype)
         cos, sin = self.rotary(probe, torch.arange(n).unsqueeze(0))
-        self._cos = cos[0].to(self.dtype).contiguous()
-        self._sin = sin[0].to(self.dtype).contiguous()
+        self._cos = cos[0].to(dtype).contiguous()
+        self._sin = sin[0].to(dtype).contiguous()
 
     # -- the step ----------------------------------------------------------------------------------------------------
     def takes(self, rows: int, keys: Mapping[int, torch.Tensor]) -> bool:
@@ -341,11 +407,12 @@ class NativeDecoder:
         slot_list = slots.tolist()
         self._rope_table(max(pos_list) + 1)
         threads = torch.get_num_threads()
-        bf16 = self.bf16
+        g, buf = self.geometry, self.buffers
+        bf16 = g.bf16
         fn = self._fn
-        h, x, delta = self.h, self.x, self.delta
+        h, x, delta = buf.h, buf.x, buf.delta
         hp, xp, dp = h.data_ptr(), x.data_ptr(), delta.data_ptr()
-        ld = self.hidden
+        ld = g.hidden
         runs, mask, span = _runs(pos_list, slot_list)
         mp = mask.data_ptr() if mask is not None else None
         hooks = any(m._forward_pre_hooks for m in self._modules)  # noqa: SLF001 - disk readahead's, usually none
@@ -365,15 +432,15 @@ class NativeDecoder:
             for p in layer.qkv:
                 p.call(m, threads)
             if layer.head_norms is not None:  # each head of q and k normalised on its own, in place
-                d = self.head_dim
-                for buf, heads, (w, eps) in zip((self.q, self.k), (self.heads, self.kv_heads), layer.head_norms):
-                    p = buf.data_ptr()
+                d = g.head_dim
+                for qk, heads, (w, eps) in zip((buf.q, buf.k), (g.heads, g.kv_heads), layer.head_norms):
+                    p = qk.data_ptr()
                     rc |= fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
             rc |= fn["rope_store"](
-                self.q.data_ptr(), self.q.stride(0), self.k.data_ptr(), self.k.stride(0), self.v.data_ptr(),
-                self.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),
+                buf.q.data_ptr(), buf.q.stride(0), buf.k.data_ptr(), buf.k.stride(0), buf.v.data_ptr(),
+                buf.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),
                 positions.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
-                kc.stride(2), m, self.heads, self.kv_heads, self.head_dim, bf16,
+                kc.stride(2), m, g.heads, g.kv_heads, g.head_dim, bf16,
             )  # fmt: skip
             self._attend(layer, kc, vc, runs, mp, span, threads)
             layer.o.call(m, threads)
@@ -382,8 +449,8 @@ class NativeDecoder:
             for p in layer.gate_up:
                 p.call(m, threads)
             rc |= fn["silu_mul"](
-                self.gate.data_ptr(), self.intermediate, self.up.data_ptr(), self.intermediate, self.act.data_ptr(),
-                self.intermediate, m, self.intermediate, bf16, threads,
+                buf.gate.data_ptr(), g.intermediate, buf.up.data_ptr(), g.intermediate, buf.act.data_ptr(),
+                g.intermediate, m, g.intermediate, bf16, threads,
             )  # fmt: skip
             layer.down.call(m, threads)
         if hooks:
@@ -394,7 +461,7 @@ class NativeDecoder:
             raise RuntimeError(f"a native decoder kernel (norm, rotary or activation) rejected a step of {m} rows")
         self.head.call(m, threads)
         self.steps += 1
-        return self.logits[:m].clone()
+        return buf.logits[:m].clone()
 
     def _attend(
         self,
@@ -406,18 +473,19 @@ class NativeDecoder:
         span: int,
         threads: int,
     ) -> None:
-        """Attention of each run of rows in consecutive slots over its slots' keys, into ``self.attn``."""
+        """Attention of each run of rows in consecutive slots over its slots' keys, into the ``attn`` buffer."""
+        g, buf = self.geometry, self.buffers
         es = kc.element_size()
-        qd = self.heads * self.head_dim
-        d = self.head_dim
+        qd = g.heads * g.head_dim
+        d = g.head_dim
         for run in runs:
             rc = self._fn["decode_attention"](
-                self.q.data_ptr() + run.first * qd * es, qd, d, 0,
+                buf.q.data_ptr() + run.first * qd * es, qd, d, 0,
                 kc.data_ptr() + run.slot * kc.stride(0) * es, kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.data_ptr() + run.slot * vc.stride(0) * es, vc.stride(0), vc.stride(1), vc.stride(2),
                 (mask_ptr + run.first * span) if run.masked and mask_ptr is not None else None, span, 0,
-                self.attn.data_ptr() + run.first * qd * es, qd, qd, d,
-                run.rows, self.heads, self.kv_heads, 1, run.keys, d, layer.scale, self.bf16, threads,
+                buf.attn.data_ptr() + run.first * qd * es, qd, qd, d,
+                run.rows, g.heads, g.kv_heads, 1, run.keys, d, layer.scale, g.bf16, threads,
             )  # fmt: skip
             if rc != 0:
                 raise RuntimeError(f"the native attention kernel rejected a decode step ({rc})")

@@ -3,7 +3,7 @@
 Planning from a config used to cost seconds before the first byte was sized: importing torch and transformers and
 instantiating the model on the meta device. For the families below the module tree is simple enough to write down,
 so :func:`config_skeleton` lays out the same blocks, tensors (names, shapes, dtypes, kinds), tied groups and
-geometry that :func:`planner.model.skeleton.skeleton_from_model` reads off the meta model of the installed transformers.
+geometry that :func:`planner.model.meta_skeleton.skeleton_from_model` reads off the meta model of the installed transformers.
 ``tests/planner/model/test_config_skeleton.py`` proves the two equal, family by family, so they cannot drift.
 
 The fast path is taken only when it is sure. Any config key it does not know to be harmless (one that might add,

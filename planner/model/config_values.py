@@ -1,6 +1,6 @@
 """What a transformers ``config.json`` says that the planner needs, read without transformers or torch.
 
-Both skeleton builders use these: the meta-model walk (``skeleton.py``) reads them off a ``PretrainedConfig``, the
+Both skeleton builders use these: the meta-model walk (``meta_skeleton.py``) reads them off a ``PretrainedConfig``, the
 config-only builder (``config_skeleton.py``) off a plain dict with the family's defaults filled in. One reading of
 each value, so the two builders cannot disagree about the KV cache or the model's sizes.
 """

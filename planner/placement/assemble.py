@@ -16,7 +16,7 @@ from planner.placement.cost_model import compute_dtype, predict
 from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
 from planner.placement.solve import Solution
-from planner.placement.strategies import Problem, compute_loads
+from planner.placement.strategies import Loads, Problem, compute_loads
 from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
 
 
@@ -50,72 +50,146 @@ def _device_map(skeleton: Skeleton, problem: Problem, placement: dict[str, Devic
     return merged
 
 
-def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
-    """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
-    problem, assignment, strategy_name = solution.problem, solution.fill.assignment, solution.strategy
+@dataclass(frozen=True)
+class _Placed:
+    """A solution that fits, with the facts about it that the budgets, the reasons and the warnings all read, worked
+    out once: the loads per device, which items are streamed from where they live to where they compute, and which
+    the CPU computes where they live (``on_host``; of those, ``split_experts`` are routed experts split off their
+    layers, reported together in one line)."""
+
+    problem: Problem
+    assignment: list[DeviceId]
+    strategy: str
+    names: list[str]  # the skeleton's blocks, MoE layers' routed experts split off
+    loads: Loads
+    streamed: list[bool]
+    on_host: list[int]
+    split_experts: list[int]
+
+
+def _placed(solution: Solution) -> _Placed:
+    problem, assignment = solution.problem, solution.fill.assignment
     if assignment is None:
         raise ValueError("assemble() needs a solution that fits; explain the others with planner.placement.advice")
-    hw = problem.hardware
-    loads = solution.fill.loads or compute_loads(problem, assignment)
-    names = [it.name for it in problem.items]  # the skeleton's blocks, MoE layers' routed experts split off
+    on_host = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
+    return _Placed(
+        problem=problem,
+        assignment=assignment,
+        strategy=solution.strategy,
+        names=[it.name for it in problem.items],
+        loads=solution.fill.loads or compute_loads(problem, assignment),
+        streamed=[problem.item_runs_on(i, dev) != dev for i, dev in enumerate(assignment)],
+        on_host=on_host,
+        split_experts=[i for i in on_host if not problem.items[i].is_layer and problem.items[i].expert_weight],
+    )
+
+
+def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
+    """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
+    placed = _placed(solution)
+    problem, assignment, names = placed.problem, placed.assignment, placed.names
     placement = dict(zip(names, assignment))
+    prediction = predict(problem, assignment, placed.loads, workload.batch_size, compute_dtype(workload))
+    offloaded = sum(it.weight for it, s in zip(problem.items, placed.streamed) if s)
+    device_map = _device_map(skeleton, problem, placement)
+    cpu_compute = [names[i] for i in placed.on_host]
+    for name in cpu_compute:  # each one its own key, so that the loader can tell it from a streamed neighbour
+        device_map.setdefault(name, "cpu")
+    return Plan(
+        model=skeleton.name,
+        architecture=skeleton.architecture,
+        strategy=placed.strategy,
+        workload=workload,
+        device_map=device_map,
+        budgets=_budgets(placed),
+        offloaded_bytes=offloaded,
+        prediction=prediction,
+        warnings=_warnings(skeleton, workload, placed, offloaded),
+        reasons=_reasons(skeleton, workload, placed, solution.reasons),
+        placement=placement,
+        fingerprint=skeleton.fingerprint,
+        revision=skeleton.revision,
+        cpu_compute=cpu_compute,
+    )
+
+
+def _budgets(placed: _Placed) -> list[DeviceBudget]:
+    """Each device's planned bytes by kind, against its capacity, and the blocks it holds."""
     budgets = []
-    for d in hw.devices:
+    for d in placed.problem.hardware.devices:
         budgets.append(
             DeviceBudget(
                 device=d.id,
                 capacity=d.capacity,
-                weights=loads.weights.get(d.id, 0),
-                kv_cache=loads.kv.get(d.id, 0),
-                activations=loads.activations.get(d.id, 0),
-                reserve=loads.reserve.get(d.id, 0),
-                blocks=[n for n, dev in zip(names, assignment) if dev == d.id],
+                weights=placed.loads.weights.get(d.id, 0),
+                kv_cache=placed.loads.kv.get(d.id, 0),
+                activations=placed.loads.activations.get(d.id, 0),
+                reserve=placed.loads.reserve.get(d.id, 0),
+                blocks=[n for n, dev in zip(placed.names, placed.assignment) if dev == d.id],
             )
         )
-    prediction = predict(problem, assignment, loads, workload.batch_size, compute_dtype(workload))
-    streamed = [problem.item_runs_on(i, dev) != dev for i, dev in enumerate(assignment)]
-    offloaded = sum(it.weight for it, s in zip(problem.items, streamed) if s)
-    reasons = list(hw.notes) + list(solution.reasons)
+    return budgets
+
+
+def _reasons(skeleton: Skeleton, workload: Workload, placed: _Placed, solver_reasons: tuple[str, ...]) -> list[str]:
+    """The hardware's notes, why the strategy was chosen, how the KV cache was sized, then one line per run of
+    blocks on one device (``device <- first .. last``, with why and how full the device is). Routed experts split
+    off their layers get one line for all of them, so the layers' runs read as if whole."""
+    names, assignment = placed.names, placed.assignment
+    reasons = list(placed.problem.hardware.notes) + list(solver_reasons)
     kv_note = kv_explanation(skeleton, workload)
     if kv_note:
         reasons.append(kv_note)
-    on_host = [i for i, it in enumerate(problem.items) if it.in_place and assignment[i] == "cpu"]
-    in_place = [i for i in on_host if not problem.items[i].is_layer and problem.items[i].expert_weight]
-    if in_place:  # routed experts split off their layers: one line for all, the layers' runs read as if whole
-        n_exp = len(in_place)
-        span = names[in_place[0]] if n_exp == 1 else f"{names[in_place[0]]} .. {names[in_place[-1]]} ({n_exp} blocks)"
+    experts = placed.split_experts
+    if experts:
+        n_exp = len(experts)
+        span = names[experts[0]] if n_exp == 1 else f"{names[experts[0]]} .. {names[experts[-1]]} ({n_exp} blocks)"
         reasons.append(
             f"cpu <- routed experts {span} (computed on the CPU, reading only the experts each step routes to)"
         )
-    kept = [i for i in range(len(assignment)) if i not in set(in_place)]
+    split_off = set(experts)
+    kept = [i for i in range(len(assignment)) if i not in split_off]
     for kept_run in runs_of([assignment[i] for i in kept]):
         run = Run(kept_run.device, kept[kept_run.first], kept[kept_run.last])
         dev, first = run.device, names[run.first]
         n = kept_run.last - kept_run.first + 1
         span = first if n == 1 else f"{first} .. {names[run.last]} ({n} blocks)"
-        cap = hw.get(dev).capacity  # type: ignore[union-attr]
-        util = f", {loads.total(dev) / cap:.0%} of {format_bytes(cap)}" if cap else ""
-        why = ""
-        anchor = problem.computes_with.get(run.first)
-        if anchor is not None and assignment[run.first] == assignment[anchor]:
-            why = f" (computed once per forward for every layer: placed with {names[anchor]})"
-        elif run.first in problem.follows:
-            why = f" (tied to {names[problem.follows[run.first]]})"
-        elif problem.items[run.first].is_embedding and run.first in problem.pinned and "_on_cpu" in strategy_name:
-            why = (
-                " (input embeddings: decode reads one row per token, so they are offloaded first and looked up on the"
-                " host; the rows, not the table, cross to the GPU)"
-            )
-        elif run.first in problem.pinned:
-            why = " (as the custom map says)"
-        elif run.first in on_host:
-            why = " (computed on the CPU where it lives, KV cache too: did not fit the GPUs, and not streamed)"
-        elif streamed[run.first]:
-            why = " (offloaded: did not fit on faster devices)"
-        reasons.append(f"{device_label(dev)} <- {span}{why}{util}")
+        cap = placed.problem.hardware.get(dev).capacity  # type: ignore[union-attr]
+        util = f", {placed.loads.total(dev) / cap:.0%} of {format_bytes(cap)}" if cap else ""
+        reasons.append(f"{device_label(dev)} <- {span}{_why_there(placed, run.first)}{util}")
+    return reasons
+
+
+def _why_there(placed: _Placed, first: int) -> str:
+    """Why a run starting at item ``first`` is where it is, when something other than "it fit there" decided: the
+    item it computes with, a tie, the embeddings offloaded first, a custom map, host compute or offloading."""
+    problem, assignment, names = placed.problem, placed.assignment, placed.names
+    anchor = problem.computes_with.get(first)
+    if anchor is not None and assignment[first] == assignment[anchor]:
+        return f" (computed once per forward for every layer: placed with {names[anchor]})"
+    if first in problem.follows:
+        return f" (tied to {names[problem.follows[first]]})"
+    if problem.items[first].is_embedding and first in problem.pinned and "_on_cpu" in placed.strategy:
+        return (
+            " (input embeddings: decode reads one row per token, so they are offloaded first and looked up on the"
+            " host; the rows, not the table, cross to the GPU)"
+        )
+    if first in problem.pinned:
+        return " (as the custom map says)"
+    if first in placed.on_host:
+        return " (computed on the CPU where it lives, KV cache too: did not fit the GPUs, and not streamed)"
+    if placed.streamed[first]:
+        return " (offloaded: did not fit on faster devices)"
+    return ""
+
+
+def _warnings(skeleton: Skeleton, workload: Workload, placed: _Placed, offloaded: int) -> list[str]:
+    """What a user should know before running the plan: streamed weights bound decode speed, unquantized experts,
+    idle GPUs, a strategy that needs more GPUs than there are, and tied weights split across devices."""
+    problem, assignment, names, hw = placed.problem, placed.assignment, placed.names, placed.problem.hardware
     warnings = []
     if offloaded:
-        where = sorted({device_label(dev) for dev, s in zip(assignment, streamed) if s})
+        where = sorted({device_label(dev) for dev, s in zip(assignment, placed.streamed) if s})
         warnings.append(
             f"{format_bytes(offloaded)} of weights offloaded to {', '.join(where)}; they are streamed to "
             f"{device_label(problem.computes_on('cpu'))} for every token, which bounds decode speed"
@@ -123,10 +197,11 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     experts_note = unquantized_experts_warning(skeleton, workload, lambda t: tensor_bytes(t, workload))
     if experts_note:
         warnings.append(experts_note)
+    used = set(assignment)
     for d in hw.gpus:
-        if d.id not in set(assignment):
+        if d.id not in used:
             warnings.append(f"{device_label(d.id)} holds nothing under this plan")
-    if strategy_name.endswith("balanced_low_0") and len(hw.gpus) < 2:
+    if placed.strategy.endswith("balanced_low_0") and len(hw.gpus) < 2:
         warnings.append("balanced_low_0 needs at least two GPUs; with fewer it is the same as balanced")
     for i, anchor in problem.follows.items():
         if i > 0 and assignment[i] != assignment[i - 1]:
@@ -134,23 +209,4 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
                 f"{names[i]} shares weights with {names[anchor]} and runs on "
                 f"{device_label(assignment[i])}: one extra device hop per token"
             )
-    device_map = _device_map(skeleton, problem, placement)
-    cpu_compute = [names[i] for i in on_host]
-    for name in cpu_compute:  # each one its own key, so that the loader can tell it from a streamed neighbour
-        device_map.setdefault(name, "cpu")
-    return Plan(
-        model=skeleton.name,
-        architecture=skeleton.architecture,
-        strategy=strategy_name,
-        workload=workload,
-        device_map=device_map,
-        budgets=budgets,
-        offloaded_bytes=offloaded,
-        prediction=prediction,
-        warnings=warnings,
-        reasons=reasons,
-        placement=placement,
-        fingerprint=skeleton.fingerprint,
-        revision=skeleton.revision,
-        cpu_compute=cpu_compute,
-    )
+    return warnings

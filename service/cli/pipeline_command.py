@@ -6,7 +6,9 @@ to each), checks that it agrees with rank 0, loads only its stage and runs. Rank
 JSON line per prompt. Exit codes: 0 done, 2 bad input (one line saying what to change), 1 the group broke (a rank
 died, hung past ``--timeout``, or planned differently): a supervisor should restart every rank.
 
-This is the pipeline's batch runner; serving HTTP from rank 0 through the engine is not wired yet (docs/pipeline.md).
+Rank 0 generates through the engine and the ring of ``loadmaster serve --pipeline``
+(:class:`~service.pipeline.greedy_driver.PipelineDriver`); the other ranks run the same stage loop as behind the server
+(:func:`~service.pipeline.stage_loop.serve_stage`). Each prompt gets exactly ``--max-new-tokens`` greedy tokens.
 """
 
 from __future__ import annotations
@@ -26,13 +28,9 @@ from loaders.load import load_stage, load_tokenizer
 from planner.errors import PlanError
 from planner.hardware.units import parse_rate
 from service.cli.plan_command import add_planner_flags, inputs_from_args
-from service.pipeline.wire import (
-    PipelineBrokenError,
-    PipelineDriver,
-    PipelineMismatchError,
-    check_same_plan,
-    serve_stage,
-)
+from service.pipeline.greedy_driver import PipelineDriver
+from service.pipeline.stage_loop import serve_stage
+from service.pipeline.wire import PipelineBrokenError, PipelineMismatchError, check_same_plan
 
 log = logging.getLogger("loadmaster.pipeline")
 
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         tokenizer = load_tokenizer(args.model)
         prompts = [tokenizer(p)["input_ids"] for p in args.prompt]
-        driver = PipelineDriver(stage, plan.micro_batches)
+        driver = PipelineDriver(stage, plan)
         outputs = driver.generate_greedy(prompts, args.max_new_tokens)
         driver.stop()
         for prompt, ids in zip(args.prompt, outputs):

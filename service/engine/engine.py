@@ -56,6 +56,7 @@ class GenerationRequest:
     top_n_tokens: int = 0  # alternatives to report with each token (TGI top_n_tokens, OpenAI top_logprobs)
     prompt_logprobs: bool = False  # report the prompt tokens' logprobs (TGI decoder_input_details, OpenAI echo)
     grammar: Any = None  # a service.engine.structured_output.CompiledGrammar the output must follow, or None
+    ignore_eos: bool = False  # generate max_new_tokens whatever is chosen (fixed-length greedy runs, as in vLLM)
     #: Seconds the request waited in the queue; set by the engine when it admits the request (the access log).
     queued_s: float | None = None
 
@@ -233,7 +234,8 @@ class _Sequence:
         if not self.chooser.accept(token):
             raise GenerationError(f"The grammar rejected token {token}; the constrained sequence cannot go on.")
         reason = None
-        if token in self.eos or (self.chooser.constraint is not None and self.chooser.constraint.terminated):
+        terminated = self.chooser.constraint is not None and self.chooser.constraint.terminated
+        if (token in self.eos and not self.request.ignore_eos) or terminated:
             reason = "eos_token"
         elif len(self.generated) >= self.request.max_new_tokens:
             reason = "length"

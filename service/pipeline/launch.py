@@ -8,7 +8,7 @@ from the serve flags (one host per rank, each planned with the same flags), broa
 - Rank 0 runs the ordinary server (``service.cli.main.serve`` with :class:`Rank0`'s loader), whose model is a
   :class:`~service.pipeline.stage_model.PipelineModel`: the engine, every route, ``/health/ready``, ``/info`` (with a
   ``pipeline`` section per stage) and ``/metrics`` (``loadmaster_pipeline_stage_*``) work as in one process.
-- Ranks 1..k-1 run :func:`~service.pipeline.stage_model.serve_engine_stage` until rank 0 stops them.
+- Ranks 1..k-1 run :func:`~service.pipeline.stage_loop.serve_stage` until rank 0 stops them.
 
 When the ring breaks (a rank died, or stayed silent past ``--pipeline-timeout``), rank 0 sends every open request
 an error naming the rank, readiness turns 503 with that message, and after :data:`BROKEN_LINGER_S` the process exits
@@ -184,7 +184,7 @@ def serve_stage_rank(settings: ServiceSettings, rank: int, world: int) -> int:
 
     from planner.errors import LoadmasterError
     from service.model.background_load import resolve_model_dir
-    from service.pipeline.stage_model import serve_engine_stage
+    from service.pipeline.stage_loop import serve_stage
     from service.pipeline.wire import PipelineBrokenError, PipelineMismatchError
 
     try:
@@ -192,7 +192,7 @@ def serve_stage_rank(settings: ServiceSettings, rank: int, world: int) -> int:
         plan = agree_on_plan(settings, path, world)
         stage = load_settings_stage(settings, path, plan, rank)
         log.info("rank %d serves stage %d (layers %d-%d)", rank, rank, stage.stage.first_layer, stage.stage.last_layer)
-        serve_engine_stage(stage)
+        serve_stage(stage)
     except (PipelineBrokenError, PipelineMismatchError, LoadmasterError, ValueError, OSError) as exc:
         sys.stderr.write(f"loadmaster: error (pipeline rank {rank}): {' '.join(str(exc).split())}\n")
         sys.stderr.flush()

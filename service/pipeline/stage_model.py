@@ -7,7 +7,7 @@ stage 0's layers), passes the hidden states with the rows' slots, positions and 
 the ring; when they come back it computes the final norm and the head for the positions the runner asked for. So
 continuous batching, prefix reuse, sampling, stopping and every route work unchanged over a pipeline.
 
-Each other rank (:func:`serve_engine_stage`) keeps a slot cache of the same shape for its own layers; the engine's
+Each other rank (:func:`~service.pipeline.stage_loop.serve_stage`) keeps a slot cache of the same shape for its own layers; the engine's
 batch composition reaches it as the rows' slots and start positions in every message, and a prefix copy between
 slots (:meth:`RingSlotCache.copy_prefix`) goes round as a control message, so every stage copies its own layers.
 
@@ -38,36 +38,22 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from loaders.pipeline_stage import StageModel
 from planner.cluster import ClusterPlan
 from service.engine.kv_pool import BatchedBinding, BoundSlotCache, SlotKVCache
-from service.pipeline.wire import Link, PipelineBrokenError
+from service.pipeline.stage_loop import StageClock, run_stage_layers
+from service.pipeline.wire import (
+    COPY,
+    FORWARD,
+    PING,
+    SETUP,
+    STAT_FIELDS,
+    STOP,
+    Header,
+    Link,
+    PipelineBrokenError,
+    recv_masks,
+    send_masks,
+)
 
 log = logging.getLogger(__name__)
-
-# Operations of a serving message; the header is 8 longs (operation, then its arguments).
-STOP, FORWARD, SETUP, COPY, PING = 0, 1, 2, 3, 4
-HEADER_LEN = 8
-#: Mask encodings of a FORWARD: none (no cache: causal from the positions), one additive mask, one boolean mask,
-#: or hybrid models' pair (full attention, sliding window) in either encoding.
-MASK_NONE, MASK_FLOAT, MASK_BOOL, MASK_PAIR_FLOAT, MASK_PAIR_BOOL = 0, 1, 2, 3, 4
-MASK_KEYS = ("full_attention", "sliding_attention")
-#: Per-stage figures carried by every FORWARD: busy seconds, seconds serving, resident weight bytes, KV bytes.
-STAT_FIELDS = ("busy_s", "serving_s", "resident_bytes", "kv_cache_bytes")
-
-
-@dataclass(frozen=True)
-class ServeHeader:
-    """A serving message's header: the operation and up to seven whole-number arguments."""
-
-    op: int
-    args: tuple[int, ...] = ()
-
-    def tensor(self) -> torch.Tensor:
-        values = [self.op, *self.args] + [0] * (HEADER_LEN - 1 - len(self.args))
-        return torch.tensor(values, dtype=torch.long)
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> ServeHeader:
-        values = [int(v) for v in t.tolist()]
-        return cls(values[0], tuple(values[1:]))
 
 
 @dataclass
@@ -85,169 +71,38 @@ class StageStats:
         return min(1.0, self.busy_s / self.serving_s) if self.serving_s > 0 else 0.0
 
 
-def _recv_header(link: Link) -> ServeHeader:
-    return ServeHeader.of(link.recv((HEADER_LEN,), torch.long))
-
-
-def _send_masks(mask: Any) -> tuple[int, list[torch.Tensor]]:
-    """The mask encoding and the tensors to send (booleans as bytes: gloo sends numbers)."""
-    if mask is None:
-        return MASK_NONE, []
-    pair = isinstance(mask, dict)
-    masks = [mask[k] for k in MASK_KEYS] if pair else [mask]
-    boolean = masks[0].dtype == torch.bool
-    kind = (MASK_PAIR_BOOL if boolean else MASK_PAIR_FLOAT) if pair else (MASK_BOOL if boolean else MASK_FLOAT)
-    return kind, [m.to(torch.uint8) if boolean else m for m in masks]
-
-
-def _recv_masks(link: Link, kind: int, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-    if kind == MASK_NONE:
-        return None
-    boolean = kind in (MASK_BOOL, MASK_PAIR_BOOL)
-    count = 2 if kind in (MASK_PAIR_FLOAT, MASK_PAIR_BOOL) else 1
-    masks = [link.recv(shape, torch.uint8 if boolean else dtype) for _ in range(count)]
-    masks = [m.bool() if boolean else m for m in masks]
-    return dict(zip(MASK_KEYS, masks)) if count == 2 else masks[0]
-
-
-def _run_stage_layers(
-    stage: StageModel,
-    cache: BoundSlotCache | None,
-    rows: int,
-    width: int,
-    mask: Any,
-    positions: torch.Tensor,
-    hidden: torch.Tensor | None,
-    ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """This stage's layers over one micro-batch (``cache``: the slot cache bound to its rows); the hidden states
-    they produce."""
-    stage.ctx.mode, stage.ctx.incoming, stage.ctx.outgoing = "layers", hidden, None
-    if ids is None:
-        ids = torch.zeros((rows, width), dtype=torch.long)
-    if cache is None:
-        stage.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
-    else:
-        stage.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-        )
-    out = stage.ctx.outgoing
-    stage.ctx.incoming, stage.ctx.outgoing = None, None
-    if out is None:
-        raise RuntimeError("the stage's layers ran but recorded no output; the stage model is not wired as expected")
-    return out
-
-
-class _StageClock:
-    """Busy seconds of this stage, how long it has been serving, and what it holds: its row of the stats table."""
-
-    def __init__(self, stage: StageModel) -> None:
-        self.started = time.perf_counter()
-        self.busy_s = 0.0
-        self.resident = stage.resident_bytes  # the weights do not change while serving: counted once
-
-    def row(self, cache: SlotKVCache | None) -> torch.Tensor:
-        kv = cache.bytes_allocated() if cache is not None else 0
-        serving = time.perf_counter() - self.started
-        return torch.tensor([self.busy_s, serving, float(self.resident), float(kv)], dtype=torch.float64)
-
-
-def serve_engine_stage(stage: StageModel) -> None:
-    """The loop of ranks 1..k-1 behind a server: run this stage for every message until STOP.
-
-    Raises :class:`~service.pipeline.wire.PipelineBrokenError` when rank 0 or a neighbour disappears."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    link = Link(rank, world)
-    cache: SlotKVCache | None = None
-    clock = _StageClock(stage)
-    with torch.inference_mode():
-        while True:
-            h = _recv_header(link)
-            if h.op == STOP:
-                link.send(h)
-                link.flush()
-                return
-            if h.op == SETUP:
-                cache = SlotKVCache(h.args[0], h.args[1])
-            elif h.op == COPY:
-                if cache is None:
-                    raise RuntimeError("a prefix copy arrived before the cache was set up")
-                cache.copy_prefix(*h.args[:4])
-            elif h.op == FORWARD:
-                _forward_here(link, stage, cache, clock, h, rank, world)
-                continue
-            elif h.op == PING:  # the heartbeat: fill this stage's row of the stats table and pass it on
-                stats = link.recv((world, len(STAT_FIELDS)), torch.float64)
-                stats[rank] = clock.row(cache)
-                link.send(h, stats)
-                continue
-            link.send(h)
-            if len(link.pending) > 32:
-                link.flush()
-
-
-def _forward_here(
-    link: Link,
-    stage: StageModel,
-    cache: SlotKVCache | None,
-    clock: _StageClock,
-    h: ServeHeader,
-    rank: int,
-    world: int,
-) -> None:
-    rows, width, span, kind, cached = h.args[:5]
-    slots = starts = None
-    if cached:
-        slots = link.recv((rows,), torch.long)
-        starts = link.recv((rows,), torch.long)
-    mask = _recv_masks(link, kind, (rows, 1, width, span), stage.dtype)
-    positions = link.recv((rows, width), torch.long)
-    hidden = link.recv((rows, width, stage.hidden_size), stage.dtype)
-    stats = link.recv((world, len(STAT_FIELDS)), torch.float64)
-    t0 = time.perf_counter()
-    bound = None
-    if cached:
-        if cache is None:
-            raise RuntimeError("a cached forward arrived before the cache was set up")
-        bound = cache.bound(slots.tolist(), starts.tolist(), width, span)
-    out = _run_stage_layers(stage, bound, rows, width, mask, positions, hidden)
-    clock.busy_s += time.perf_counter() - t0
-    stats[rank] = clock.row(cache)
-    _, mask_tensors = _send_masks(mask)
-    extra = [slots, starts] if cached else []
-    link.send(h, *extra, *mask_tensors, positions, out, stats)
-    if len(link.pending) > 32:
-        link.flush()
-
-
 class RingSlotCache(SlotKVCache):
     """Rank 0's slot cache: its own layers' KV, and prefix copies mirrored to every other stage."""
 
     def __init__(self, pipeline: PipelineModel, slots: int, max_len: int):
         super().__init__(slots, max_len)
         self.pipeline = pipeline
-        pipeline.control(ServeHeader(SETUP, (slots, max_len)))
+        pipeline.control(Header(SETUP, (slots, max_len)))
         pipeline.cache = self
 
     def copy_prefix(self, source: int, target: int, start: int, end: int) -> None:
         super().copy_prefix(source, target, start, end)
         if end > start:
-            self.pipeline.control(ServeHeader(COPY, (source, target, start, end)))
+            self.pipeline.control(Header(COPY, (source, target, start, end)))
 
 
 class PipelineModel:
     """Rank 0's stand-in for the model: the engine calls it like a causal LM; its forward runs the ring.
 
-    ``micro_batches``: how many groups a batch of rows is split into (at most one per row).
+    ``micro_batches``: how many groups a batch of rows is split into (at most one per row). ``heartbeat_s``: the
+    idle heartbeat's period (see :meth:`start_heartbeat`). ``delay_s``: a test-only slow stage 0
+    (:class:`~service.pipeline.stage_loop.StageClock`).
     """
 
     #: The ring ships the batched cache binding (slots, starts) to the other ranks, not the packed one, so the
     #: engine's model runner gives it rows of one width per forward (:mod:`service.engine.model_runner`).
     runs_packed_rows = False
 
-    def __init__(self, stage: StageModel, plan: ClusterPlan, micro_batches: int, heartbeat_s: float = 2.0):
+    def __init__(
+        self, stage: StageModel, plan: ClusterPlan, micro_batches: int, heartbeat_s: float = 2.0, delay_s: float = 0.0
+    ):
         if dist.get_rank() != 0:
-            raise RuntimeError("PipelineModel runs on rank 0; other ranks run serve_engine_stage()")
+            raise RuntimeError("PipelineModel runs on rank 0; other ranks run serve_stage()")
         self.stage = stage
         self.plan = plan
         self.config = stage.model.config
@@ -257,7 +112,7 @@ class PipelineModel:
         self.world = dist.get_world_size()
         self.link = Link(0, self.world)
         self.cache: SlotKVCache | None = None
-        self.clock = _StageClock(stage)
+        self.clock = StageClock(stage, delay_s)
         self.stats = [StageStats() for _ in range(self.world)]
         self.steps = 0
         self.broken: str | None = None
@@ -315,13 +170,13 @@ class PipelineModel:
                 raise
         return CausalLMOutputWithPast(logits=self._head(hidden, positions, logits_to_keep))
 
-    def control(self, header: ServeHeader) -> None:
+    def control(self, header: Header) -> None:
         """Send a control message round the ring and wait for it to come back (every stage has applied it)."""
         with self._lock:
             self._check()
             try:
                 self.link.send(header)
-                back = _recv_header(self.link)
+                back = self.link.recv_header()
                 self.link.flush()
             except PipelineBrokenError as exc:
                 self._break(str(exc))
@@ -336,8 +191,8 @@ class PipelineModel:
             self._check()
             try:
                 stats = torch.zeros((self.world, len(STAT_FIELDS)), dtype=torch.float64)
-                self.link.send(ServeHeader(PING), stats)
-                back = _recv_header(self.link)
+                self.link.send(Header(PING), stats)
+                back = self.link.recv_header()
                 if back.op != PING:
                     raise PipelineBrokenError(f"pipeline message out of order: sent a heartbeat, got {back.op} back")
                 self._record(self.link.recv((self.world, len(STAT_FIELDS)), torch.float64))
@@ -351,7 +206,7 @@ class PipelineModel:
         self._stopped.set()
         if self.broken is None:
             try:
-                self.control(ServeHeader(STOP))
+                self.control(Header(STOP))
             except PipelineBrokenError:
                 log.warning("the pipeline broke while stopping")
 
@@ -372,22 +227,24 @@ class PipelineModel:
             if cache is not None:
                 slots, starts = binding.slots[lo:hi], binding.starts[lo:hi]
                 part = cache.store.bound(slots.tolist(), starts.tolist(), width, span)
-            out = _run_stage_layers(self.stage, part, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi])
-            self.clock.busy_s += time.perf_counter() - t0
+            out = run_stage_layers(self.stage, part, hi - lo, width, part_mask, positions[lo:hi], None, ids=ids[lo:hi])
+            self.clock.busy_since(t0)
             stats = torch.zeros((self.world, len(STAT_FIELDS)), dtype=torch.float64)
             stats[0] = self.clock.row(self.cache)
-            kind, mask_tensors = _send_masks(part_mask)
-            header = ServeHeader(FORWARD, (hi - lo, width, span, kind, int(cache is not None)))
+            kind, mask_tensors = send_masks(part_mask)
+            header = Header(FORWARD, (hi - lo, width, span, kind, int(cache is not None)))
             extra = [slots, starts] if cache is not None else []
             self.link.send(header, *extra, *mask_tensors, positions[lo:hi], out, stats)
         hidden_parts, position_parts = [], []
         for _ in bounds:
-            h = _recv_header(self.link)
+            h = self.link.recv_header()
+            if h.op != FORWARD:
+                raise PipelineBrokenError(f"pipeline message out of order: sent a forward, got operation {h.op} back")
             part_rows, part_width, part_span, kind, cached = h.args[:5]
             if cached:
                 self.link.recv((part_rows,), torch.long)
                 self.link.recv((part_rows,), torch.long)
-            _recv_masks(self.link, kind, (part_rows, 1, part_width, part_span), self.dtype)
+            recv_masks(self.link, kind, (part_rows, 1, part_width, part_span), self.dtype)
             position_parts.append(self.link.recv((part_rows, part_width), torch.long))
             hidden_parts.append(self.link.recv((part_rows, part_width, self.stage.hidden_size), self.dtype))
             stats = self.link.recv((self.world, len(STAT_FIELDS)), torch.float64)

@@ -1,36 +1,56 @@
-"""Running a pipeline on torch.distributed: one stage per rank, hidden states and control by point-to-point.
+"""The pipeline's one wire protocol on torch.distributed: a ring of ranks, one stage each, point-to-point.
 
-Rank 0 holds stage 0 (embeddings, its layers, and the final norm and head) and drives; ranks 1..k-1 run
-:func:`serve_stage` until told to stop. One message per micro-batch goes around the ring 0 -> 1 -> ... -> k-1 -> 0:
-a header (:class:`Header`: operation, micro-batch, shape), then the attention mask, the position ids and the hidden
-states. ``PREFILL`` starts micro-batch ``j``'s KV cache on every stage (each stage keeps the cache of its own
-layers), ``DECODE`` extends it, ``RELEASE`` drops it, ``STOP`` ends the ranks' loops.
+Rank 0 holds stage 0 (embeddings, its layers, the final norm and the head) behind the engine
+(:class:`~service.pipeline.stage_model.PipelineModel`); ranks 1..k-1 run :func:`~service.pipeline.stage_loop.serve_stage`
+until told to stop. Every message goes round the ring 0 -> 1 -> ... -> k-1 -> 0 and starts with one :class:`Header`
+(:data:`HEADER_LEN` longs: the operation, then its whole-number arguments):
 
-Sends are asynchronous (``isend``), so within a step stage ``s`` computes micro-batch ``j`` while stage ``s+1``
-computes ``j-1``: a step of ``m`` micro-batches over ``k`` stages takes about ``m + k - 1`` stage-times, not ``m*k``.
+==========  ===========================================  =========================================================
+operation   arguments                                    tensors after the header
+==========  ===========================================  =========================================================
+``FORWARD`` rows, width, span, mask encoding, cached     [slots, starts if cached], the mask(s) (:func:`send_masks`),
+                                                         positions ``[rows, width]``, hidden states
+                                                         ``[rows, width, hidden]``, the stats table (:data:`STAT_FIELDS`)
+``SETUP``   slots, slot length                           none: every stage sets up a slot cache of that shape
+``COPY``    source, target, start, end                   none: every stage copies a prefix between two slots
+``PING``    none                                         the stats table (the heartbeat)
+``STOP``    none                                         none: every stage ends its loop
+==========  ===========================================  =========================================================
 
-Before any weight is read, every rank checks that it planned the same pipeline as rank 0 (:func:`check_same_plan`):
-the loadmaster version, the checkpoint fingerprint and the plan's digest, each compared by name.
+Sends are asynchronous (``isend``), so stage ``s`` computes one micro-batch while stage ``s+1`` computes the one
+before: a step of ``m`` micro-batches over ``k`` stages takes about ``m + k - 1`` stage-times, not ``m*k``. A dead
+or hung peer turns a receive or a send into :class:`PipelineBrokenError` naming the rank.
+
+Before any weight is read, every rank checks that it planned the same pipeline as rank 0 (:func:`check_same_plan`,
+:func:`check_same_identity`: JSON in a fixed-size tensor, all-gathered; no pickle), and rank 0's plan can be
+broadcast to the others (:func:`share_plan`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers.cache_utils import DynamicCache
 
-from loaders.pipeline_stage import StageModel
 from planner.cluster import ClusterPlan
 
 log = logging.getLogger(__name__)
 
-PREFILL, DECODE, RELEASE, STOP = 1, 2, 3, 0
+#: The operations of a message (its header's first long).
+STOP, FORWARD, SETUP, COPY, PING = 0, 1, 2, 3, 4
+#: Longs in a header: the operation and up to seven arguments.
+HEADER_LEN = 8
+#: Mask encodings of a FORWARD: none (no cache: causal from the positions), one additive mask, one boolean mask,
+#: or hybrid models' pair (full attention, sliding window) in either encoding.
+MASK_NONE, MASK_FLOAT, MASK_BOOL, MASK_PAIR_FLOAT, MASK_PAIR_BOOL = 0, 1, 2, 3, 4
+MASK_KEYS = ("full_attention", "sliding_attention")
+#: Per-stage figures carried by every FORWARD and PING: busy seconds, seconds serving, resident weight bytes, KV bytes.
+STAT_FIELDS = ("busy_s", "serving_s", "resident_bytes", "kv_cache_bytes")
 _IDENTITY_BYTES = 4096
 
 
@@ -113,18 +133,21 @@ def share_plan(plan: ClusterPlan | None, error: str | None = None) -> ClusterPla
 
 @dataclass(frozen=True)
 class Header:
+    """A message's header: the operation and up to ``HEADER_LEN - 1`` whole-number arguments (see the table above)."""
+
     op: int
-    micro_batch: int
-    rows: int
-    tokens: int
-    mask_len: int
+    args: tuple[int, ...] = ()
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.op, self.micro_batch, self.rows, self.tokens, self.mask_len], dtype=torch.long)
+        if len(self.args) > HEADER_LEN - 1:
+            raise ValueError(f"a pipeline header holds at most {HEADER_LEN - 1} arguments, not {len(self.args)}")
+        values = [self.op, *self.args] + [0] * (HEADER_LEN - 1 - len(self.args))
+        return torch.tensor(values, dtype=torch.long)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Header:
-        return cls(*(int(v) for v in t.tolist()))
+        values = [int(v) for v in t.tolist()]
+        return cls(values[0], tuple(values[1:]))
 
 
 def wire_device() -> torch.device:
@@ -143,6 +166,7 @@ class Link:
     process (with gloo, as on this machine, nothing moves)."""
 
     def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
         self.next = (rank + 1) % world
         self.prev = (rank - 1) % world
         self.pending: list[dist.Work] = []
@@ -167,7 +191,7 @@ class Link:
             self.pending.clear()
 
     def recv_header(self) -> Header:
-        t = torch.zeros(5, dtype=torch.long, device=self.device)
+        t = torch.zeros(HEADER_LEN, dtype=torch.long, device=self.device)
         self._recv(t)
         return Header.of(t.cpu())
 
@@ -188,145 +212,23 @@ class Link:
             ) from e
 
 
-def _run_layers(
-    stage: StageModel,
-    cache: DynamicCache,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    positions: torch.Tensor,
-    hidden: torch.Tensor | None,
-) -> torch.Tensor:
-    stage.ctx.mode, stage.ctx.incoming, stage.ctx.outgoing = "layers", hidden, None
-    stage.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-    out = stage.ctx.outgoing
-    assert out is not None
-    return out
+def send_masks(mask: Any) -> tuple[int, list[torch.Tensor]]:
+    """A FORWARD's mask encoding and the tensors to send (booleans as bytes: gloo sends numbers)."""
+    if mask is None:
+        return MASK_NONE, []
+    pair = isinstance(mask, dict)
+    masks = [mask[k] for k in MASK_KEYS] if pair else [mask]
+    boolean = masks[0].dtype == torch.bool
+    kind = (MASK_PAIR_BOOL if boolean else MASK_PAIR_FLOAT) if pair else (MASK_BOOL if boolean else MASK_FLOAT)
+    return kind, [m.to(torch.uint8) if boolean else m for m in masks]
 
 
-def serve_stage(stage: StageModel, delay_s: float = 0.0) -> None:
-    """The loop of ranks 1..k-1: receive a micro-batch, run this stage's layers on it, pass it on, until STOP.
-
-    ``delay_s`` is a test-only hook: every micro-batch takes at least that long here (a stage made slow on purpose).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    link = Link(rank, world)
-    caches: dict[int, DynamicCache] = {}
-    with torch.inference_mode():
-        while True:
-            h = link.recv_header()
-            if h.op == STOP:
-                link.send(h)
-                link.flush()
-                return
-            if h.op == RELEASE:
-                caches.pop(h.micro_batch, None)
-                link.send(h)
-                continue
-            mask = link.recv((h.rows, h.mask_len), torch.long)
-            positions = link.recv((h.rows, h.tokens), torch.long)
-            hidden = link.recv((h.rows, h.tokens, stage.hidden_size), stage.dtype)
-            t0 = time.perf_counter()
-            if h.op == PREFILL:
-                caches[h.micro_batch] = DynamicCache(config=stage.model.config)
-            ids = torch.zeros((h.rows, h.tokens), dtype=torch.long)
-            out = _run_layers(stage, caches[h.micro_batch], ids, mask, positions, hidden)
-            _sleep_rest(t0, delay_s)
-            link.send(h, mask, positions, out)
-
-
-def _sleep_rest(t0: float, delay_s: float) -> None:
-    if delay_s > 0:
-        left = delay_s - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)
-
-
-@dataclass
-class _MicroBatch:
-    rows: list[int]  # indices into the caller's prompts
-    mask: torch.Tensor
-    positions: torch.Tensor  # of the last tokens fed
-    cache: DynamicCache
-
-
-class PipelineDriver:
-    """Rank 0: runs stage 0 and drives the ring. Call :meth:`generate_greedy`, then :meth:`stop`."""
-
-    def __init__(self, stage: StageModel, micro_batches: int, delay_s: float = 0.0):
-        if dist.get_rank() != 0:
-            raise RuntimeError("PipelineDriver runs on rank 0; other ranks run serve_stage()")
-        self.stage = stage
-        self.micro_batches = max(1, micro_batches)
-        self.link = Link(0, dist.get_world_size())
-        self.delay_s = delay_s
-        self.busy_s = 0.0
-
-    def _first(self, op: int, j: int, mb: _MicroBatch, ids: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        out = _run_layers(self.stage, mb.cache, ids, mb.mask, mb.positions, None)
-        _sleep_rest(t0, self.delay_s)
-        self.busy_s += time.perf_counter() - t0
-        self.link.send(Header(op, j, ids.shape[0], ids.shape[1], mb.mask.shape[1]), mb.mask, mb.positions, out)
-
-    def _last(self) -> tuple[int, torch.Tensor]:
-        h = self.link.recv_header()
-        self.link.recv((h.rows, h.mask_len), torch.long)
-        positions = self.link.recv((h.rows, h.tokens), torch.long)
-        hidden = self.link.recv((h.rows, h.tokens, self.stage.hidden_size), self.stage.dtype)
-        t0 = time.perf_counter()
-        ctx = self.stage.ctx
-        ctx.mode, ctx.incoming = "head", hidden[:, -1:, :]
-        ids = torch.zeros((h.rows, 1), dtype=torch.long)
-        logits = self.stage.model(input_ids=ids, position_ids=positions[:, -1:], use_cache=False).logits[:, -1, :]
-        ctx.mode, ctx.incoming = "layers", None
-        self.busy_s += time.perf_counter() - t0
-        return h.micro_batch, logits
-
-    @torch.inference_mode()
-    def step(self, feeds: list[tuple[int, _MicroBatch, torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """One pipeline step: every micro-batch's tokens through the ring; logits of its last position by index."""
-        for j, mb, ids in feeds:
-            op = PREFILL if ids.shape[1] > 1 or mb.cache.get_seq_length() == 0 else DECODE
-            self._first(op, j, mb, ids)
-        out = dict(self._last() for _ in feeds)
-        self.link.flush()
-        return out
-
-    @torch.inference_mode()
-    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy continuation of each prompt, the batch split into micro-batches that overlap across stages."""
-        m = min(self.micro_batches, len(prompts))
-        groups = [list(range(len(prompts)))[j::m] for j in range(m)]
-        mbs: list[_MicroBatch] = []
-        feeds = []
-        for j, rows in enumerate(groups):
-            width = max(len(prompts[r]) for r in rows)
-            ids = torch.zeros((len(rows), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(rows):
-                ids[i, width - len(prompts[r]) :] = torch.tensor(prompts[r])
-                mask[i, width - len(prompts[r]) :] = 1
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-            mb = _MicroBatch(rows, mask, positions, DynamicCache(config=self.stage.model.config))
-            mbs.append(mb)
-            feeds.append((j, mb, ids))
-        out: list[list[int]] = [[] for _ in prompts]
-        for _ in range(max_new_tokens):
-            logits = self.step(feeds)
-            feeds = []
-            for j, mb in enumerate(mbs):
-                tokens = logits[j].argmax(dim=-1)
-                for i, r in enumerate(mb.rows):
-                    out[r].append(int(tokens[i]))
-                mb.positions = mb.positions[:, -1:] + 1
-                mb.mask = torch.cat([mb.mask, mb.mask.new_ones((mb.mask.shape[0], 1))], dim=1)
-                feeds.append((j, mb, tokens.unsqueeze(1)))
-        for j in range(len(mbs)):
-            self.link.send(Header(RELEASE, j, 0, 0, 0))
-            self.link.recv_header()
-        return out
-
-    def stop(self) -> None:
-        self.link.send(Header(STOP, 0, 0, 0, 0))
-        self.link.recv_header()
-        self.link.flush()
+def recv_masks(link: Link, kind: int, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """The mask(s) :func:`send_masks` sent as ``kind``: None, one mask, or the hybrid pair by attention type."""
+    if kind == MASK_NONE:
+        return None
+    boolean = kind in (MASK_BOOL, MASK_PAIR_BOOL)
+    count = 2 if kind in (MASK_PAIR_FLOAT, MASK_PAIR_BOOL) else 1
+    masks = [link.recv(shape, torch.uint8 if boolean else dtype) for _ in range(count)]
+    masks = [m.bool() if boolean else m for m in masks]
+    return dict(zip(MASK_KEYS, masks)) if count == 2 else masks[0]

@@ -15,13 +15,13 @@ types, because ``loadmaster plan --svg`` must stay fast to start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
 from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
-from planner.types import DeviceId, Plan
+from planner.types import DeviceBudget, DeviceId, Plan
 
 #: Fill colours of the bar segments, in stacking order.
 SEGMENTS: tuple[tuple[str, str, str], ...] = (
@@ -107,16 +107,35 @@ def _text(
     )
 
 
+@dataclass
+class _Drawing:
+    """The SVG elements drawn so far, top to bottom, and ``y``: where the next row starts. Each section of the
+    picture is a function that appends its elements and moves ``y`` down, so the sections read one at a time."""
+
+    parts: list[str] = field(default_factory=list)
+    y: int = MARGIN
+
+
 def render_svg(plan: Plan) -> str:
     """The plan as a standalone SVG document (UTF-8 text, no external references)."""
-    inner = WIDTH - 2 * MARGIN - LABEL_W
-    out: list[str] = []
-    y = MARGIN + 14
+    drawing = _Drawing()
+    _draw_heading(drawing, plan)
+    for b in plan.budgets:
+        _draw_device_bar(drawing, b)
+    _draw_layer_strip(drawing, layer_blocks(plan))
+    _draw_prediction(drawing, plan)
+    _draw_legend(drawing, plan)
+    return _document(plan, drawing.parts, height=drawing.y + MARGIN)
+
+
+def _draw_heading(drawing: _Drawing, plan: Plan) -> None:
+    """The model, strategy and workload the plan is for, in bold, on the first line."""
     w = plan.workload
-    out.append(
+    drawing.y += 14
+    drawing.parts.append(
         _text(
             MARGIN,
-            y,
+            drawing.y,
             f"{plan.model}: {plan.strategy}, {w.dtype}"
             + (f" {w.quantization}" if w.quantization else "")
             + f", batch {w.batch_size} x context {w.context}",
@@ -124,54 +143,66 @@ def render_svg(plan: Plan) -> str:
             weight="bold",
         )
     )
-    y += 14
+    drawing.y += 14
 
-    # -- one bar per device ----------------------------------------------------------------------------------------
-    for b in plan.budgets:
-        y += ROW_GAP
-        x0 = MARGIN + LABEL_W
-        dev = escape(str(b.device))
-        out.append(f'<g class="device-bar" data-device="{dev}" data-capacity="{b.capacity}" data-total="{b.total}">')
-        out.append(f'<rect x="{MARGIN}" y="{y}" width="10" height="{BAR_H}" fill="{device_colour(b.device)}"/>')
-        out.append(_text(MARGIN + 14, y + BAR_H - 6, device_label(b.device), 12, weight="bold"))
-        out.append(
-            f'<rect class="capacity" x="{x0}" y="{y}" width="{inner}" height="{BAR_H}" fill="#f2f2f2" stroke="#888"/>'
-        )
-        x = float(x0)
-        scale = inner / b.capacity if b.capacity > 0 else 0.0
-        for key, label, colour in SEGMENTS:
-            value = int(getattr(b, key))
-            width = min(value * scale, x0 + inner - x)
-            if value <= 0 or width <= 0:
-                continue
-            out.append(
-                f'<rect class="segment" data-kind="{key}" data-bytes="{value}" x="{x:.2f}" y="{y}" '
-                f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_label(b.device))} '
-                f"{label}: {format_bytes(value)}</title></rect>"
-            )
-            x += width
-        frac = b.total / b.capacity if b.capacity else 0.0
-        out.append(
-            _text(
-                x0 + inner - 4,
-                y + BAR_H - 6,
-                f"{format_bytes(b.total)} / {format_bytes(b.capacity)} ({frac:.0%})",
-                11,
-                anchor="end",
-            )
-        )
-        out.append("</g>")
-        y += BAR_H
 
-    # -- the layer strip -------------------------------------------------------------------------------------------
-    blocks = layer_blocks(plan)
-    y += ROW_GAP + 18
+def _draw_device_bar(drawing: _Drawing, b: DeviceBudget) -> None:
+    """One device's row: its colour and name, its capacity as a grey bar, the planned bytes stacked on it by kind
+    (clipped at the capacity), and the total against the capacity at the right end."""
+    drawing.y += ROW_GAP
+    y, out = drawing.y, drawing.parts
+    inner = WIDTH - 2 * MARGIN - LABEL_W
+    x0 = MARGIN + LABEL_W
+    dev = escape(str(b.device))
+    out.append(f'<g class="device-bar" data-device="{dev}" data-capacity="{b.capacity}" data-total="{b.total}">')
+    out.append(f'<rect x="{MARGIN}" y="{y}" width="10" height="{BAR_H}" fill="{device_colour(b.device)}"/>')
+    out.append(_text(MARGIN + 14, y + BAR_H - 6, device_label(b.device), 12, weight="bold"))
+    out.append(
+        f'<rect class="capacity" x="{x0}" y="{y}" width="{inner}" height="{BAR_H}" fill="#f2f2f2" stroke="#888"/>'
+    )
+    x = float(x0)
+    scale = inner / b.capacity if b.capacity > 0 else 0.0
+    for key, label, colour in SEGMENTS:
+        value = int(getattr(b, key))
+        width = min(value * scale, x0 + inner - x)
+        if value <= 0 or width <= 0:
+            continue
+        out.append(
+            f'<rect class="segment" data-kind="{key}" data-bytes="{value}" x="{x:.2f}" y="{y}" '
+            f'width="{width:.2f}" height="{BAR_H}" fill="{colour}"><title>{escape(device_label(b.device))} '
+            f"{label}: {format_bytes(value)}</title></rect>"
+        )
+        x += width
+    frac = b.total / b.capacity if b.capacity else 0.0
     out.append(
         _text(
-            MARGIN, y, f"layers in execution order ({len(blocks)} blocks, {len(hops(blocks))} hops)", 12, weight="bold"
+            x0 + inner - 4,
+            y + BAR_H - 6,
+            f"{format_bytes(b.total)} / {format_bytes(b.capacity)} ({frac:.0%})",
+            11,
+            anchor="end",
         )
     )
-    y += 8
+    out.append("</g>")
+    drawing.y += BAR_H
+
+
+def _draw_layer_strip(drawing: _Drawing, blocks: list[LayerBlock]) -> None:
+    """The blocks in execution order across the full width, each in its device's colour, with a red mark under
+    every hop: where the activations move to another device."""
+    out = drawing.parts
+    drawing.y += ROW_GAP + 18
+    out.append(
+        _text(
+            MARGIN,
+            drawing.y,
+            f"layers in execution order ({len(blocks)} blocks, {len(hops(blocks))} hops)",
+            12,
+            weight="bold",
+        )
+    )
+    drawing.y += 8
+    y = drawing.y
     strip_w = WIDTH - 2 * MARGIN
     cell = strip_w / max(len(blocks), 1)
     gap = 1.0 if cell > 3 else 0.0
@@ -192,21 +223,28 @@ def render_svg(plan: Plan) -> str:
             f"{escape(blocks[i].name)}</title></path>"
         )
     out.append("</g>")
-    y += 26 + 24
+    drawing.y += 26 + 24
 
-    # -- prediction and legend -------------------------------------------------------------------------------------
+
+def _draw_prediction(drawing: _Drawing, plan: Plan) -> None:
+    """The cost model's headline figures: load time, decode rate at the plan's batch, and what is offloaded."""
     p = plan.prediction
-    out.append(
+    drawing.parts.append(
         _text(
             MARGIN,
-            y,
+            drawing.y,
             f"predicted load {p.load_seconds:.1f} s; decode {p.decode_tokens_per_s:.3g} tokens/s "
-            f"(batch {w.batch_size}); offloaded {format_bytes(plan.offloaded_bytes)}",
+            f"(batch {plan.workload.batch_size}); offloaded {format_bytes(plan.offloaded_bytes)}",
             12,
             cls="prediction",
         )
     )
-    y += 20
+    drawing.y += 20
+
+
+def _draw_legend(drawing: _Drawing, plan: Plan) -> None:
+    """One swatch per device, per bar segment and for the hop mark, on one line (the last row of the picture)."""
+    y, out = drawing.y, drawing.parts
     x = float(MARGIN)
     legend: list[tuple[str, str]] = [(device_label(b.device), device_colour(b.device)) for b in plan.budgets]
     legend += [(label, colour) for _, label, colour in SEGMENTS]
@@ -217,7 +255,11 @@ def render_svg(plan: Plan) -> str:
         out.append(_text(x + 16, y, label, 11))
         x += 28 + 7 * len(label)
     out.append("</g>")
-    height = y + MARGIN
+
+
+def _document(plan: Plan, parts: list[str], height: int) -> str:
+    """The drawn parts in an ``<svg>`` of the full height on a white ground, titled and described for screen
+    readers (:func:`describe`)."""
     text_alt = escape(describe(plan))
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="plan-picture" viewBox="0 0 {WIDTH} {height}" '
@@ -226,7 +268,7 @@ def render_svg(plan: Plan) -> str:
         f'<title id="plan-title">Device plan for {escape(plan.model)}</title><desc id="plan-desc">{text_alt}</desc>'
         f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>'
     )
-    return head + "".join(out) + "</svg>\n"
+    return head + "".join(parts) + "</svg>\n"
 
 
 def render_svg_dict(plan: dict[str, Any]) -> str:

@@ -235,6 +235,30 @@ def test_identical_prompts_admitted_together_are_prefilled_once(tiny_llama: Path
     assert engine.peak_batch == 3  # the copies started decoding with the first
 
 
+def test_ignore_eos_generates_max_new_tokens_through_an_end_of_sequence_token(tiny_llama: Path) -> None:
+    """``ignore_eos``: a fixed-length greedy run (the pipeline's batch driver) goes on through a chosen EOS token."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok("Once upon a time")["input_ids"]
+    want = _greedy(model, prompt, 5)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    k = next(i for i in range(1, 5) if want[i] not in want[:i])  # the first repeat-free token after the first
+    engine.eos = {want[k]}  # it ends the sequence, unless EOS is ignored
+    engine.start()
+    try:
+        stopped, through = _run(
+            engine,
+            [
+                GenerationRequest(prompt_ids=prompt, max_new_tokens=5),
+                GenerationRequest(prompt_ids=prompt, max_new_tokens=5, ignore_eos=True),
+            ],
+        )
+    finally:
+        engine.stop()
+    assert stopped[-1].reason == "eos_token" and [e.id for e in stopped if isinstance(e, TokenEvent)] == want[: k + 1]
+    assert through[-1].reason == "length" and [e.id for e in through if isinstance(e, TokenEvent)] == want
+
+
 def test_a_prompt_sharing_a_finished_requests_prefix_reuses_its_slot(tiny_llama: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)

@@ -23,7 +23,9 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
     from loaders.load import load_stage
     from planner.cluster import plan_cluster
     from planner.placement.inputs import PlanInputs
-    from service.pipeline.wire import PipelineBrokenError, PipelineDriver, check_same_plan, serve_stage
+    from service.pipeline.greedy_driver import PipelineDriver
+    from service.pipeline.stage_loop import serve_stage
+    from service.pipeline.wire import PipelineBrokenError, check_same_plan
 
     torch.set_num_threads(1)  # several ranks share two cores here: spinning OpenMP pools would starve each other
     dist.init_process_group(
@@ -58,7 +60,7 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
         }
         delay = job.get("delay_s", 0.0)
         if rank == 0:
-            driver = PipelineDriver(stage, plan.micro_batches, delay_s=delay)
+            driver = PipelineDriver(stage, plan, delay_s=delay)
             t_start = time.perf_counter()
             try:
                 record["tokens"] = driver.generate_greedy(job["prompts"], job["max_new_tokens"])
@@ -66,11 +68,8 @@ def rank_main(rank: int, world: int, port: int, job: dict) -> None:
                 record.update(broken=str(e), seconds=time.perf_counter() - t_start)
                 (out / f"rank{rank}.json").write_text(json.dumps(record))
                 raise SystemExit(1) from e
-            t0 = time.perf_counter()
-            driver.step([])  # warm nothing: an empty step is free
             if job.get("timed_steps"):
                 record["step_seconds"] = _timed(driver, job)
-            record["overhead"] = time.perf_counter() - t0
             driver.stop()
         else:
             if job.get("kill_rank") == rank:
@@ -106,7 +105,8 @@ _PRELOAD = [
     "torch",
     "transformers",
     "loaders.load",
-    "service.pipeline.wire",
+    "service.pipeline.greedy_driver",
+    "service.pipeline.stage_loop",
     "tests.service.pipeline.pipeline_ranks",
 ]
 
