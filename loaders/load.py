@@ -1,14 +1,23 @@
-"""``load_checkpoint`` / ``load_model``: a checkpoint directory + a device map (or Plan) -> a ready transformers model.
+"""The one load: a checkpoint + a device map (or Plan, or plan inputs) -> a ready transformers model.
 
-The steps, each in its own room:
+:func:`load_checkpoint` is the only place the steps are put in order; every caller goes through it (``load_model``,
+the served model's background load, each pipeline rank's stage through :func:`load_stage`). The steps, each in
+its own room:
 
-1. ``safetensors_index``: read and validate every shard header (nothing is allocated before this passes);
-2. the planner's ``describe_checkpoint``: the model's Skeleton and its meta model, built once (or handed in by a
-   caller that planned with it);
-3. the device map: a Plan is checked against the checkpoint's fingerprint and obeyed; a strategy name is planned
-   from the same Skeleton; a dict is taken as is;
-4. ``placement``: every tensor on its device (validated map, checkpoint key mapping, materialisation);
-5. ``execution``: hooks, streaming and native kernels, applied to the placed model.
+1. open: ``loaders.checkpoint.index`` reads and validates every shard header (nothing is allocated before this
+   passes); a plan made for another checkpoint is refused here;
+2. describe: the planner's ``describe_checkpoint`` builds the model's Skeleton and its meta model once (or takes
+   the one a caller already described);
+3. plan: a Plan is obeyed; a strategy name or ``PlanInputs`` is planned from that same Skeleton; a dict is taken
+   as is;
+4. place: ``loaders.checkpoint.placement`` puts every tensor on its device (validated map, checkpoint key mapping,
+   materialisation, offload folder);
+5. execute: ``loaders.run.execution`` (hooks, streaming, readahead) and ``loaders.native`` (CPU quantization,
+   kernels) make the placed model run; the CPU's pages are locked.
+
+A pipeline stage is the same load restricted (:class:`~loaders.pipeline_stage.StageRestriction`): step 1 indexes only
+the stage's tensors, step 2 describes the stage's sub-model, step 3 is the stage's plan, and a last step wraps the
+stage's slots.
 """
 
 from __future__ import annotations
