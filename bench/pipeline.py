@@ -65,7 +65,7 @@ def _one_process(model_dir: Path, new_tokens: int, repeats: int) -> dict[int, fl
 def _rank(rank: int, world: int, port: int, model_dir: str, new_tokens: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
-    from loaders.pipeline_stage import load_stage
+    from loaders.load import load_stage
     from planner.cluster import plan_cluster
     from planner.placement.inputs import PlanInputs
     from service.pipeline.greedy_driver import PipelineDriver

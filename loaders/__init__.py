@@ -6,17 +6,26 @@ Public API::
                *, progress=None, **workload) -> torch.nn.Module
     load_model_and_tokenizer(path, ...) -> (model, tokenizer)
     load_checkpoint(path_or_described, ...) -> LoadResult   (typed: model, device_map, plan, stats, skeleton)
+    load_stage(path, cluster_plan, index, ...) -> StageModel   (load_checkpoint restricted to one pipeline stage)
 
-Placement (``loaders.checkpoint.placement``) and execution (``loaders.run.execution``) are separate rooms; ``load_checkpoint``
-runs one after the other. ``device_map`` is a strategy name ("auto", "balanced", "balanced_low_0", "sequential"),
-a dict in transformers' hf_device_map format, or a :class:`planner.Plan` (obeyed exactly; refused when made for
-another checkpoint). The model carries ``hf_device_map`` and
-``load_stats`` (:class:`LoadStats`); ``progress`` receives :class:`LoadProgress` updates.
+Placement (``loaders.checkpoint.placement``) and execution (``loaders.run.execution``) are separate rooms;
+``load_checkpoint`` (in ``loaders.load``) is the one place that runs them in order. ``device_map`` is a strategy
+name ("auto", "balanced", "balanced_low_0", "sequential"), a dict in transformers' hf_device_map format, the
+:class:`planner.placement.inputs.PlanInputs` to plan with, or a :class:`planner.Plan` (obeyed exactly; refused
+when made for another checkpoint). The model carries ``hf_device_map`` and ``load_stats`` (:class:`LoadStats`);
+``progress`` receives :class:`LoadProgress` updates.
 """
 
 from loaders.checkpoint.load_progress import LoadProgress, LoadStats
 from loaders.errors import CheckpointError
-from loaders.load import LoadResult, load_checkpoint, load_model, load_model_and_tokenizer, load_tokenizer
+from loaders.load import (
+    LoadResult,
+    load_checkpoint,
+    load_model,
+    load_model_and_tokenizer,
+    load_stage,
+    load_tokenizer,
+)
 
 __all__ = [
     "CheckpointError",
@@ -26,5 +35,6 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "load_model_and_tokenizer",
+    "load_stage",
     "load_tokenizer",
 ]

@@ -1,14 +1,23 @@
-"""``load_checkpoint`` / ``load_model``: a checkpoint directory + a device map (or Plan) -> a ready transformers model.
+"""The one load: a checkpoint + a device map (or Plan, or plan inputs) -> a ready transformers model.
 
-The steps, each in its own room:
+:func:`load_checkpoint` is the only place the steps are put in order; every caller goes through it (``load_model``,
+the served model's background load, each pipeline rank's stage through :func:`load_stage`). The steps, each in
+its own room:
 
-1. ``safetensors_index``: read and validate every shard header (nothing is allocated before this passes);
-2. the planner's ``describe_checkpoint``: the model's Skeleton and its meta model, built once (or handed in by a
-   caller that planned with it);
-3. the device map: a Plan is checked against the checkpoint's fingerprint and obeyed; a strategy name is planned
-   from the same Skeleton; a dict is taken as is;
-4. ``placement``: every tensor on its device (validated map, checkpoint key mapping, materialisation);
-5. ``execution``: hooks, streaming and native kernels, applied to the placed model.
+1. open: ``loaders.checkpoint.index`` reads and validates every shard header (nothing is allocated before this
+   passes); a plan made for another checkpoint is refused here;
+2. describe: the planner's ``describe_checkpoint`` builds the model's Skeleton and its meta model once (or takes
+   the one a caller already described);
+3. plan: a Plan is obeyed; a strategy name or ``PlanInputs`` is planned from that same Skeleton; a dict is taken
+   as is;
+4. place: ``loaders.checkpoint.placement`` puts every tensor on its device (validated map, checkpoint key mapping,
+   materialisation, offload folder);
+5. execute: ``loaders.run.execution`` (hooks, streaming, readahead) and ``loaders.native`` (CPU quantization,
+   kernels) make the placed model run; the CPU's pages are locked.
+
+A pipeline stage is the same load restricted (:class:`~loaders.pipeline_stage.StageRestriction`): step 1 indexes only
+the stage's tensors, step 2 describes the stage's sub-model, step 3 is the stage's plan, and a last step wraps the
+stage's slots.
 """
 
 from __future__ import annotations
@@ -31,20 +40,23 @@ from loaders.checkpoint.residency import CPU_RESIDENCY_CHOICES, lock_resident
 from loaders.errors import CheckpointError
 from loaders.native.linear import CPU_KERNEL_CHOICES
 from loaders.native.quantization import check_cpu_quantization
+from loaders.pipeline_stage import StageModel, StageRestriction
 from loaders.run.execution import apply_execution
 from planner.api import plan as make_plan
+from planner.api import plan_inputs
+from planner.cluster import ClusterPlan
 from planner.errors import PlanError
-from planner.model.fingerprint import check_plan_fingerprint
+from planner.model.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
 from planner.model.model_ref import HubRef, cached_snapshot_of
 from planner.model.skeleton import CheckpointModel, describe_checkpoint
-from planner.placement.inputs import make_workload
+from planner.placement.inputs import PlanInputs, make_workload
 from planner.placement.sizing import normalize_dtype
 from planner.placement.solve import STRATEGY_NAMES
 from planner.types import DeviceId, Plan, Skeleton
 
 log = logging.getLogger(__name__)
 
-DeviceMapArg = str | Mapping[str, object] | Plan | None
+DeviceMapArg = str | Mapping[str, object] | Plan | PlanInputs | None
 Source = str | os.PathLike | CheckpointModel
 
 
@@ -53,7 +65,9 @@ class LoadResult:
     """What a load produced, typed: the ready model, the map it obeys, the plan (if any) and what it cost.
 
     ``stats.bytes_per_device`` is where the weights went by *placement* ("cpu", "disk", "cuda:N"): disk-offloaded
-    tensors are memory maps that torch reports as CPU tensors, so this, not the tensors' devices, is the truth.
+    tensors are memory maps that torch reports as CPU tensors, so this, not the tensors' devices, is the truth; for
+    the same reason ``resident_bytes`` (weights and buffers held in RAM or on a GPU, tied ones once) leaves out the
+    tensors placed on disk. ``stage`` is set when the load was restricted to a pipeline stage.
     """
 
     model: torch.nn.Module
@@ -61,6 +75,56 @@ class LoadResult:
     plan: Plan | None
     stats: LoadStats
     skeleton: Skeleton
+    resident_bytes: int = 0
+    stage: StageModel | None = None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How this host holds and runs the weights it is given, beside where they go (the device map): checked when
+    made, so a misspelt choice fails before any file is read."""
+
+    offload_folder: Path | None = None
+    cpu_kernels: str = "auto"
+    cpu_quantized_dir: Path | None = None
+    cpu_residency: str = "lock"
+
+    def __post_init__(self) -> None:
+        if self.cpu_kernels not in CPU_KERNEL_CHOICES:
+            raise PlanError(f"cpu_kernels={self.cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
+        if self.cpu_residency not in CPU_RESIDENCY_CHOICES:
+            raise PlanError(f"cpu_residency={self.cpu_residency!r} is not one of {', '.join(CPU_RESIDENCY_CHOICES)}.")
+
+
+@dataclass(frozen=True)
+class AskedWorkload:
+    """What the weights are loaded as: the dtype name asked (None: the checkpoint's), bitsandbytes quantization for
+    GPU layers and the native CPU quantization. A Plan's own, when one is given: its budgets were sized for them."""
+
+    dtype: str | None
+    quantization: str | None
+    cpu_quantization: str | None
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """The checkpoint a load reads: its folder, its validated index, the Hub repository and commit it holds (if
+    any), and the description a caller already made of it (if any)."""
+
+    root: Path
+    index: CheckpointIndex
+    hub: HubRef | None
+    described: CheckpointModel | None
+
+
+@dataclass(frozen=True)
+class ResolvedMap:
+    """Where each block goes: the device map to obey, the plan it came from (if any), and the modules that plan
+    computes on the CPU beside the GPUs."""
+
+    device_map: dict[str, DeviceId]
+    plan: Plan | None
+    cpu_compute: tuple[str, ...] = ()
 
 
 def _dtype_name(dtype) -> str | None:
@@ -84,6 +148,33 @@ def _planned_cpu_quantization(the_plan: Plan, asked: str | None) -> str | None:
     return asked if asked is not None else planned
 
 
+def _asked_workload(device_map: DeviceMapArg, dtype, quantization, cpu_quantization) -> AskedWorkload:
+    """The workload to load: a Plan's (a dtype or quantization asked beside it wins, a different CPU quantization
+    is refused), the inputs' a plan will be made from, or what the caller asked."""
+    given = _dtype_name(dtype)
+    if isinstance(device_map, Plan):
+        return AskedWorkload(
+            given or device_map.workload.dtype,
+            quantization if quantization is not None else device_map.workload.quantization,
+            _planned_cpu_quantization(device_map, cpu_quantization),
+        )
+    if isinstance(device_map, PlanInputs):
+        return AskedWorkload(
+            given or _dtype_name(device_map.dtype),
+            quantization if quantization is not None else device_map.quantization,
+            cpu_quantization if cpu_quantization is not None else device_map.cpu_quantization,
+        )
+    return AskedWorkload(given, quantization, cpu_quantization)
+
+
+def _run_dtype(skeleton: Skeleton, device_map: DeviceMapArg, asked: AskedWorkload) -> str:
+    """The dtype the weights are loaded in: the planner's default when none is given (for inputs still to be
+    planned, with their quantization, as the planner will choose)."""
+    if isinstance(device_map, PlanInputs):
+        return make_workload(skeleton, asked.dtype, asked.quantization).dtype
+    return make_workload(skeleton, asked.dtype).dtype
+
+
 def resolve_device_map(
     skeleton: Skeleton,
     device_map: DeviceMapArg,
@@ -94,17 +185,27 @@ def resolve_device_map(
     workload,
     offload_folder=None,
     cpu_quantization: str | None = None,
-) -> tuple[dict[str, DeviceId], Plan | None]:
-    """The device map to obey. A Plan is taken as is; a strategy name is planned from ``skeleton``; a dict (or a
-    single device) is normalised, and validated against the model at placement."""
+) -> ResolvedMap:
+    """The device map to obey. A Plan is taken as is; a strategy name or :class:`PlanInputs` is planned from
+    ``skeleton``; a dict (or a single device) is normalised, and validated against the model at placement."""
     if isinstance(device_map, Plan):
-        return normalize_map(device_map.device_map), device_map
+        return ResolvedMap(normalize_map(device_map.device_map), device_map, tuple(device_map.cpu_compute))
     if device_map is None:
-        return {"": "cpu"}, None
+        return ResolvedMap({"": "cpu"}, None)
+    if isinstance(device_map, PlanInputs):
+        inputs = replace(device_map, dtype=dtype, quantization=quantization, cpu_quantization=cpu_quantization)
+        return resolve_device_map(
+            skeleton,
+            plan_inputs(skeleton, inputs),
+            max_memory=None,
+            dtype=dtype,
+            quantization=quantization,
+            workload={},
+        )
     if isinstance(device_map, str):
         if device_map not in STRATEGY_NAMES:
             if device_map in ("cpu", "disk") or device_map.startswith("cuda") or device_map.isdigit():
-                return normalize_map({"": device_map}), None
+                return ResolvedMap(normalize_map({"": device_map}), None)
             raise PlanError(
                 f"Unknown device_map strategy {device_map!r}: use one of {', '.join(STRATEGY_NAMES)}, "
                 "a dict of module -> device, or a Plan."
@@ -119,9 +220,9 @@ def resolve_device_map(
             cpu_quantization=cpu_quantization,
             **workload,
         )
-        return normalize_map(p.device_map), p
+        return resolve_device_map(skeleton, p, max_memory=None, dtype=dtype, quantization=quantization, workload={})
     if isinstance(device_map, Mapping):
-        return normalize_map(device_map), None
+        return ResolvedMap(normalize_map(device_map), None)
     raise PlanError(f"device_map must be a strategy name, a dict or a Plan, not {type(device_map).__name__}.")
 
 
@@ -139,107 +240,234 @@ def load_checkpoint(
     cpu_quantization: str | None = None,
     cpu_quantized_dir: str | os.PathLike | None = None,
     cpu_residency: str = "lock",
+    stage: StageRestriction | None = None,
     **workload,
 ) -> LoadResult:
-    """Load a checkpoint onto the devices a device map (or Plan) names; see :func:`load_model` for the arguments.
+    """THE load: describe → plan → place → execute. See :func:`load_model` for the arguments.
 
-    ``source`` is a checkpoint directory, or the :class:`~planner.model.skeleton.CheckpointModel` a caller already
-    described (and planned with): its meta model is filled in place rather than built again.
+    ``source`` is a checkpoint directory (or Hub id), or the :class:`~planner.model.skeleton.CheckpointModel` a
+    caller already described: its meta model is filled in place rather than built again. ``device_map`` may also be
+    the :class:`~planner.placement.inputs.PlanInputs` to plan with, from the Skeleton described here.
+
+    ``stage`` restricts the load to one pipeline stage (:func:`load_stage`): only its tensors are read, its
+    sub-model is described in place of the whole model, its stage plan is obeyed, and ``result.stage`` is the
+    stage ready to run. The steps are the same; the restriction only narrows what each is given.
     """
-    if cpu_kernels not in CPU_KERNEL_CHOICES:
-        raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
-    if cpu_residency not in CPU_RESIDENCY_CHOICES:
-        raise PlanError(f"cpu_residency={cpu_residency!r} is not one of {', '.join(CPU_RESIDENCY_CHOICES)}.")
     t0 = time.perf_counter()
     reset_peak_rss()
-    given = _dtype_name(dtype)
-    if isinstance(device_map, Plan):
-        given = given or device_map.workload.dtype
-        quantization = quantization if quantization is not None else device_map.workload.quantization
-        cpu_quantization = _planned_cpu_quantization(device_map, cpu_quantization)
-    if isinstance(source, CheckpointModel):
-        root = Path(source.headers.directory)
-        index = CheckpointIndex.from_headers(source.headers)
-    else:
-        root, hub = _local_checkpoint(source, device_map)
-        root = root.parent if root.is_file() else root
-        index = CheckpointIndex.open(root)
-    reporter = ProgressReporter(index.total_bytes(), progress, show_bar=show_progress)
+    options = LoadOptions(_path(offload_folder), cpu_kernels, _path(cpu_quantized_dir), cpu_residency)
+    asked = _asked_workload(device_map, dtype, quantization, cpu_quantization)
+    opened = _open(source, device_map)
+    _check_fingerprint(opened, device_map, stage)
+    tensors = stage.select(opened.root, opened.index.headers) if stage is not None else None
+    reporter = ProgressReporter(
+        (tensors.index if tensors is not None else opened.index).total_bytes(), progress, show_bar=show_progress
+    )
     try:
         reporter.set_phase("building")
-        described = (
-            source if isinstance(source, CheckpointModel) else describe_checkpoint(root, given, headers=index.headers)
+        view = stage.describe(opened.root, tensors, asked.dtype) if stage is not None and tensors is not None else None
+        described = view.described if view is not None else _describe(opened, asked.dtype)
+        run = _run_dtype(described.skeleton, device_map, asked)
+        check_cpu_quantization(
+            asked.cpu_quantization, asked.quantization, options.cpu_quantized_dir, getattr(torch, run)
         )
-        if not isinstance(source, CheckpointModel) and hub is not None:  # a plan made here names the Hub commit
-            described = replace(
-                described, skeleton=replace(described.skeleton, name=hub.repo_id, revision=hub.revision)
+        if stage is not None:
+            resolved = ResolvedMap(stage.device_map(), stage.stage.plan, stage.cpu_compute())
+        else:
+            if isinstance(device_map, PlanInputs) or device_map in STRATEGY_NAMES:
+                reporter.set_phase("planning")
+            resolved = resolve_device_map(
+                described.skeleton,
+                device_map,
+                max_memory=max_memory,
+                dtype=run,
+                quantization=asked.quantization,
+                workload=workload,
+                offload_folder=offload_folder,
+                cpu_quantization=asked.cpu_quantization,
             )
-        run = make_workload(described.skeleton, given).dtype  # the planner's default when none is given
-        check_cpu_quantization(cpu_quantization, quantization, cpu_quantized_dir, getattr(torch, run))
-        if isinstance(device_map, Plan):
-            check_plan_fingerprint(device_map.fingerprint, described.skeleton.fingerprint, str(root))
-        dmap, the_plan = resolve_device_map(
-            described.skeleton,
-            device_map,
-            max_memory=max_memory,
-            dtype=run,
-            quantization=quantization,
-            workload=workload,
-            offload_folder=offload_folder,
-            cpu_quantization=cpu_quantization,
-        )
-        if quantization and the_plan is not None and any(not k.endswith(".experts") for k in the_plan.cpu_compute):
-            raise PlanError(
-                f"this plan computes {len(the_plan.cpu_compute)} module(s) on the CPU beside the GPUs, which the "
-                f"bitsandbytes path (quantization={quantization!r}) cannot run; load without quantization, or plan "
-                "for more GPU memory"
-            )
-        if quantization:
-            reporter.set_phase("loading")
-            model = load_quantized(root, dmap, getattr(torch, run), quantization, progress=None, t0=t0)
-            model.loadmaster_plan = the_plan
-            reporter.close()
-            return LoadResult(model, dict(dmap), the_plan, model.load_stats, described.skeleton)
-        if described.dtype != run:
-            log.info("building %s again in %s (it was described in %s)", root, run, described.dtype)
-            described = describe_checkpoint(root, run, headers=index.headers)
-        placed = place(
-            described,
-            index,
-            dmap,
-            getattr(torch, run),
-            reporter,
-            model_path=root,
-            offload_folder=Path(offload_folder) if offload_folder is not None else None,
-            cpu_compute=the_plan.cpu_compute if the_plan is not None else (),
-            lock_resident=cpu_residency == "lock",
-        )
-        reporter.set_phase("dispatching")
-        executed = apply_execution(
-            placed,
-            cpu_kernels,
-            cpu_quantization=cpu_quantization,
-            cpu_quantized_dir=Path(cpu_quantized_dir) if cpu_quantized_dir is not None else None,
-            checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in index.files],
-        )
-        model = placed.model
-        stats = placed.stats
-        stats.native_linears = executed.native_linears
-        stats.native_attention = executed.native_attention
-        stats.cpu_quantization = executed.cpu_quantization
-        if cpu_residency == "lock":
-            stats.residency = lock_resident(model, dict(dmap))
-        stats.seconds = time.perf_counter() - t0
-        stats.peak_rss_bytes = peak_rss_bytes()
-        model.hf_device_map = dict(dmap)
-        model.loadmaster_plan = the_plan
-        model.load_stats = stats
+        if asked.quantization:
+            return _load_bitsandbytes(opened.root, resolved, run, asked.quantization, described, stage, reporter, t0)
+        if view is None and described.dtype != run:
+            log.info("building %s again in %s (it was described in %s)", opened.root, run, described.dtype)
+            described = describe_checkpoint(opened.root, run, headers=opened.index.headers)
+        index = tensors.index if tensors is not None else opened.index
+        result = _place_and_execute(described, index, resolved, run, asked, options, opened, reporter)
+        result.stats.seconds = time.perf_counter() - t0
+        result.stats.peak_rss_bytes = peak_rss_bytes()
+        if view is not None:
+            result.stage = view.finish(result.model, result.stats, result.resident_bytes)
         reporter.close()
-        log.info("loaded %s in %.2fs: %s", root, stats.seconds, stats.bytes_per_device)
-        return LoadResult(model, dict(dmap), the_plan, stats, described.skeleton)
+        log.info("loaded %s in %.2fs: %s", opened.root, result.stats.seconds, result.stats.bytes_per_device)
+        return result
     except BaseException:
         reporter.fail()
         raise
+
+
+def _path(folder: str | os.PathLike | None) -> Path | None:
+    return Path(folder) if folder is not None else None
+
+
+def _open(source: Source, device_map: DeviceMapArg) -> OpenedCheckpoint:
+    """Read and validate every shard header (nothing is allocated before this passes); a Hub id is fetched first."""
+    if isinstance(source, CheckpointModel):
+        root = Path(source.headers.directory)
+        return OpenedCheckpoint(root, CheckpointIndex.from_headers(source.headers), None, source)
+    root, hub = _local_checkpoint(source, device_map)
+    root = root.parent if root.is_file() else root
+    return OpenedCheckpoint(root, CheckpointIndex.open(root), hub, None)
+
+
+def _check_fingerprint(opened: OpenedCheckpoint, device_map: DeviceMapArg, stage: StageRestriction | None) -> None:
+    """Refuse a plan (or a pipeline's plan) made for another checkpoint than the one opened."""
+    planned = stage.plan.fingerprint if stage is not None else getattr(device_map, "fingerprint", None)
+    if isinstance(device_map, Plan) or stage is not None:
+        here = (
+            opened.described.skeleton.fingerprint if opened.described else checkpoint_fingerprint(opened.index.headers)
+        )
+        check_plan_fingerprint(planned, here, str(opened.root))
+
+
+def _describe(opened: OpenedCheckpoint, dtype: str | None) -> CheckpointModel:
+    """The model's Skeleton and meta model, built once from the headers already read (or the caller's). A plan
+    made here from a Hub snapshot names the Hub repository and commit."""
+    if opened.described is not None:
+        return opened.described
+    described = describe_checkpoint(opened.root, dtype, headers=opened.index.headers)
+    if opened.hub is None:
+        return described
+    return replace(
+        described, skeleton=replace(described.skeleton, name=opened.hub.repo_id, revision=opened.hub.revision)
+    )
+
+
+def _load_bitsandbytes(
+    root: Path,
+    resolved: ResolvedMap,
+    dtype: str,
+    quantization: str,
+    described: CheckpointModel,
+    stage: StageRestriction | None,
+    reporter: ProgressReporter,
+    t0: float,
+) -> LoadResult:
+    """GPU layers quantized by bitsandbytes: transformers' own quantized load of the whole model on the map."""
+    if stage is not None:
+        raise PlanError(
+            f"a pipeline stage cannot load with quantization={quantization!r} (bitsandbytes loads a whole model); "
+            "plan the cluster without --quantization, or with --cpu-quantization for CPU layers"
+        )
+    if resolved.plan is not None and any(not k.endswith(".experts") for k in resolved.cpu_compute):
+        raise PlanError(
+            f"this plan computes {len(resolved.cpu_compute)} module(s) on the CPU beside the GPUs, which the "
+            f"bitsandbytes path (quantization={quantization!r}) cannot run; load without quantization, or plan "
+            "for more GPU memory"
+        )
+    reporter.set_phase("loading")
+    model = load_quantized(root, resolved.device_map, getattr(torch, dtype), quantization, progress=None, t0=t0)
+    model.loadmaster_plan = resolved.plan
+    reporter.close()
+    return LoadResult(model, dict(resolved.device_map), resolved.plan, model.load_stats, described.skeleton)
+
+
+def _place_and_execute(
+    described: CheckpointModel,
+    index: CheckpointIndex,
+    resolved: ResolvedMap,
+    dtype: str,
+    asked: AskedWorkload,
+    options: LoadOptions,
+    opened: OpenedCheckpoint,
+    reporter: ProgressReporter,
+) -> LoadResult:
+    """Every tensor on its device (loaders.checkpoint), then made to run there (loaders.run, loaders.native):
+    hooks, streaming and readahead of disk blocks, CPU quantization, native kernels; the CPU's pages locked."""
+    dmap = resolved.device_map
+    placed = place(
+        described,
+        index,
+        dmap,
+        getattr(torch, dtype),
+        reporter,
+        model_path=opened.root,
+        offload_folder=options.offload_folder,
+        cpu_compute=resolved.cpu_compute,
+        lock_resident=options.cpu_residency == "lock",
+    )
+    model = placed.model
+    on_disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}
+    reporter.set_phase("dispatching")
+    executed = apply_execution(
+        placed,
+        options.cpu_kernels,
+        cpu_quantization=asked.cpu_quantization,
+        cpu_quantized_dir=options.cpu_quantized_dir,
+        checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in opened.index.files],
+    )
+    stats = placed.stats
+    stats.native_linears = executed.native_linears
+    stats.native_attention = executed.native_attention
+    stats.cpu_quantization = executed.cpu_quantization
+    if options.cpu_residency == "lock":
+        stats.residency = lock_resident(model, dict(dmap))
+    model.hf_device_map = dict(dmap)
+    model.loadmaster_plan = resolved.plan
+    model.load_stats = stats
+    resident = _resident_bytes(model, on_disk)
+    return LoadResult(model, dict(dmap), resolved.plan, stats, described.skeleton, resident)
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+
+
+def _resident_bytes(model: torch.nn.Module, on_disk: set[int]) -> int:
+    """Bytes of the tensors held in memory (RAM or GPU), each once: not those served from disk."""
+    seen: set[int] = set()
+    total = 0
+    for _, t in _named_tensors(model):
+        if t.device.type != "meta" and id(t) not in seen and id(t) not in on_disk:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def load_stage(
+    checkpoint: str | os.PathLike,
+    plan: ClusterPlan,
+    index: int,
+    *,
+    progress: Callable[[LoadProgress], None] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    cpu_kernels: str = "auto",
+    cpu_quantization: str | None = None,
+    cpu_quantized_dir: str | os.PathLike | None = None,
+    cpu_residency: str = "lock",
+) -> StageModel:
+    """Stage ``index`` of ``plan``: :func:`load_checkpoint` restricted to that stage's tensors
+    (:class:`~loaders.pipeline_stage.StageRestriction`). Each of its blocks lands on the device its stage plan
+    names (a GPU, the CPU, or disk, streamed as in one process), CPU layers are quantized (``cpu_quantization``,
+    which must be the cluster plan's) and run on the native kernels (``cpu_kernels``) as a one-host load does.
+
+    ``offload_folder`` and ``cpu_quantized_dir`` get a ``stage-<index>`` folder each, so ranks of one host sharing
+    a folder never overwrite each other's files (a stage names its layers from 0, as its sub-model does).
+    """
+    restriction = StageRestriction.of(plan, index, cpu_quantization)
+    result = load_checkpoint(
+        checkpoint,
+        restriction.stage.plan,
+        offload_folder=restriction.folder(offload_folder),
+        progress=progress,
+        show_progress=False,
+        cpu_kernels=cpu_kernels,
+        cpu_quantization=plan.workload.cpu_quantization,
+        cpu_quantized_dir=restriction.folder(cpu_quantized_dir),
+        cpu_residency=cpu_residency,
+        stage=restriction,
+    )
+    assert result.stage is not None, "a load restricted to a stage returns the stage"
+    return result.stage
 
 
 def _local_checkpoint(model: str | os.PathLike, device_map: DeviceMapArg) -> tuple[Path, HubRef | None]:

@@ -1,9 +1,19 @@
-"""One pipeline stage of a checkpoint: a real transformers model holding only this stage's layers and tensors.
+"""One pipeline stage of a checkpoint, as a restriction of the one load: which tensors it reads, the sub-model it
+builds, and the slots that make that sub-model run one stage.
 
-The stage is built from the model's own config with ``num_hidden_layers`` set to the stage's layer count, so it is
-the model's own class running its own forward (masks, rotary embeddings, KV cache of its own layers), and layer
-``first + i`` of the checkpoint is loaded into its layer ``i``. The modules around the layers are wrapped in
-:class:`StageSlot`, which picks per forward what they do under a shared :class:`StageContext`:
+A stage is not loaded by a second copy of the loader. :func:`loaders.load.load_stage` runs the ordinary
+describe → place → execute (:func:`loaders.load.load_checkpoint`) with a :class:`StageRestriction`, which narrows two
+of its steps and adds a last one:
+
+- **select**: only the stage's tensors are indexed (renamed to the sub-model's layer numbers), so a stage never reads
+  another stage's tensors; ``keys_read`` says what it read;
+- **describe**: the sub-model is the model's own class from its own config with ``num_hidden_layers`` set to the
+  stage's layer count (its own forward, masks, rotary embeddings, KV cache of its own layers), and layer
+  ``first + i`` of the checkpoint is its layer ``i``; its device map is the stage plan's, renamed the same way;
+- **finish**: the modules around the layers are wrapped in :class:`StageSlot`, which picks per forward what they do
+  under a shared :class:`StageContext`.
+
+The slots' two modes:
 
 - ``layers`` mode (every stage, every micro-batch): stage 0's token embedding embeds; another stage's returns the
   hidden states received from the previous stage (extra input embeddings, GPT-2's positions, return zeros there);
@@ -11,12 +21,6 @@ the model's own class running its own forward (masks, rotary embeddings, KV cach
   a one-column stand-in, so no logits are computed;
 - ``head`` mode (stage 0 only, when the hidden states come back around the ring): the embedding returns them,
   layers pass them through, and the final norm and head run for real.
-
-The stage loads through the ordinary loader: its sub-model is described by the planner from the headers of its
-own tensors only (renamed to the sub-model's layer numbers), placed by :func:`loaders.checkpoint.placement.place` on the devices
-its stage plan names (GPUs, CPU, disk) and made to run there by :func:`loaders.run.execution.apply_execution` (streaming
-and readahead of disk blocks, CPU quantization, native kernels). No other stage's tensor is in its index, so a stage
-never reads another stage's tensors; ``keys_read`` and ``resident_bytes`` say what it read and holds.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -35,17 +38,12 @@ import torch
 from transformers import AutoConfig, PreTrainedModel
 
 from loaders.checkpoint.index import CheckpointIndex
-from loaders.checkpoint.load_progress import LoadStats, ProgressReporter
-from loaders.checkpoint.placement import place
-from loaders.checkpoint.residency import CPU_RESIDENCY_CHOICES, lock_resident
+from loaders.checkpoint.load_progress import LoadStats
 from loaders.errors import CheckpointError
-from loaders.native.linear import CPU_KERNEL_CHOICES
-from loaders.run.execution import apply_execution
 from planner.cluster import ClusterPlan, Stage
 from planner.errors import PlanError
-from planner.model.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
 from planner.model.safetensors_header import CheckpointHeaders
-from planner.model.skeleton import describe_config
+from planner.model.skeleton import CheckpointModel, describe_config
 from planner.placement.inputs import resolve_skeleton
 from planner.types import DeviceId, Skeleton
 
@@ -118,6 +116,157 @@ class StageModel:
     device_map: dict[str, DeviceId] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StageTensors:
+    """The stage's share of the checkpoint: its tensors' headers, renamed as the stage's sub-model names them, and
+    the checkpoint keys they are (what the stage reads, and nothing else)."""
+
+    headers: CheckpointHeaders
+    keys_read: list[str]
+    index: CheckpointIndex
+
+
+@dataclass(frozen=True)
+class StageRestriction:
+    """Stage ``index`` of ``plan``: what :func:`loaders.load.load_checkpoint` asks in place of the whole model.
+
+    Built by :meth:`of`, which refuses what the stage cannot load before any file is opened. ``prefix`` is the
+    decoder layers' container, ``to_local`` maps the stage's layer blocks to the sub-model's (``model.layers.5`` ->
+    ``model.layers.1``), ``before``/``after`` are stage 0's blocks around the layers (every other stage holds slots
+    with nothing to load there).
+    """
+
+    plan: ClusterPlan
+    index: int
+    prefix: str
+    to_local: dict[str, str]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+
+    @classmethod
+    def of(cls, plan: ClusterPlan, index: int, cpu_quantization: str | None = None) -> StageRestriction:
+        """The restriction to stage ``index``; ``cpu_quantization``, when given, must be the one the cluster was
+        planned for (every rank loads with the plan's, so its budgets are the bytes held)."""
+        if not 0 <= index < len(plan.stages):
+            raise CheckpointError(f"stage {index} does not exist: the plan has {len(plan.stages)} stages")
+        planned = plan.workload.cpu_quantization
+        if cpu_quantization is not None and cpu_quantization != planned:
+            raise PlanError(
+                f"cpu_quantization={cpu_quantization!r}, but the pipeline was planned for cpu_quantization="
+                f"{planned!r}: plan the cluster with the same --cpu-quantization every rank loads with"
+            )
+        stage = plan.stages[index]
+        prefix = _layer_prefix([name for name in stage.plan.placement if name.rpartition(".")[2].isdigit()])
+        to_local = {f"{prefix}.{stage.first_layer + i}": f"{prefix}.{i}" for i in range(stage.num_layers)}
+        before, after = _blocks_around_layers(plan, prefix)
+        if not after:
+            raise CheckpointError("the model has no module after its decoder layers; cannot pipeline it")
+        return cls(plan, index, prefix, to_local, tuple(before), tuple(after))
+
+    @property
+    def stage(self) -> Stage:
+        return self.plan.stages[self.index]
+
+    def folder(self, folder: str | os.PathLike | None) -> Path | None:
+        """A ``stage-<index>`` folder inside ``folder``: ranks of one host sharing an offload (or quantized) folder
+        never overwrite each other's files, since every stage names its layers from 0."""
+        return None if folder is None else Path(folder) / f"stage-{self.index}"
+
+    def device_map(self) -> dict[str, DeviceId]:
+        """The stage plan's device map in the sub-model's names."""
+        return {_rename(name, self.to_local): device for name, device in self.stage.plan.device_map.items()}
+
+    def cpu_compute(self) -> tuple[str, ...]:
+        return tuple(_rename(k, self.to_local) for k in self.stage.plan.cpu_compute)
+
+    def select(self, root: Path, headers: CheckpointHeaders) -> StageTensors:
+        """The stage's tensors: the checkpoint keys of its blocks (per the planner's skeleton), renamed."""
+        return _stage_tensors(headers, resolve_skeleton(root), self.stage, self.to_local)
+
+    def describe(self, root: Path, tensors: StageTensors, dtype: str) -> StageView:
+        """The stage's sub-model on the meta device, described from its own tensors' headers. Past stage 0 the
+        blocks around the layers are stage 0's: here they become slots with nothing to load, and leave the
+        skeleton (and the tied pair embedding/head with them)."""
+        config = AutoConfig.from_pretrained(root)
+        sub = copy.deepcopy(config)
+        sub.num_hidden_layers = self.stage.num_layers
+        if getattr(sub, "layer_types", None):
+            sub.layer_types = list(config.layer_types[self.stage.first_layer : self.stage.last_layer + 1])
+        with _quiet_size_check(self.index != 0):
+            described = describe_config(
+                sub.to_dict(), tensors.headers, dtype, name=f"{root.name} [stage {self.index}]", source=str(root)
+            )
+        model = described.model
+        for name in self.before:
+            if not isinstance(model.get_submodule(name), torch.nn.Embedding):
+                raise CheckpointError(f"{name} runs before the decoder layers and is not an embedding; cannot pipeline")
+        embed = model.get_input_embeddings()
+        view = StageView(
+            self,
+            described,
+            tensors,
+            StageContext(),
+            int(config.hidden_size),
+            getattr(torch, dtype),
+            next(name for name, m in model.named_modules() if m is embed),
+        )
+        if self.index != 0:
+            view.wrap_around_layers(model, real=False)
+            skeleton = _without_blocks(described.skeleton, set(self.before) | set(self.after))
+            model.all_tied_weights_keys = {}  # the tied pair (embedding, head) lives on stage 0
+            view = replace(view, described=replace(described, skeleton=skeleton))
+        return view
+
+
+@dataclass(frozen=True)
+class StageView:
+    """A stage being loaded: its described sub-model (what placement fills), its tensors, and what its slots share."""
+
+    restriction: StageRestriction
+    described: CheckpointModel
+    tensors: StageTensors
+    ctx: StageContext
+    hidden_size: int
+    dtype: torch.dtype
+    embed_name: str
+
+    def wrap_around_layers(self, model: torch.nn.Module, *, real: bool) -> None:
+        """Put slots in place of the blocks before and after the layers: holding the real modules (stage 0, after
+        placement, so hooks installed by execution stay on them) or nothing (other stages, before placement)."""
+        r, ctx, hidden = self.restriction, self.ctx, self.hidden_size
+        for name in r.before:
+            role = "embed" if name == self.embed_name else "extra_embed"
+            model.set_submodule(name, StageSlot(role, ctx, model.get_submodule(name) if real else None, hidden))
+        for k, name in enumerate(r.after):
+            role = "first_after" if k == 0 else "after"
+            model.set_submodule(name, StageSlot(role, ctx, model.get_submodule(name) if real else None, hidden))
+
+    def finish(self, model: PreTrainedModel, stats: LoadStats, resident_bytes: int) -> StageModel:
+        """The placed, executed sub-model made a stage: stage 0's blocks around the layers run for real (or, in
+        head mode, the head), every layer passes its input through in head mode."""
+        r = self.restriction
+        if r.index == 0:
+            self.wrap_around_layers(model, real=True)
+        layers = model.get_submodule(r.prefix)
+        for i in range(r.stage.num_layers):
+            layers[i] = StageSlot("layer", self.ctx, layers[i], self.hidden_size)
+        model.eval()
+        keys, read = self.tensors.keys_read, self.tensors.index.total_bytes()
+        log.info(
+            "stage %d: layers %d-%d, %d tensors, %d bytes read, %d resident, by placement %s",
+            r.index,
+            r.stage.first_layer,
+            r.stage.last_layer,
+            len(keys),
+            read,
+            resident_bytes,
+            stats.bytes_per_device,
+        )
+        return StageModel(
+            model, self.ctx, r.stage, self.dtype, self.hidden_size, keys, read, resident_bytes, stats, r.device_map()
+        )
+
+
 def _layer_prefix(names: list[str]) -> str:
     prefix = names[0].rpartition(".")[0]
     if not all(n.rpartition(".")[0] == prefix for n in names):
@@ -125,148 +274,7 @@ def _layer_prefix(names: list[str]) -> str:
     return prefix
 
 
-def load_stage(
-    checkpoint: str | Path,
-    plan: ClusterPlan,
-    index: int,
-    *,
-    offload_folder: str | os.PathLike | None = None,
-    cpu_kernels: str = "auto",
-    cpu_quantization: str | None = None,
-    cpu_quantized_dir: str | os.PathLike | None = None,
-    cpu_residency: str = "lock",
-) -> StageModel:
-    """Load stage ``index`` of ``plan`` from the checkpoint directory, reading only that stage's tensors, through
-    the ordinary loader (:func:`loaders.checkpoint.placement.place` then :func:`loaders.run.execution.apply_execution`): each of
-    its blocks lands on the device its stage plan names (a GPU, the CPU, or disk, streamed as in one process), CPU
-    layers are quantized (``cpu_quantization``, which must be the plan's) and run on the native kernels
-    (``cpu_kernels``) as a one-host load does.
-
-    ``offload_folder`` and ``cpu_quantized_dir`` get a ``stage-<index>`` folder each, so ranks of one host sharing
-    a folder never overwrite each other's files (a stage names its layers from 0, as its sub-model does).
-    """
-    if cpu_kernels not in CPU_KERNEL_CHOICES:
-        raise PlanError(f"cpu_kernels={cpu_kernels!r} is not one of {', '.join(CPU_KERNEL_CHOICES)}.")
-    if cpu_residency not in CPU_RESIDENCY_CHOICES:
-        raise PlanError(f"cpu_residency={cpu_residency!r} is not one of {', '.join(CPU_RESIDENCY_CHOICES)}.")
-    root = Path(checkpoint)
-    ckpt = CheckpointIndex.open(root)
-    check_plan_fingerprint(plan.fingerprint, checkpoint_fingerprint(ckpt.headers), str(root))
-    if not 0 <= index < len(plan.stages):
-        raise CheckpointError(f"stage {index} does not exist: the plan has {len(plan.stages)} stages")
-    planned_quant = plan.workload.cpu_quantization
-    if cpu_quantization is not None and cpu_quantization != planned_quant:
-        raise PlanError(
-            f"cpu_quantization={cpu_quantization!r}, but the pipeline was planned for cpu_quantization="
-            f"{planned_quant!r}: plan the cluster with the same --cpu-quantization every rank loads with"
-        )
-    cpu_quantization = planned_quant
-    stage = plan.stages[index]
-    dtype = getattr(torch, plan.workload.dtype)
-    t0 = time.perf_counter()
-
-    layer_blocks = [name for name in stage.plan.placement if name.rpartition(".")[2].isdigit()]
-    prefix = _layer_prefix(layer_blocks)
-    # The stage's sub-model names its layers from 0: stage name -> checkpoint block name, and back.
-    to_local = {f"{prefix}.{stage.first_layer + i}": f"{prefix}.{i}" for i in range(stage.num_layers)}
-    config = AutoConfig.from_pretrained(root)
-    sub = copy.deepcopy(config)
-    sub.num_hidden_layers = stage.num_layers
-    if getattr(sub, "layer_types", None):
-        sub.layer_types = list(config.layer_types[stage.first_layer : stage.last_layer + 1])
-    full = resolve_skeleton(root)
-    headers, keys_read = _stage_headers(ckpt.headers, full, stage, to_local)
-    with _quiet_size_check(index != 0):
-        described = describe_config(
-            sub.to_dict(), headers, plan.workload.dtype, name=f"{root.name} [stage {index}]", source=str(root)
-        )
-    model = described.model
-    hidden = int(config.hidden_size)
-    ctx = StageContext()
-    before_names, after_names = _blocks_around_layers(plan, prefix)
-    if not after_names:
-        raise CheckpointError("the model has no module after its decoder layers; cannot pipeline it")
-    embed = model.get_input_embeddings()
-    embed_name = next(name for name, m in model.named_modules() if m is embed)
-    for name in before_names:
-        if not isinstance(model.get_submodule(name), torch.nn.Embedding):
-            raise CheckpointError(f"{name} runs before the decoder layers and is not an embedding; cannot pipeline")
-    local_map = {_rename(name, to_local): device for name, device in stage.plan.device_map.items()}
-    skeleton = described.skeleton
-    if index != 0:  # the blocks around the layers are stage 0's: here they are slots with nothing to load
-        for name in before_names:
-            model.set_submodule(name, StageSlot("embed" if name == embed_name else "extra_embed", ctx, None, hidden))
-        for k, name in enumerate(after_names):
-            model.set_submodule(name, StageSlot("first_after" if k == 0 else "after", ctx, None, hidden))
-        skeleton = _without_blocks(skeleton, set(before_names) | set(after_names))
-        model.all_tied_weights_keys = {}  # the tied pair (embedding, head) lives on stage 0
-    described = replace(described, model=model, skeleton=skeleton)
-
-    reporter = ProgressReporter(sum(ckpt[k].nbytes for k in keys_read), None, show_bar=False)
-    try:
-        placed = place(
-            described,
-            CheckpointIndex.from_headers(headers),
-            local_map,
-            dtype,
-            reporter,
-            model_path=root,
-            offload_folder=_stage_folder(offload_folder, index),
-            cpu_compute=tuple(_rename(k, to_local) for k in stage.plan.cpu_compute),
-            lock_resident=cpu_residency == "lock",
-        )
-        disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}
-        executed = apply_execution(
-            placed,
-            cpu_kernels,
-            cpu_quantization=cpu_quantization,
-            cpu_quantized_dir=_stage_folder(cpu_quantized_dir, index),
-            checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in ckpt.files],
-        )
-        stats = placed.stats
-        stats.native_linears = executed.native_linears
-        stats.native_attention = executed.native_attention
-        stats.cpu_quantization = executed.cpu_quantization
-        if cpu_residency == "lock":
-            stats.residency = lock_resident(model, local_map)
-        reporter.close()
-    except BaseException:
-        reporter.fail()
-        raise
-
-    # Now the slots: stage 0's blocks around the layers run for real (or, in head mode, the head), every layer
-    # passes its input through in head mode. Hooks installed by execution stay on the wrapped modules.
-    if index == 0:
-        for name in before_names:
-            real = model.get_submodule(name)
-            model.set_submodule(name, StageSlot("embed" if name == embed_name else "extra_embed", ctx, real, hidden))
-        for k, name in enumerate(after_names):
-            model.set_submodule(
-                name, StageSlot("first_after" if k == 0 else "after", ctx, model.get_submodule(name), hidden)
-            )
-    layer_container = model.get_submodule(prefix)
-    for i in range(stage.num_layers):
-        layer_container[i] = StageSlot("layer", ctx, layer_container[i], hidden)
-    model.eval()
-    stats.seconds = time.perf_counter() - t0
-    bytes_read = sum(ckpt[k].nbytes for k in keys_read)
-    resident = _resident_bytes(model, disk)
-    log.info(
-        "stage %d: layers %d-%d, %d tensors, %d bytes read, %d resident, by placement %s",
-        index,
-        stage.first_layer,
-        stage.last_layer,
-        len(keys_read),
-        bytes_read,
-        resident,
-        stats.bytes_per_device,
-    )
-    return StageModel(model, ctx, stage, dtype, hidden, keys_read, bytes_read, resident, stats, dict(local_map))
-
-
-def _stage_headers(
-    headers: CheckpointHeaders, full: Skeleton, stage: Stage, to_local: dict[str, str]
-) -> tuple[CheckpointHeaders, list[str]]:
+def _stage_tensors(headers: CheckpointHeaders, full: Skeleton, stage: Stage, to_local: dict[str, str]) -> StageTensors:
     """The headers of this stage's tensors only (the checkpoint keys of its blocks, per the planner's skeleton),
     renamed as the stage's sub-model names them; and the checkpoint keys they are."""
     local_of: dict[str, str] = {}
@@ -286,7 +294,7 @@ def _stage_headers(
     tensors = {name: t for f in files for name, t in f.tensors.items()}
     weight_map = {name: t.file for name, t in tensors.items()}
     sub = replace(headers, files=tuple(files), tensors=tensors, weight_map=weight_map)
-    return sub, sorted(local_of)
+    return StageTensors(sub, sorted(local_of), CheckpointIndex.from_headers(sub))
 
 
 def _rename_key(key: str, block: str, local: str) -> str:
@@ -330,25 +338,6 @@ def _quiet_size_check(quiet: bool) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _stage_folder(folder: str | os.PathLike | None, index: int) -> Path | None:
-    return None if folder is None else Path(folder) / f"stage-{index}"
-
-
-def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-
-
-def _resident_bytes(model: torch.nn.Module, disk: set[int]) -> int:
-    """Bytes of the tensors held in memory (RAM or GPU), each once: not those served from disk."""
-    seen: set[int] = set()
-    total = 0
-    for _, t in _named_tensors(model):
-        if t.device.type != "meta" and id(t) not in seen and id(t) not in disk:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 def _blocks_around_layers(plan: ClusterPlan, prefix: str) -> tuple[list[str], list[str]]:

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from loaders.errors import CheckpointError
-from loaders.load import load_tokenizer
-from loaders.pipeline_stage import load_stage
+from loaders.load import load_stage, load_tokenizer
 from planner.errors import PlanError
 from planner.hardware.units import parse_rate
 from service.cli.plan_command import add_planner_flags, inputs_from_args

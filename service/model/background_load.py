@@ -1,7 +1,7 @@
 """Loading the served model in the background, and the load's progress for ``/health/ready`` and ``/info``.
 
-The server listens at once; :class:`ModelHost` loads on a thread (the checkpoint is described once, planned from
-its Skeleton, then the loader fills that same meta model as the plan says) and
+The server listens at once; :class:`ModelHost` loads on a thread through the one load (:func:`loaders.load_checkpoint`:
+the checkpoint is described once, planned from its Skeleton, and that same meta model filled as the plan says) and
 records progress from the loader's callback. Routes read :class:`LoadState` and answer 503 until it is ready.
 """
 
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.api import plan_inputs
 from planner.errors import LoadmasterError
 from planner.types import Plan
 from service.model.model_paths import confine_model_files, real_roots
@@ -56,8 +55,8 @@ class LoadPhase:
 class LoadState:
     """Progress of the background load. Written by the loading thread, read by the routes."""
 
-    #: starting | building demo model | planning | the loader's phases (validating, building, loading, offloading,
-    #: dispatching) | warming | ready | failed
+    #: starting | building demo model | downloading | the loader's phases (validating, building, planning, loading,
+    #: offloading, dispatching) | warming | ready | failed
     phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
@@ -158,22 +157,31 @@ def serve_roots(settings: ServiceSettings, model_dir: Path) -> list[Path]:
     return [real.parent.parent] if real.parent.name == "snapshots" else [real]
 
 
+def load_flags(settings: ServiceSettings) -> dict[str, Any]:
+    """The serve flags that decide how this host holds the weights it is given (offload folder, CPU quantization
+    and its saved copies, native kernels), as the loader's keyword arguments: one process and every pipeline rank
+    load with the same."""
+    return {
+        "offload_folder": settings.offload_folder,
+        "cpu_kernels": settings.cpu_kernels,
+        "cpu_quantization": settings.cpu_quantization,
+        "cpu_quantized_dir": settings.cpu_quantized_dir,
+    }
+
+
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
-    """Describe the checkpoint once, plan from its Skeleton, then load into the very meta model the Skeleton was
-    walked from. Runs on the loading thread."""
+    """Fetch (from the Hub) and confine the model's folder, read its tokenizer, then hand the plan inputs to the
+    one load (:func:`loaders.load_checkpoint`: describe, plan from that Skeleton, place, execute). Runs on the
+    loading thread."""
     from loaders import load_checkpoint, load_tokenizer
-    from planner.model.skeleton import describe_checkpoint
-    from planner.placement.sizing import normalize_dtype
 
     if settings.demo:
         progress(LoadPhase(phase="building demo model"))
     hub = hub_ref(settings)
-    commit: str | None = None
     if hub is not None:  # fetch into the Hub cache (progress: phase "downloading")
         from loaders.checkpoint.hub_download import download, prepare_download
 
-        snapshot = download(prepare_download(hub), progress)
-        path, commit = snapshot.path, snapshot.commit
+        path = download(prepare_download(hub), progress).path  # a snapshot folder: the plan names its commit
         confine_model_files(path, serve_roots(settings, path), ALLOWED_ROOT_OPTION)
         refuse_lengths_beyond_positions(settings, path)
     else:
@@ -184,25 +192,10 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         if positions and inputs.context is not None:
             inputs = replace(inputs, context=min(inputs.context, positions))
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
-    described = describe_checkpoint(
-        path,
-        normalize_dtype(inputs.dtype, "float32") if inputs.dtype else None,
-        name=hub.repo_id if hub is not None else None,
-    )
-    if commit is not None:  # the plan names the Hub commit it was made for
-        described = replace(described, skeleton=replace(described.skeleton, revision=commit))
-    progress(LoadPhase(phase="planning"))
-    the_plan = plan_inputs(described.skeleton, inputs)
-    result = load_checkpoint(
-        described,
-        device_map=the_plan,
-        offload_folder=settings.offload_folder,
-        progress=progress,
-        cpu_kernels=settings.cpu_kernels,
-        cpu_quantization=settings.cpu_quantization,
-        cpu_quantized_dir=settings.cpu_quantized_dir,
-    )
+    result = load_checkpoint(path, device_map=inputs, progress=progress, **load_flags(settings))
     result.model.eval()
+    the_plan = result.plan
+    assert the_plan is not None, "a load from plan inputs carries its plan"
     name = settings.served_model_name or (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,

@@ -148,21 +148,15 @@ def check_pipeline_settings(settings: ServiceSettings) -> int:
     return world
 
 
-def load_settings_stage(settings: ServiceSettings, path: Path, plan: ClusterPlan, index: int) -> Any:
-    """This rank's stage, loaded through the ordinary loader with the serve flags that decide how a host holds its
-    layers (offload folder, CPU quantization and its saved copies, native kernels), as one process
-    would load its plan."""
-    from loaders.pipeline_stage import load_stage
+def load_settings_stage(
+    settings: ServiceSettings, path: Path, plan: ClusterPlan, index: int, progress: Callable[[Any], None] | None = None
+) -> Any:
+    """This rank's stage: the one load restricted to it (:func:`loaders.load.load_stage`), with the serve flags
+    that decide how a host holds its layers, as one process would load its plan."""
+    from loaders.load import load_stage
+    from service.model.background_load import load_flags
 
-    return load_stage(
-        path,
-        plan,
-        index,
-        offload_folder=settings.offload_folder,
-        cpu_kernels=settings.cpu_kernels,
-        cpu_quantization=settings.cpu_quantization,
-        cpu_quantized_dir=settings.cpu_quantized_dir,
-    )
+    return load_stage(path, plan, index, progress=progress, **load_flags(settings))
 
 
 def join_group(settings: ServiceSettings) -> tuple[int, int]:
@@ -222,9 +216,9 @@ class Rank0:
 
     def load(self, settings: ServiceSettings, progress: Callable[[Any], None]) -> Any:
         import time
+        from dataclasses import replace
 
         from loaders import load_tokenizer
-        from loaders.checkpoint.load_progress import LoadStats
         from service.model.background_load import LoadedModel, LoadPhase, resolve_model_dir
         from service.pipeline.stage_model import PipelineModel
 
@@ -233,23 +227,14 @@ class Rank0:
         tokenizer = load_tokenizer(path)
         progress(LoadPhase(phase="planning"))
         plan = agree_on_plan(settings, path, self.world)
-        progress(LoadPhase(phase="loading"))
-        stage = load_settings_stage(settings, path, plan, 0)
+        stage = load_settings_stage(settings, path, plan, 0, progress)
         model = PipelineModel(stage, plan, plan.micro_batches, heartbeat_s=min(2.0, settings.pipeline_timeout / 3))
         model.on_broken(lambda message: _on_broken(self.app, message))
         self.model = model
         model.start_heartbeat()
-        stats = LoadStats(
-            seconds=time.perf_counter() - t0,
-            bytes_per_device=dict(stage.stats.bytes_per_device),
-            bytes_read=stage.bytes_read,
-            zero_copy_bytes=stage.stats.zero_copy_bytes,
-            offload_bytes_written=stage.stats.offload_bytes_written,
-            native_linears=stage.stats.native_linears,
-            cpu_quantization=stage.stats.cpu_quantization,
-            residency=stage.stats.residency,
-        )
-        model.load_stats = stats  # /info's load_stats: stage 0's load (placement, quantization, native kernels)
+        # /info's load_stats: stage 0's load (placement, quantization, native kernels), timed from the plan
+        stats = replace(stage.stats, seconds=time.perf_counter() - t0, bytes_read=stage.bytes_read)
+        model.load_stats = stats
         return LoadedModel(
             model=model,
             tokenizer=tokenizer,

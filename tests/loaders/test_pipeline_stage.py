@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loaders.pipeline_stage import load_stage
+from loaders.load import load_stage
 from planner.cluster import plan_cluster
 from planner.errors import PlanError
 from planner.placement.inputs import PlanInputs

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 def rank_main(rank: int, world: int, port: int, job: dict) -> None:
     import torch
 
-    from loaders.pipeline_stage import load_stage
+    from loaders.load import load_stage
     from planner.cluster import plan_cluster
     from planner.placement.inputs import PlanInputs
     from service.pipeline.greedy_driver import PipelineDriver
@@ -104,7 +104,7 @@ START_METHOD = os.environ.get("LOADMASTER_TEST_START_METHOD", "forkserver")
 _PRELOAD = [
     "torch",
     "transformers",
-    "loaders.pipeline_stage",
+    "loaders.load",
     "service.pipeline.greedy_driver",
     "service.pipeline.stage_loop",
     "tests.service.pipeline.pipeline_ranks",
