@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planner.user_cache import user_cache_path
 from service.model.build_folders import BUILD_FORMAT, atomic_build_dir, check_target, is_complete, write_marker
 from service.model.corpus_tokenizer import corpus_text, make_tokenizer, tokenizer_fingerprint
 from service.model.random_models import (
@@ -46,9 +47,10 @@ DEMO_MAX_SECONDS = 90.0
 
 
 def default_demo_dir() -> Path:
-    """Where the demo model lives: ``$LOADMASTER_HOME/demo-model`` (default ``~/.cache/loadmaster``)."""
-    home = os.environ.get("LOADMASTER_HOME") or Path.home() / ".cache" / "loadmaster"
-    return Path(home).expanduser() / "demo-model"
+    """Where the demo model lives: ``$LOADMASTER_HOME/demo-model``, else ``$XDG_CACHE_HOME/loadmaster/demo-model``
+    (``~/.cache/loadmaster/demo-model``) with loadmaster's other caches."""
+    home = os.environ.get("LOADMASTER_HOME")
+    return Path(home).expanduser() / "demo-model" if home else user_cache_path("demo-model")
 
 
 def _training_batches(ids: list[int], bos_id: int, seq_len: int, batch: int, seed: int) -> Callable[[], Any]:
