@@ -62,6 +62,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     user_caches.release(RUN_CACHES)
 
+
 #: What in a test's code (or its helpers' or fixtures') starts a process or a server.
 STARTS_SOMETHING = re.compile(
     r"\bsubprocess\.|\bPopen\(|\bLiveServer\(|\buvicorn\.|\bplaywright\b|\bchromium\.launch\("
