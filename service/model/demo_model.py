@@ -72,7 +72,8 @@ def _training_batches(ids: list[int], bos_id: int, seq_len: int, batch: int, see
 def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> list[float]:
     """A short AdamW run over the bundled text; stops early (with a warning) if the time budget runs out."""
     import torch
-    from tqdm.auto import tqdm
+
+    from loaders.checkpoint.load_progress import progress_bar
 
     ids = tokenizer(corpus_text(), add_special_tokens=False, verbose=False)["input_ids"]
     sample = _training_batches(ids, tokenizer.bos_token_id, DEMO_SEQ_LEN, DEMO_BATCH, seed)
@@ -88,8 +89,8 @@ def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> 
     losses: list[float] = []
     started = time.perf_counter()
     try:
-        bar = tqdm(range(steps), desc="training demo model", unit="step", leave=False)
-        for step in bar:
+        bar = progress_bar(steps, "training demo model", "steps", logger)
+        for step in range(steps):
             batch = sample()
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -99,6 +100,7 @@ def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> 
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1)
             if step == 0:
                 logger.info("training on %d thread(s)", threads)
             if time.perf_counter() - started > max_seconds and step + 1 < steps:
