@@ -52,6 +52,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             f" or another loadmaster ran here meanwhile):\n  {shown}"
         )
         if reporter is not None:
+            reporter.ensure_newline()
             reporter.write_sep("=", "user cache changed", red=True)
             reporter.write_line(message)
         else:
