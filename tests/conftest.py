@@ -13,18 +13,56 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-# Predictions must not depend on whether someone ran 'loadmaster env --calibrate' on this machine; the
-# calibration tests point LOADMASTER_CALIBRATION at their own files.
-os.environ["LOADMASTER_CALIBRATION"] = "off"
 
 import inspect  # noqa: E402
 import re  # noqa: E402
 import types  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests import user_caches  # noqa: E402
+
+# The suite never reads or writes the user's caches (calibration, kernels, demo model, offload folders, import
+# table, Hub cache): before anything is collected, every cache points at the run's own temporary folder, which each
+# subprocess inherits (tests/user_caches.py). Predictions then do not depend on whether someone ran
+# 'loadmaster env --calibrate' here; the calibration tests point LOADMASTER_CALIBRATION at their own files.
+REAL_CACHE = user_caches.real_cache_root()
+REAL_CACHE_BEFORE = user_caches.listing(REAL_CACHE)
+RUN_CACHES = user_caches.isolate()
+
 from tests import models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def run_caches() -> Iterator[Path]:
+    """The run's own cache folder (``XDG_CACHE_HOME``, ``HF_HOME``, ``LOADMASTER_HOME`` are under it)."""
+    yield RUN_CACHES
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if anything under the user's own ``~/.cache/loadmaster`` changed while it ran."""
+    changed = user_caches.changes(REAL_CACHE_BEFORE, user_caches.listing(REAL_CACHE))
+    if changed:
+        shown = "\n  ".join(changed[:20]) + ("\n  ..." if len(changed) > 20 else "")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            f"the test run changed the user's cache {REAL_CACHE} (tests must use their own, tests/user_caches.py;"
+            f" or another loadmaster ran here meanwhile):\n  {shown}"
+        )
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_sep("=", "user cache changed", red=True)
+            reporter.write_line(message)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    user_caches.release(RUN_CACHES)
+
 
 #: What in a test's code (or its helpers' or fixtures') starts a process or a server.
 STARTS_SOMETHING = re.compile(

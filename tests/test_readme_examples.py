@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import user_caches
 from tests.service.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,8 +125,10 @@ DOCS_CONSOLE = [
 
 
 def _env() -> dict[str, str]:
-    """The user's shell after setup: the venv first on PATH, no LOADMASTER_* settings leaking in, offline hub."""
+    """The user's shell after setup: the venv first on PATH, no LOADMASTER_* settings leaking in, offline hub, and
+    the test run's own caches (tests/user_caches.py), never the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOADMASTER_")}
+    env.update(user_caches.env())
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
     return env

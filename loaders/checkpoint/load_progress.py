@@ -1,17 +1,21 @@
-"""What a load reports while it runs (LoadProgress) and after it finishes (LoadStats)."""
+"""What a load reports while it runs (LoadProgress) and after it finishes (LoadStats), and how a long step shows its
+progress (:func:`progress_bar`: a bar on a terminal, a few log lines in a redirected log)."""
 
 from __future__ import annotations
 
 import logging
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from planner.hardware.devices import parse_device
+from planner.hardware.units import format_bytes
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,85 @@ class LoadStats:
         return out
 
 
+#: How often a progress line goes to the log when stderr is not a terminal (a bar would write a redraw per step).
+LOG_EVERY_S = 10.0
+
+
+class LogProgress:
+    """A progress bar's stand-in where stderr is a file or a pipe: a log line every ``every_s`` seconds and one at
+    the end, instead of the hundreds of carriage-return redraws a bar would write into the log. It takes the calls
+    the bar takes (``update``, ``set_description``, ``set_postfix``, ``close``)."""
+
+    def __init__(
+        self, total: int, desc: str, unit: str, logger: logging.Logger, every_s: float = LOG_EVERY_S, nbytes=False
+    ):
+        self.total, self.desc, self.unit, self.logger, self.every_s = total, desc, unit, logger, every_s
+        self.nbytes = nbytes
+        self.n = 0
+        self.postfix = ""
+        self._t0 = self._last = time.monotonic()
+        self._closed = False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= self.every_s and self.n < self.total:
+            self._last = now
+            self._line()
+
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+
+    def set_postfix(self, **values: Any) -> None:
+        self.postfix = ", ".join(f"{k} {v}" for k, v in values.items())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self.n and time.monotonic() - self._t0 >= self.every_s:  # a quick step needs no closing line
+                self._line(done=True)
+
+    def _count(self, n: float) -> str:
+        return format_bytes(n) if self.nbytes else f"{int(n)} {self.unit}"
+
+    def _line(self, done: bool = False) -> None:
+        elapsed = time.monotonic() - self._t0
+        share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        per_s = self.n / elapsed if elapsed > 0 else 0.0
+        rate = format_bytes(per_s) + "/s" if self.nbytes else f"{per_s:.1f} {self.unit}/s"
+        extra = f", {self.postfix}" if self.postfix else ""
+        what = "done" if done else "so far"
+        self.logger.info(
+            "%s: %s of %s%s %s, %.0f s, %s%s",
+            self.desc,
+            self._count(self.n),
+            self._count(self.total),
+            share,
+            what,
+            elapsed,
+            rate,
+            extra,
+        )
+
+
+def progress_bar(
+    total: int, desc: str, unit: str, logger: logging.Logger, show: bool = True, nbytes: bool = False
+) -> Any:
+    """A tqdm bar where stderr is a terminal; a :class:`LogProgress` (a line every ``LOG_EVERY_S``) where it is
+    not; a silent bar when ``show`` is False."""
+    if show and not _stderr_is_terminal():
+        return LogProgress(total, desc, unit, logger, nbytes=nbytes)
+    scale = dict(unit_scale=True, unit_divisor=1024) if nbytes else {}
+    return tqdm(total=total, unit=unit, desc=desc, disable=not show, leave=False, **scale)
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by something without isatty, or closed
+        return False
+
+
 class ProgressReporter:
     """Thread-safe byte counter feeding both a tqdm bar and the caller's callback.
 
@@ -78,15 +161,7 @@ class ProgressReporter:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.by_device: dict[str, int] = {}
-        self._bar = tqdm(
-            total=self.total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc="loading",
-            disable=not show_bar,
-            leave=False,
-        )
+        self._bar = progress_bar(self.total, "loading", "B", log, show=show_bar, nbytes=True)
 
     def set_phase(self, phase: str) -> None:
         with self._lock:

@@ -17,8 +17,9 @@ from planner.errors import PlanError
 from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.placement.estimate import estimate
-from planner.placement.inputs import PlanInputs
+from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs
 from planner.types import Plan
+from service.model.positions import model_position_limit, planned_context
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +65,13 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share."""
+    """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share. The context
+    is capped at the model's positions (a local folder's or config.json's) as ``/plan`` caps it: by default quietly,
+    and ``--context`` beyond them is refused, naming both numbers."""
+    positions = model_position_limit(args.model) if getattr(args, "model", None) else None
+    context = (
+        args.context if positions is None else planned_context(args.context, DEFAULT_CONTEXT, positions, "--context")
+    )
     return PlanInputs.from_text(
         max_memory=args.max_memory,
         gpus=args.gpus,
@@ -72,7 +79,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         dtype=args.dtype,
         quantization=args.quantization,
         batch_size=args.batch_size,
-        context=args.context,
+        context=context,
         gpu_reserve=args.gpu_reserve,
         offload_folder=args.offload_folder,
         bandwidth=args.bandwidth,

@@ -22,6 +22,7 @@ from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics
 from service.model.background_load import LoadedModel, ModelHost
+from service.model.positions import loaded_position_limit, served_positions
 from service.schemas.validation import Validator
 from service.settings import ServiceSettings
 
@@ -41,7 +42,9 @@ class Runtime:
         self.validator: Validator | None = None
         self.draining = False
         self.in_flight = 0
-        self.max_total_tokens = settings.max_total_tokens
+        #: What the server admits, prompt + output: --max-total-tokens capped at the model's positions (where they
+        #: can be read before the load: the demo's, a local folder's; then the loaded model's), as /info reports it.
+        self.max_total_tokens = _capped(settings.max_total_tokens, served_positions(settings))
         self.weight_bytes: dict[str, int] | None = None
         #: The engine streams whose responses are not over (the end of the grace period ends them).
         self.streams: set[EngineStream] = set()
@@ -51,11 +54,14 @@ class Runtime:
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def _start_engine(self, loaded: LoadedModel) -> None:
         s = self.settings
-        max_total = s.max_total_tokens
-        limit = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
-        if isinstance(limit, int) and 0 < limit < max_total:
-            log.info("max_total_tokens %d exceeds the model's %d positions; using %d", max_total, limit, limit)
-            max_total = limit
+        max_total = _capped(s.max_total_tokens, loaded_position_limit(loaded.model))
+        if max_total < s.max_total_tokens:
+            log.info(
+                "max_total_tokens %d exceeds the model's %d positions; using %d (as /info, /plan and /ui report)",
+                s.max_total_tokens,
+                max_total,
+                max_total,
+            )
         self.max_total_tokens = max_total
         self.validator = Validator(
             loaded.tokenizer,
@@ -338,3 +344,7 @@ def runtime_of(request: Request) -> Runtime:
 
 def request_id_of(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
+
+
+def _capped(max_total_tokens: int, positions: int | None) -> int:
+    return min(max_total_tokens, positions) if positions else max_total_tokens

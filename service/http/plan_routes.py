@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.api import plan_inputs
 from planner.errors import LoadmasterError, PlanError
 from planner.placement.advice import largest_batch, largest_context
-from planner.placement.inputs import PlanInputs, resolve_skeleton
+from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs, resolve_skeleton
 from service.errors import RequestValidationError
 from service.http.access_log import CLIENT_CLOSED
 from service.http.admission import request_id_of, runtime_of
@@ -27,7 +27,7 @@ from service.http.cluster_plan_routes import MAX_HOSTS, HostSpec, check_cluster_
 from service.http.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
 from service.model.background_load import ALLOWED_ROOT_OPTION, hub_ref, serve_roots
 from service.model.model_paths import check_path_text, confine_model_files, real_roots, resolve_under_roots
-from service.model.positions import model_position_limit
+from service.model.positions import model_position_limit, planned_context
 from service.schemas.openapi_responses import BODY_ERRORS, errors
 from service.schemas.response_models import ClusterPlanResponse, NoPlanResponse, PlanResponse
 
@@ -90,8 +90,7 @@ def _model_source(request: Request, body: PlanRequest) -> Any:
         if body.model is not None:
             raise RequestValidationError("Give either model or config, not both.")
         return dict(body.config)
-    served = runtime.settings.served_model_name or (runtime.loaded.name if runtime.loaded else None)
-    if body.model is None or (served is not None and body.model == served):
+    if _names_served(request, body):
         if runtime.loaded is not None:
             return str(runtime.loaded.path)
         if runtime.settings.model and not runtime.settings.demo:
@@ -159,9 +158,10 @@ async def plan_route(request: Request, body: PlanRequest) -> Response:
         check_config(source, settings)
     elif not str(source).startswith("hf://"):
         check_model_dir(Path(source), settings)
+    default_context = _default_context(request, body)
     try:
         answer = await _workers(request).run(
-            lambda: _plan(source, body, settings),
+            lambda: _plan(source, body, settings, default_context),
             timeout=settings.plan_timeout,
             request=request,
             abandon=lambda: runtime.draining,
@@ -170,6 +170,24 @@ async def plan_route(request: Request, body: PlanRequest) -> Response:
         log.info("request %s: /plan abandoned (client gone or server draining)", request_id_of(request))
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(answer)
+
+
+def _names_served(request: Request, body: PlanRequest) -> bool:
+    """Whether the request plans the served model (no model named, or the served model's name)."""
+    runtime = runtime_of(request)
+    served = runtime.settings.served_model_name or (runtime.loaded.name if runtime.loaded else None)
+    return body.config is None and (body.model is None or (served is not None and body.model == served))
+
+
+def _default_context(request: Request, body: PlanRequest) -> int:
+    """The context a plan is made for when the request names none: for the served model, what the server plans
+    for and admits (``--context``, else ``--max-total-tokens``; the model's positions then cap it, as they cap
+    ``/info``'s limits and the page's form); for another model, the planner's default (capped the same way)."""
+    if not _names_served(request, body):
+        return DEFAULT_CONTEXT
+    runtime = runtime_of(request)
+    plan = runtime.loaded.plan if runtime.loaded is not None else None
+    return plan.workload.context if plan is not None else runtime.settings.planned_context()
 
 
 def _workers(request: Request) -> PlanWorkers:
@@ -184,8 +202,9 @@ def _workers(request: Request) -> PlanWorkers:
 _NOT_A_MODEL = (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError, RuntimeError)
 
 
-def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
-    """The dry run itself (on a plan worker thread): skeleton, limits, plan, what-if."""
+def _plan(source: Any, body: PlanRequest, settings: Any, default_context: int) -> dict[str, Any]:
+    """The dry run itself (on a plan worker thread): skeleton, limits, plan, what-if. The context is the request's
+    (refused beyond the model's positions, naming both), else ``default_context`` capped at the positions."""
     try:
         skeleton = resolve_skeleton(source)
     except LoadmasterError:
@@ -199,6 +218,7 @@ def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
     check_skeleton(skeleton, settings)
     if body.hosts is not None:
         return cluster_answer(skeleton, body)
+    positions = model_position_limit(source)
     inputs = PlanInputs(
         max_memory=body.max_memory,
         gpus=body.gpus,
@@ -206,7 +226,7 @@ def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
         dtype=body.dtype,
         quantization=body.quantization,
         batch_size=body.batch_size,
-        context=body.context,
+        context=planned_context(body.context, default_context, positions),
     )
     answer: dict[str, Any]
     try:
@@ -218,7 +238,7 @@ def _plan(source: Any, body: PlanRequest, settings: Any) -> dict[str, Any]:
     if body.what_if is not None:
         hardware, workload, strategy = inputs.hardware(), inputs.workload(skeleton), inputs.checked_strategy()
         if body.what_if == "max_context":
-            limit = model_position_limit(source) or (1 << 22)
+            limit = positions or (1 << 22)
             best = largest_context(skeleton, hardware, workload, strategy, limit=limit)
             what = {"question": "max_context", "batch_size": body.batch_size, "max_context": best, "limit": limit}
         else:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import LoadmasterError
 from planner.types import Plan
 from service.model.model_paths import confine_model_files, real_roots
-from service.model.positions import model_position_limit
+from service.model.positions import model_position_limit, planned_context, served_context
 from service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
@@ -132,10 +132,12 @@ def resolve_model_dir(settings: ServiceSettings) -> Path:
 
 
 def refuse_lengths_beyond_positions(settings: ServiceSettings, path: Path) -> None:
-    """An explicit ``--max-total-tokens`` (flag or environment) beyond the model's positions is refused, not
-    lowered: the user asked for sequences the model cannot hold. The default (2048) is still capped quietly at
-    load, since nobody asked for it."""
+    """An explicit ``--max-total-tokens`` or ``--context`` (flag or environment) beyond the model's positions is
+    refused, not lowered: the user asked for sequences the model cannot hold. The default (2048) is still capped
+    quietly at load, since nobody asked for it (and ``/info``, ``/plan`` and the page then report the cap)."""
     positions = model_position_limit(path)
+    if settings.context is not None:
+        planned_context(settings.context, settings.context, positions, what="--context")
     if positions and "max_total_tokens" in settings.model_fields_set and settings.max_total_tokens > positions:
         raise ValueError(
             f"--max-total-tokens {settings.max_total_tokens} is more than the {positions} positions the model "
@@ -187,10 +189,8 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     else:
         path = resolve_model_dir(settings)
     inputs = settings.plan_inputs()
-    if settings.context is None:  # plan for what the server will allow, which the model's positions cap
-        positions = model_position_limit(path)
-        if positions and inputs.context is not None:
-            inputs = replace(inputs, context=min(inputs.context, positions))
+    # plan for what the server will allow, which the model's positions cap
+    inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
     result = load_checkpoint(path, device_map=inputs, progress=progress, **load_flags(settings))
     result.model.eval()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planner.user_cache import user_cache_path
 from service.model.build_folders import BUILD_FORMAT, atomic_build_dir, check_target, is_complete, write_marker
 from service.model.corpus_tokenizer import corpus_text, make_tokenizer, tokenizer_fingerprint
 from service.model.random_models import (
@@ -46,9 +47,10 @@ DEMO_MAX_SECONDS = 90.0
 
 
 def default_demo_dir() -> Path:
-    """Where the demo model lives: ``$LOADMASTER_HOME/demo-model`` (default ``~/.cache/loadmaster``)."""
-    home = os.environ.get("LOADMASTER_HOME") or Path.home() / ".cache" / "loadmaster"
-    return Path(home).expanduser() / "demo-model"
+    """Where the demo model lives: ``$LOADMASTER_HOME/demo-model``, else ``$XDG_CACHE_HOME/loadmaster/demo-model``
+    (``~/.cache/loadmaster/demo-model``) with loadmaster's other caches."""
+    home = os.environ.get("LOADMASTER_HOME")
+    return Path(home).expanduser() / "demo-model" if home else user_cache_path("demo-model")
 
 
 def _training_batches(ids: list[int], bos_id: int, seq_len: int, batch: int, seed: int) -> Callable[[], Any]:
@@ -70,7 +72,8 @@ def _training_batches(ids: list[int], bos_id: int, seq_len: int, batch: int, see
 def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> list[float]:
     """A short AdamW run over the bundled text; stops early (with a warning) if the time budget runs out."""
     import torch
-    from tqdm.auto import tqdm
+
+    from loaders.checkpoint.load_progress import progress_bar
 
     ids = tokenizer(corpus_text(), add_special_tokens=False, verbose=False)["input_ids"]
     sample = _training_batches(ids, tokenizer.bos_token_id, DEMO_SEQ_LEN, DEMO_BATCH, seed)
@@ -86,8 +89,8 @@ def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> 
     losses: list[float] = []
     started = time.perf_counter()
     try:
-        bar = tqdm(range(steps), desc="training demo model", unit="step", leave=False)
-        for step in bar:
+        bar = progress_bar(steps, "training demo model", "steps", logger)
+        for step in range(steps):
             batch = sample()
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
@@ -97,6 +100,7 @@ def _train_demo(model, tokenizer, steps: int, seed: int, max_seconds: float) -> 
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1)
             if step == 0:
                 logger.info("training on %d thread(s)", threads)
             if time.perf_counter() - started > max_seconds and step + 1 < steps:

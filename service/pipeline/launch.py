@@ -41,13 +41,10 @@ def plan_for_settings(settings: ServiceSettings, path: Path, world: int) -> Clus
     """The cluster plan every rank makes from the same serve flags: ``world`` hosts, each planned with them."""
     from planner.cluster import plan_cluster
     from planner.hardware.units import parse_rate
-    from service.model.positions import model_position_limit
+    from service.model.positions import model_position_limit, served_context
 
     inputs = settings.plan_inputs()
-    context = inputs.context
-    positions = model_position_limit(path)
-    if settings.context is None and positions and context is not None:
-        context = min(context, positions)  # as a one-process server plans: for what the model's positions allow
+    context = served_context(settings, model_position_limit(path))  # as a one-process server plans
     return plan_cluster(
         str(path),
         [inputs] * world,

@@ -109,6 +109,9 @@
     $("model-line").textContent = info.model_id
       ? info.model_id + " (" + info.architecture + ", " + info.dtype + (info.quantization ? ", " + info.quantization : "") + ") · v" + info.version
       : "model loading: " + (st.status || "…");
+    // the what-if form suggests the context the server plans for: the model's positions cap it, as in /info and /plan
+    const context = info.plan ? info.plan.workload.context : (info.limits || {}).max_total_tokens;
+    if (context) $("wi-context").placeholder = String(context);
     if (!info.plan) return false;
     showPlan(info.plan, await picture(info.plan));
     return true;

@@ -7,7 +7,9 @@
 # Exits 0 with "docker smoke: NOT RUN: <why>" when no Docker engine can be started here (scripts/install-docker
 # installs one; CI runs it first, and tests/docker/test_smoke.py fails on NOT RUN when CI is set); non-zero on a
 # failure.
-# Environment: LOADMASTER_SMOKE_KEEP=1 keeps the image; DEBIAN_MIRROR overrides the debootstrap mirror.
+# Each step prints a "docker smoke:" line as it starts, with the seconds since the script began.
+# Environment: LOADMASTER_SMOKE_KEEP=1 keeps the image; DEBIAN_MIRROR overrides the debootstrap mirror;
+# LOADMASTER_HOME is where the demo model is built (once) and kept (the tests use their own cache for it).
 # Runs may overlap on one engine (CI jobs, several checkouts): each has its own image tag and logs
 # (/tmp/loadmaster-smoke.*/), and only the shared base image is reused.
 set -euo pipefail
@@ -20,11 +22,12 @@ NAME="loadmaster-smoke-$$"
 EXTRAS="docker/build-extras"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
-say() { echo "docker smoke: $*"; }
+say() { echo "docker smoke: $* [${SECONDS}s]"; }
 not_run() { say "NOT RUN: $*"; exit 0; }
 
 # -- an engine ------------------------------------------------------------------------------------------------------
 command -v docker >/dev/null 2>&1 || not_run "no docker client (bash scripts/install-docker installs one)"
+say "starting (building the image takes minutes, the first build longer)"
 if ! docker info >/dev/null 2>&1; then
     started="$(bash scripts/install-docker --start 2>&1)" || not_run "no Docker engine could be started: $(echo "$started" | tail -n 1)"
     echo "$started"
@@ -68,12 +71,14 @@ done
 say "building $IMAGE on $BASE_TAG (torch from the local wheels or PyPI; CPU, since no CUDA base can be pulled)"
 docker build --network host --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL= -t "$IMAGE" . \
     >"$LOGS/docker-build.log" 2>&1 || { tail -n 30 "$LOGS/docker-build.log"; exit 1; }
+say "built $IMAGE"
 rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"
 user="$(docker image inspect -f '{{.Config.User}}' "$IMAGE")"
 [ -n "$user" ] && [ "$user" != root ] || { say "FAILED: the image runs as '$user', not a non-root user"; exit 1; }
 
 # -- run it on the demo model ----------------------------------------------------------------------------------------
 PY=".venv/bin/python"; [ -x "$PY" ] || PY=python3
+say "the demo model (built once, about a minute the first time)"
 demo="$(HF_HUB_OFFLINE=1 "$PY" -c 'from service.model.demo_model import build_demo_model; print(build_demo_model())')"
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 wait_healthy() {  # container name

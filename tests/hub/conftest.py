@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import user_caches
 from tests.hub.fake_hub import FakeHub
 from tests.sparse_checkpoint import write_sparse_checkpoint
 
@@ -35,6 +36,7 @@ def dead_endpoint() -> str:
 
 def hub_env(endpoint: str, hf_home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LOADMASTER_"))}
+    env.update(user_caches.env())  # the run's own caches (tests/user_caches.py), never the user's
     env.update(
         HF_ENDPOINT=endpoint,
         HF_HOME=str(hf_home),

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from service.cli.main import build_parser, settings_from_args
+from tests import user_caches
 from tests.models import llama_100m_dir
 from tests.service.conftest import free_port
 
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOADMASTER_")}
+    env.update(user_caches.env())  # the run's own caches (tests/user_caches.py), never the user's
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), **extra)
     return env
 
@@ -140,7 +142,7 @@ def test_invalid_flag_values_exit_2_before_serving(
     ``main`` at start, before a server exists, with exit status 2 and one line naming it."""
     from service.cli.main import main
 
-    for key in [k for k in os.environ if k.startswith("LOADMASTER_")]:
+    for key in [k for k in os.environ if k.startswith("LOADMASTER_") and k not in user_caches.VARIABLES]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -238,3 +238,15 @@ def test_plan_sizes_the_native_cpu_quantization(tiny_llama):
     assert text.returncode == 0 and "cpu int4 (native kernels)" in text.stdout
     bad = run("plan", str(tiny_llama), "--gpus", "1x1GiB", "--cpu-quantization", "int8")
     assert bad.returncode == 2 and "--quantization (bitsandbytes) for GPU layers" in bad.stderr
+
+
+def test_plan_caps_the_context_at_the_positions_and_refuses_beyond(tiny_llama, capsys):
+    """As /plan does: the default 2048 becomes the tiny Llama's 1024 positions; --context 4096 is refused, naming
+    both numbers, with exit status 2."""
+    from service.cli.main import main
+
+    assert main(["plan", str(tiny_llama), "--max-memory", "cpu=1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["context"] == 1024
+    assert main(["plan", str(tiny_llama), "--max-memory", "cpu=1GiB", "--context", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--context 4096 is more than the 1024 positions" in err, err

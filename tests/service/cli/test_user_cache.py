@@ -24,12 +24,14 @@ def test_every_cache_of_the_project_sits_under_the_one_root(monkeypatch, tmp_pat
     from loaders.native import kernel_build, linear
     from planner.hardware.calibration import calibration_path
     from service.cli import import_table
+    from service.model.demo_model import default_demo_dir
 
     for var in (
         "LOADMASTER_KERNEL_CACHE",
         "LOADMASTER_OFFLOAD_DIR",
         "LOADMASTER_CALIBRATION",
         "LOADMASTER_IMPORT_CACHE_DIR",
+        "LOADMASTER_HOME",
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -39,3 +41,4 @@ def test_every_cache_of_the_project_sits_under_the_one_root(monkeypatch, tmp_pat
     assert default_offload_folder(tmp_path).parent == root / "offload"
     assert calibration_path() == root / "calibration.json"
     assert import_table.cache_dir() == root / "import-structure"
+    assert default_demo_dir() == root / "demo-model"

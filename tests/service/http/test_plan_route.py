@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -10,6 +11,8 @@ import pytest
 
 import planner
 from planner.types import Plan
+from service.model.positions import model_position_limit
+from tests.service.conftest import LiveServer
 
 
 def test_plan_of_the_served_model_equals_the_planner(client: httpx.Client, tiny_llama: Path) -> None:
@@ -109,3 +112,47 @@ def test_path_escapes_are_refused(client: httpx.Client, name: str, status: int) 
 def test_absolute_path_inside_a_root_is_allowed(client: httpx.Client, model_root: Path) -> None:
     r = client.post("/plan", json={"model": str(model_root / "gpt2-copy"), "max_memory": {"cpu": "1GiB"}})
     assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def capped_server(tiny_llama: Path) -> Iterator[LiveServer]:
+    """The tiny Llama (1024 positions) served with the default --max-total-tokens (2048), which they cap."""
+    from service.settings import ServiceSettings
+
+    s = LiveServer(ServiceSettings(model=str(tiny_llama), max_memory=["cpu=4GiB"]))
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_plan_and_info_state_one_context_cap(capped_server: LiveServer, tiny_llama: Path) -> None:
+    """The model's positions cap the default 2048: /info's limits, the plan in force, /plan's default workload (the
+    served model's and another model's) all say 1024; a plan for a context beyond the positions is refused, naming
+    both numbers."""
+    positions = model_position_limit(tiny_llama)
+    assert positions == 1024 < 2048
+    with httpx.Client(base_url=capped_server.url, timeout=60) as c:
+        info = c.get("/info").json()
+        assert info["limits"]["max_total_tokens"] == positions
+        assert info["limits"]["max_input_tokens"] < positions
+        assert info["plan"]["workload"]["context"] == positions
+        served = c.post("/plan", json={"max_memory": {"cpu": "1GiB"}})
+        assert served.status_code == 200, served.text
+        assert served.json()["workload"]["context"] == positions
+        config = json.loads((tiny_llama / "config.json").read_text())
+        other = c.post("/plan", json={"config": config, "max_memory": {"cpu": "1GiB"}})
+        assert other.status_code == 200, other.text
+        assert other.json()["workload"]["context"] == positions
+        assert c.post("/plan", json={"context": 512}).json()["workload"]["context"] == 512
+        refused = c.post("/plan", json={"context": 4096})
+        assert refused.status_code == 422, refused.text
+        message = refused.json()["error"]
+        assert "4096" in message and "1024 positions" in message, message
+
+
+def test_a_context_beyond_the_positions_is_refused_at_start(tiny_llama: Path) -> None:
+    from service.model.background_load import resolve_model_dir
+    from service.settings import ServiceSettings
+
+    with pytest.raises(ValueError, match=r"--context 4096 is more than the 1024 positions"):
+        resolve_model_dir(ServiceSettings(model=str(tiny_llama), context=4096))

@@ -188,6 +188,8 @@ def test_page_draws_the_served_plan_and_sends_the_key(session: PageSession, ui_s
     assert page.locator("#reasons li").count() == len(plan["reasons"])
     desc = page.text_content("#plan-picture svg desc") or ""
     assert "blocks" in desc and "tokens/s" in desc, "the chart has a text alternative"
+    # the what-if form suggests the context the server plans for (the plan in force, as /info and /plan state it)
+    assert page.get_attribute("#wi-context", "placeholder") == str(plan["workload"]["context"])
 
     # The page's shell is open; the data is not, and GET / from a non-browser client still needs the key.
     assert httpx.get(ui_server.url + "/ui", timeout=30).status_code == 200
