@@ -18,7 +18,7 @@ from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.placement.estimate import estimate
 from planner.placement.inputs import PlanInputs
-from planner.types import Plan
+from planner.types import PREFILL_CHUNK, Plan
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share."""
+    """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share. Like
+    ``serve``, the plan budgets activations for the serving engine's step (its prefill chunk)."""
     return PlanInputs.from_text(
         max_memory=args.max_memory,
         gpus=args.gpus,
@@ -78,6 +79,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bandwidth=args.bandwidth,
         complete=args.complete,
         cpu_quantization=args.cpu_quantization,
+        prefill_chunk=PREFILL_CHUNK,
     )
 
 
@@ -118,7 +120,8 @@ def format_plan(plan: Plan) -> str:
     q += f", cpu {w.cpu_quantization} (native kernels)" if w.cpu_quantization else ""
     lines = [
         f"Plan for {plan.model}{f' at commit {plan.revision}' if plan.revision else ''} ({plan.architecture}): strategy {plan.strategy}, {w.dtype}{q}, "
-        f"batch {w.batch_size} x context {w.context}",
+        f"batch {w.batch_size} x context {w.context}"
+        + (f", activations for a step of {w.step_tokens()} tokens" if w.prefill_chunk else ""),
         "",
         f"{'device':<7} {'blocks':<38} {'weights':>9} {'KV cache':>9} {'activ.':>9} {'reserve':>9} "
         f"{'total':>9} {'capacity':>9}  use",

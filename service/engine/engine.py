@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from planner.hardware.devices import torch_device_name
+from planner.types import PREFILL_CHUNK
 from service.engine.detokenizer import make_detokenizer
 from service.engine.isolation import isolate_failure
 from service.engine.kv_pool import SlotKVCache
@@ -351,9 +352,6 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
-#: Most prompt tokens (padding included) one engine iteration prefills: bounds how long a long prompt's arrival
-#: delays the running streams' next token (it is prefilled over several iterations) and a prefill's activations.
-PREFILL_CHUNK = 256
 #: Shortest shared prefix worth holding a prompt back an iteration for (a whole identical prompt always is).
 SHARED_PREFIX_MIN = 16
 
