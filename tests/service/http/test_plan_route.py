@@ -68,12 +68,18 @@ def test_what_if_largest_context_and_batch_are_tight(client: httpx.Client, tiny_
     limit = r.json()["what_if"]["limit"]
     assert planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=4, context=best, prefill_chunk=PREFILL_CHUNK)
     if best < limit:
-        assert not planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=4, context=best + 1, prefill_chunk=PREFILL_CHUNK)
+        assert not planner.api.fits(
+            str(tiny_llama), max_memory=mem, batch_size=4, context=best + 1, prefill_chunk=PREFILL_CHUNK
+        )
 
     r = client.post("/plan", json={"max_memory": mem, "what_if": "max_batch", "context": 256})
     best_batch = r.json()["what_if"]["max_batch_size"]
-    assert planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=best_batch, context=256, prefill_chunk=PREFILL_CHUNK)
-    assert not planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=best_batch + 1, context=256, prefill_chunk=PREFILL_CHUNK)
+    assert planner.api.fits(
+        str(tiny_llama), max_memory=mem, batch_size=best_batch, context=256, prefill_chunk=PREFILL_CHUNK
+    )
+    assert not planner.api.fits(
+        str(tiny_llama), max_memory=mem, batch_size=best_batch + 1, context=256, prefill_chunk=PREFILL_CHUNK
+    )
 
 
 def test_plan_that_cannot_fit_is_422_plan_error(client: httpx.Client) -> None:
