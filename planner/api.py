@@ -41,13 +41,16 @@ def plan(
     hardware: Hardware | None = None,
     advise: bool = True,
     cpu_quantization: str | None = None,
+    prefill_chunk: int | None = None,
 ) -> Plan:
     """Plan where each block of ``model`` goes. See the package docstring for the accepted inputs.
 
     ``complete=True`` lets a custom map leave modules out for the planner to place. ``hardware`` skips
     resolution of ``max_memory``/``gpus`` (the caller built it). ``advise=False`` skips the search for changes
     that would fit when nothing does. ``cpu_quantization`` (``int8``/``int4``) sizes the linear layers in the
-    native CPU formats the loader's ``cpu_quantization`` stores.
+    native CPU formats the loader's ``cpu_quantization`` stores. ``prefill_chunk`` budgets activations for a
+    forward of that many prompt tokens plus one decode row per sequence (the serving engine's
+    :data:`~planner.types.PREFILL_CHUNK`); None, the default, for a whole-batch prefill as ``generate`` runs it.
     """
     inputs = PlanInputs(
         max_memory=max_memory,
@@ -62,6 +65,7 @@ def plan(
         bandwidths=bandwidths,
         complete=complete,
         cpu_quantization=cpu_quantization,
+        prefill_chunk=prefill_chunk,
     )
     return plan_inputs(model, inputs, hardware=hardware, advise=advise)
 

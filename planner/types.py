@@ -179,6 +179,12 @@ class Hardware:
         return None
 
 
+#: Prompt tokens the serving engine prefills in one step (its chunk), shared by every prefilling sequence; decode
+#: rows ride along. Defined here, once, because the plan budgets activations for exactly the step the engine runs:
+#: the engine (``service.engine``) imports this constant rather than keeping a number of its own.
+PREFILL_CHUNK = 256
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the plan must leave room for besides the weights."""
@@ -189,6 +195,14 @@ class Workload:
     context: int = 2048
     #: None, "int8" or "int4": the native weight-only formats of CPU and disk layers (``loaders.native.quantization``).
     cpu_quantization: str | None = None
+    #: Prompt tokens one forward prefills: the serving engine's :data:`PREFILL_CHUNK`, or None for a whole-batch
+    #: prefill of ``batch_size x context`` tokens at once (transformers' ``generate`` on a loaded model).
+    prefill_chunk: int | None = None
+
+    def step_tokens(self) -> int:
+        """The most tokens one forward computes: a whole-batch prefill, or a chunk plus one decode row per sequence."""
+        whole = self.batch_size * self.context
+        return whole if self.prefill_chunk is None else min(whole, self.prefill_chunk + self.batch_size)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from planner.placement.inputs import PlanInputs
+from planner.types import PREFILL_CHUNK
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -164,7 +165,8 @@ class ServiceSettings(BaseSettings):
 
     def plan_inputs(self) -> PlanInputs:
         """The planning settings, read by the same parser as ``loadmaster plan``'s flags (and so with its messages).
-        Batch and context default to what the server allows."""
+        Batch and context default to what the server allows; activations are budgeted for the engine's real step
+        (its prefill chunk and decode rows), not a whole-batch prefill it never runs."""
         return PlanInputs.from_text(
             max_memory=self.max_memory or None,
             gpus=self.gpus,
@@ -178,6 +180,7 @@ class ServiceSettings(BaseSettings):
             bandwidth=self.bandwidth or None,
             complete=self.complete,
             cpu_quantization=self.cpu_quantization,
+            prefill_chunk=PREFILL_CHUNK,
         )
 
     def check_plan_flags(self) -> PlanInputs:

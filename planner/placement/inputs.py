@@ -109,6 +109,8 @@ class PlanInputs:
     bandwidths: Mapping[str, float] | None = None
     complete: bool = False
     cpu_quantization: str | None = None
+    #: Prompt tokens a forward prefills (the serving engine's chunk), or None for a whole-batch prefill.
+    prefill_chunk: int | None = None
 
     @classmethod
     def from_text(
@@ -126,6 +128,7 @@ class PlanInputs:
         bandwidth: list[str] | None = None,
         complete: bool = False,
         cpu_quantization: str | None = None,
+        prefill_chunk: int | None = None,
     ) -> PlanInputs:
         """From flags or ``LOADMASTER_*`` settings: ``DEV=SIZE`` and ``KIND=RATE`` entries, a strategy name, JSON
         or ``@file.json``."""
@@ -142,6 +145,7 @@ class PlanInputs:
             bandwidths=parse_bandwidths(bandwidth),
             complete=complete,
             cpu_quantization=cpu_quantization,
+            prefill_chunk=prefill_chunk,
         )
 
     def hardware(self) -> Hardware:
@@ -153,7 +157,13 @@ class PlanInputs:
 
     def workload(self, skeleton: Skeleton) -> Workload:
         return make_workload(
-            skeleton, self.dtype, self.quantization, self.batch_size, self.context, self.cpu_quantization
+            skeleton,
+            self.dtype,
+            self.quantization,
+            self.batch_size,
+            self.context,
+            self.cpu_quantization,
+            self.prefill_chunk,
         )
 
     def checked_strategy(self) -> Strategy:
@@ -189,13 +199,16 @@ def make_workload(
     batch_size: int = 1,
     context: int | None = None,
     cpu_quantization: str | None = None,
+    prefill_chunk: int | None = None,
 ) -> Workload:
     """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32).
 
     ``cpu_quantization`` (the native int8/int4 CPU formats) computes with float32 or bfloat16 activations: a
-    float16 run is refused here, as the loader would refuse it."""
+    float16 run is refused here, as the loader would refuse it. ``prefill_chunk`` is the serving engine's
+    (:data:`planner.types.PREFILL_CHUNK`) when the plan is for the server; None budgets a whole-batch prefill."""
     _check_count("batch_size", batch_size)
     _check_count("context", context)
+    _check_count("prefill_chunk", prefill_chunk)
     quant = normalize_quantization(quantization)
     cpu_quant = normalize_cpu_quantization(cpu_quantization)
     if quant and cpu_quant:
@@ -221,6 +234,7 @@ def make_workload(
         batch_size=batch_size,
         context=context if context is not None else DEFAULT_CONTEXT,
         cpu_quantization=cpu_quant,
+        prefill_chunk=prefill_chunk,
     )
 
 

@@ -202,7 +202,9 @@ def kv_explanation(skeleton: Skeleton, workload: Workload) -> str | None:
 
 
 def activation_bytes(skeleton: Skeleton, workload: Workload) -> int:
-    """Peak transient memory of one decoder layer during prefill of ``batch_size × context`` tokens.
+    """Peak transient memory of one decoder layer during the largest forward the workload runs: a whole-batch
+    prefill of ``batch_size × context`` tokens, or the serving engine's step (its prefill chunk plus one decode row
+    per sequence; :meth:`~planner.types.Workload.step_tokens`).
 
     Counted per token: the residual stream, the normed input and the attention output (3 × hidden), the query
     and the new K/V (hidden + 2 × kv_heads × head_dim), and the MLP's gate and up projections (2 × intermediate),
@@ -212,7 +214,7 @@ def activation_bytes(skeleton: Skeleton, workload: Workload) -> int:
     hidden = skeleton.hidden_size
     kv_width = skeleton.kv.per_token if skeleton.kv else 2 * hidden
     per_token = 4 * hidden + kv_width + 2 * max(skeleton.intermediate_size, 0)
-    return int(per_token * workload.batch_size * workload.context * DTYPE_BYTES[workload.dtype])
+    return int(per_token * workload.step_tokens() * DTYPE_BYTES[workload.dtype])
 
 
 def logits_bytes(skeleton: Skeleton, workload: Workload) -> int:

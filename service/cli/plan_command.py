@@ -18,7 +18,7 @@ from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.placement.estimate import estimate
 from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs
-from planner.types import Plan
+from planner.types import PREFILL_CHUNK, Plan
 from service.model.positions import model_position_limit, planned_context
 
 
@@ -67,7 +67,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """The planner's inputs from parsed flags, read by the one parser the settings and ``/plan`` share. The context
     is capped at the model's positions (a local folder's or config.json's) as ``/plan`` caps it: by default quietly,
-    and ``--context`` beyond them is refused, naming both numbers."""
+    and ``--context`` beyond them is refused, naming both numbers. Like ``serve``, the plan budgets activations
+    for the serving engine's step (its prefill chunk)."""
     positions = model_position_limit(args.model) if getattr(args, "model", None) else None
     context = (
         args.context if positions is None else planned_context(args.context, DEFAULT_CONTEXT, positions, "--context")
@@ -85,6 +86,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bandwidth=args.bandwidth,
         complete=args.complete,
         cpu_quantization=args.cpu_quantization,
+        prefill_chunk=PREFILL_CHUNK,
     )
 
 
@@ -125,7 +127,8 @@ def format_plan(plan: Plan) -> str:
     q += f", cpu {w.cpu_quantization} (native kernels)" if w.cpu_quantization else ""
     lines = [
         f"Plan for {plan.model}{f' at commit {plan.revision}' if plan.revision else ''} ({plan.architecture}): strategy {plan.strategy}, {w.dtype}{q}, "
-        f"batch {w.batch_size} x context {w.context}",
+        f"batch {w.batch_size} x context {w.context}"
+        + (f", activations for a step of {w.step_tokens()} tokens" if w.prefill_chunk else ""),
         "",
         f"{'device':<7} {'blocks':<38} {'weights':>9} {'KV cache':>9} {'activ.':>9} {'reserve':>9} "
         f"{'total':>9} {'capacity':>9}  use",

@@ -22,15 +22,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from planner.types import PREFILL_CHUNK  # the plan budgets activations for exactly this step
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import Row
 from service.engine.prefix_index import SlotContents, common_prefix
 from service.engine.requests import Sequence
 from service.errors import GenerationError, OverloadedError
 
-#: Most prompt tokens (padding included) one engine iteration prefills: bounds how long a long prompt's arrival
-#: delays the running streams' next token (it is prefilled over several iterations) and a prefill's activations.
-PREFILL_CHUNK = 256
 #: Shortest shared prefix worth holding a prompt back an iteration for (a whole identical prompt always is).
 SHARED_PREFIX_MIN = 16
 

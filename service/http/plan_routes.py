@@ -20,6 +20,7 @@ from planner.api import plan_inputs
 from planner.errors import LoadmasterError, PlanError
 from planner.placement.advice import largest_batch, largest_context
 from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs, resolve_skeleton
+from planner.types import PREFILL_CHUNK
 from service.errors import RequestValidationError
 from service.http.access_log import CLIENT_CLOSED
 from service.http.admission import request_id_of, runtime_of
@@ -227,6 +228,7 @@ def _plan(source: Any, body: PlanRequest, settings: Any, default_context: int) -
         quantization=body.quantization,
         batch_size=body.batch_size,
         context=planned_context(body.context, default_context, positions),
+        prefill_chunk=PREFILL_CHUNK,
     )
     answer: dict[str, Any]
     try:

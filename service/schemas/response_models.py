@@ -212,6 +212,7 @@ class PlanWorkload(_Answer):
     batch_size: int
     context: int
     cpu_quantization: str | None = None
+    prefill_chunk: int | None = None
 
 
 class PlanBudget(_Answer):

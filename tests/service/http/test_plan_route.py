@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import planner
-from planner.types import Plan
+from planner.types import PREFILL_CHUNK, Plan
 from service.model.positions import model_position_limit
 from tests.service.conftest import LiveServer
 
@@ -20,7 +20,9 @@ def test_plan_of_the_served_model_equals_the_planner(client: httpx.Client, tiny_
     r = client.post("/plan", json=body)
     assert r.status_code == 200, r.text
     got = Plan.from_dict(r.json())
-    want = planner.plan(str(tiny_llama), max_memory={"cpu": "64MiB"}, batch_size=2, context=128)
+    want = planner.plan(
+        str(tiny_llama), max_memory={"cpu": "64MiB"}, batch_size=2, context=128, prefill_chunk=PREFILL_CHUNK
+    )
     assert got.to_dict() == want.to_dict()
     named = client.post("/plan", json=dict(body, model="tiny-llama")).json()
     assert named == r.json()
@@ -49,6 +51,7 @@ def test_plan_for_declared_gpus_from_a_model_root(client: httpx.Client, model_ro
         dtype="float16",
         strategy="sequential",
         context=64,
+        prefill_chunk=PREFILL_CHUNK,
     )
 
 
@@ -66,14 +69,20 @@ def test_what_if_largest_context_and_batch_are_tight(client: httpx.Client, tiny_
     best = r.json()["what_if"]["max_context"]
     assert isinstance(best, int) and best >= 1
     limit = r.json()["what_if"]["limit"]
-    assert planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=4, context=best)
+    assert planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=4, context=best, prefill_chunk=PREFILL_CHUNK)
     if best < limit:
-        assert not planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=4, context=best + 1)
+        assert not planner.api.fits(
+            str(tiny_llama), max_memory=mem, batch_size=4, context=best + 1, prefill_chunk=PREFILL_CHUNK
+        )
 
     r = client.post("/plan", json={"max_memory": mem, "what_if": "max_batch", "context": 256})
     best_batch = r.json()["what_if"]["max_batch_size"]
-    assert planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=best_batch, context=256)
-    assert not planner.api.fits(str(tiny_llama), max_memory=mem, batch_size=best_batch + 1, context=256)
+    assert planner.api.fits(
+        str(tiny_llama), max_memory=mem, batch_size=best_batch, context=256, prefill_chunk=PREFILL_CHUNK
+    )
+    assert not planner.api.fits(
+        str(tiny_llama), max_memory=mem, batch_size=best_batch + 1, context=256, prefill_chunk=PREFILL_CHUNK
+    )
 
 
 def test_plan_that_cannot_fit_is_422_plan_error(client: httpx.Client) -> None:

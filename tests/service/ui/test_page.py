@@ -69,8 +69,9 @@ def _cpu_budget_splitting(model: Path, folder: Path) -> int:
     """A RAM budget (bytes) under which the tiny model's plan keeps some layers on cpu and the rest on disk."""
     from planner.api import fits, plan
     from planner.errors import PlanError
+    from planner.types import PREFILL_CHUNK
 
-    kwargs: dict[str, Any] = dict(offload_folder=str(folder), batch_size=4, context=512)
+    kwargs: dict[str, Any] = dict(offload_folder=str(folder), batch_size=4, context=512, prefill_chunk=PREFILL_CHUNK)
 
     def ok(cpu: int) -> bool:
         return fits(str(model), max_memory={"cpu": cpu, "disk": "1GiB"}, **kwargs)
