@@ -12,7 +12,7 @@ import torch
 import planner
 from loaders import load_model
 from loaders.errors import CheckpointError
-from planner.types import Plan
+from planner.types import PREFILL_CHUNK, Plan
 from tests.hub.conftest import BIG, TINY
 from tests.hub.fake_hub import FakeHub
 from tests.service.conftest import LiveServer, settings_for
@@ -57,7 +57,14 @@ def test_plan_route_takes_hub_ids_only_when_allowed(hub_here: FakeHub, servers, 
     assert sum(q.sent for q in hub_here.since(mark)) < 10**6
     remote = Plan.from_dict(r.json())
     assert remote.revision == hub_here.repos[BIG].commit
-    local = planner.plan(str(big_llama), gpus="2x650MiB", max_memory={"cpu": "8GiB"}, dtype="bf16", context=512)
+    local = planner.plan(
+        str(big_llama),
+        gpus="2x650MiB",
+        max_memory={"cpu": "8GiB"},
+        dtype="bf16",
+        context=512,
+        prefill_chunk=PREFILL_CHUNK,
+    )
     assert {**remote.to_dict(), "model": None, "revision": None} == {**local.to_dict(), "model": None}
 
     r = httpx.post(allowed.url + "/plan", json={**body, "model": "org/no-such-model"}, timeout=60)
@@ -77,7 +84,7 @@ def test_load_model_by_id_matches_transformers(hub_here: FakeHub, tiny_llama: Pa
 
 
 def test_a_plan_for_another_commit_is_refused(hub_here: FakeHub) -> None:
-    the_plan = planner.plan(TINY, max_memory={"cpu": "1GiB"})
+    the_plan = planner.plan(TINY, max_memory={"cpu": "1GiB"}, prefill_chunk=PREFILL_CHUNK)
     assert the_plan.revision == hub_here.repos[TINY].commit
     stale = Plan.from_dict({**the_plan.to_dict(), "revision": "0" * 40})
     with pytest.raises(CheckpointError, match="plan again for this revision"):

@@ -11,7 +11,7 @@ import planner
 import planner.placement.estimate
 from planner.errors import ModelSourceError
 from planner.model.model_ref import HubRef, parse_model_ref
-from planner.types import Plan
+from planner.types import PREFILL_CHUNK, Plan
 from tests.hub.conftest import BIG, TINY, hub_env, loadmaster
 from tests.hub.fake_hub import FakeHub
 
@@ -43,7 +43,14 @@ def test_plan_by_id_reads_headers_only_and_equals_the_local_plan(
     remote = Plan.from_json(r.stdout)
     repo = fake_hub.repos[BIG]
     assert remote.model == BIG and remote.revision == repo.commit
-    local = planner.plan(str(big_llama), gpus="2x650MiB", max_memory={"cpu": "8GiB"}, dtype="bf16", context=512)
+    local = planner.plan(
+        str(big_llama),
+        gpus="2x650MiB",
+        max_memory={"cpu": "8GiB"},
+        dtype="bf16",
+        context=512,
+        prefill_chunk=PREFILL_CHUNK,
+    )
     assert local.revision is None
     assert len({dev for dev in local.device_map.values()}) > 1  # the plan splits the model: a real comparison
     assert _comparable(remote) == _comparable(local)
@@ -87,7 +94,9 @@ def test_plan_offline_uses_a_cached_snapshot(fake_hub: FakeHub, tiny_llama: Path
     assert not fake_hub.since(mark)
     p = Plan.from_json(r.stdout)
     assert p.revision == repo.commit and p.model == TINY
-    assert _comparable(p) == _comparable(planner.plan(str(tiny_llama), max_memory={"cpu": "1GiB"}))
+    assert _comparable(p) == _comparable(
+        planner.plan(str(tiny_llama), max_memory={"cpu": "1GiB"}, prefill_chunk=PREFILL_CHUNK)
+    )
 
 
 def test_model_references(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,18 +1,9 @@
-"""Loader-test fixtures: keep every default offload folder inside pytest's temporary directory."""
+"""Loader-test fixtures: one run per native-kernel path. Default offload folders already sit in the run's own
+caches (tests/user_caches.py), so nothing here sets ``LOADMASTER_OFFLOAD_DIR`` for the rest of the session."""
 
 from __future__ import annotations
 
-import pytest
-
 from tests.loaders.kernel_paths import kernel_path, native_path  # noqa: F401  (fixtures: one run per kernel path)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _offload_dir_in_tmp(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOADMASTER_OFFLOAD_DIR", str(tmp_path_factory.mktemp("default-offload")))
-    yield
-    mp.undo()
 
 
 def pytest_terminal_summary(terminalreporter):
