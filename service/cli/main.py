@@ -143,15 +143,17 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSet
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Every record on one line, whatever a request put in it (:mod:`service.log_text`); uvicorn's own loggers
+    propagate here too (``log_config=None`` below), so they are escaped the same way."""
+    from service import log_text
+
+    log_text.install(getattr(logging, level.upper(), logging.INFO))
 
 
 def curl_example(settings: ServiceSettings) -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    auth = f" -H 'Authorization: Bearer {settings.api_key[0]}'" if settings.api_key else ""
+    # never the key itself: the log is read by more people than the key is meant for
+    auth = " -H 'Authorization: Bearer <your key>'" if settings.api_key else ""
     return (
         f"curl -s http://{host}:{settings.port}/generate{auth} -H 'Content-Type: application/json' "
         '-d \'{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 30}}\''
@@ -217,6 +219,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=settings.hard_stop_s,
         access_log=False,
+        log_config=None,  # uvicorn's records reach the root logger's escaping formatter
     )
     server = DrainingServer(config)
 

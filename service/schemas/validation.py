@@ -18,6 +18,7 @@ from service.engine.engine import GenerationRequest
 from service.engine.sampling import SamplingParams
 from service.engine.structured_output import GrammarCompiler, GrammarSpec, schema_text
 from service.errors import RequestValidationError
+from service.log_text import printable
 
 MAX_STOP_SEQUENCES = 8
 #: Most alternatives per token (TGI ``top_n_tokens``, OpenAI ``top_logprobs``; OpenAI's own limit is 20).
@@ -67,7 +68,7 @@ def refuse_unknown(body: BaseModel, where: str = "") -> None:
     """A 422 naming each field this server does not know that the request sets (never accepted and ignored)."""
     extra = {k: v for k, v in (body.model_extra or {}).items() if _is_set(v)}
     if extra:
-        names = ", ".join(f"{where}{k}" for k in sorted(extra))
+        names = ", ".join(printable(f"{where}{k}")[:200] for k in sorted(extra))
         raise RequestValidationError(f"Unsupported parameter(s): {names}. This server does not implement them; omit.")
 
 
@@ -485,7 +486,7 @@ class Validator:
             unknown = sorted(k for k, v in body.stream_options.items() if k != "include_usage" and _is_set(v))
             if unknown:
                 raise RequestValidationError(
-                    f"Unsupported parameter(s): {', '.join('stream_options.' + k for k in unknown)}; omit them."
+                    f"Unsupported parameter(s): {', '.join(printable('stream_options.' + k)[:200] for k in unknown)}; omit them."
                 )
         return n
 
