@@ -234,13 +234,24 @@ class Validator:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids, timeout=grammar_timeout)
 
     # -- shared checks -------------------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """``text``'s token ids, within ``max_input_tokens``. ``truncate`` (TGI's): keep the last ``truncate`` tokens
+        first, then check the limit, so a long input with a small ``truncate`` is served (the body size bounds the
+        tokenizing)."""
         if not text:
             raise RequestValidationError("The input is empty; send at least one character of prompt.")
-        self.refuse_surely_too_long(text)
+        if truncate is None:
+            self.refuse_surely_too_long(text)
+        elif not 1 <= truncate <= self.max_input_tokens:
+            raise RequestValidationError(
+                f"truncate must be strictly positive and at most {self.max_input_tokens} (max_input_tokens); "
+                f"got {truncate}."
+            )
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestValidationError("The input encodes to no tokens; send a non-empty prompt.")
+        if truncate is not None:
+            ids = ids[-truncate:]
         return self._fits(list(ids))
 
     def token_ids(self, ids: list[int], name: str = "prompt") -> list[int]:
@@ -394,11 +405,7 @@ class Validator:
             raise RequestValidationError(
                 "best_of > 1 needs sampling: set do_sample=true (or a temperature, top_k, top_p or typical_p)."
             )
-        ids = self.tokenize(body.inputs)
-        if p.truncate is not None:
-            if p.truncate < 1:
-                raise RequestValidationError(f"truncate must be a positive integer (got {p.truncate}).")
-            ids = ids[-p.truncate :]
+        ids = self.tokenize(body.inputs, truncate=p.truncate)
         request = GenerationRequest(
             prompt_ids=ids,
             max_new_tokens=self.new_tokens(p.max_new_tokens, len(ids), "max_new_tokens"),
