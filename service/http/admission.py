@@ -163,7 +163,7 @@ class EngineStream:
         self.finished = False
         self.record = access_log.current()
         if self.record is not None:
-            self.record.prompt_tokens = len(request.prompt_ids)
+            self.record.add_sequence(request.prompt_ids)
         self.submitted_at = time.perf_counter()
         self.generated = 0
         self.ticket = engine.submit(request, self._sink)
@@ -178,7 +178,7 @@ class EngineStream:
                 if self.record.ttft_s is None:
                     self.record.ttft_s = time.perf_counter() - self.submitted_at
                     self.record.queue_s = self.request.queued_s
-                self.record.generated_tokens = self.generated
+                self.record.generated_tokens += 1  # every sequence of the request counts (n, best_of, prompts)
             if not self.tokens:
                 return
         self.deliver(event)
