@@ -37,6 +37,8 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
+    ("--header-timeout", float, "seconds a connection has to send a whole request head; then closed (default 30)"),
+    ("--body-timeout", float, "seconds a request body may pause between reads; then closed (default 30)"),
     ("--sse-ping-interval", float, "seconds between keep-alive comments on an idle event stream; 0: none (default 15)"),
     ("--grammar-timeout", float, "seconds one request's response_format/grammar may take to compile (default 10)"),
     ("--plan-max-layers", int, "most layers a model sent to /plan may have (default 1024)"),
@@ -175,6 +177,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     import uvicorn
 
     from service.http.app import create_app
+    from service.http.connection_guard import guarded_protocol
     from service.model.background_load import check_model_source
 
     _configure_logging(settings.log_level)
@@ -219,6 +222,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=settings.hard_stop_s,
         access_log=False,
+        http=guarded_protocol(settings.header_timeout, settings.body_timeout),
         log_config=None,  # uvicorn's records reach the root logger's escaping formatter
     )
     server = DrainingServer(config)
