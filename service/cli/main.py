@@ -37,6 +37,7 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
+    ("--weights-watch-interval", float, "seconds between checks that the weight files are unchanged (default 2)"),
     ("--header-timeout", float, "seconds a connection has to send a whole request head; then closed (default 30)"),
     ("--body-timeout", float, "seconds a request body may pause between reads; then closed (default 30)"),
     ("--sse-ping-interval", float, "seconds between keep-alive comments on an idle event stream; 0: none (default 15)"),
