@@ -60,6 +60,18 @@ class ServiceSettings(BaseSettings):
         "(default: the served model's own directory).",
     )
     grace_period: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
+    weights_watch_interval: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds between checks that the served weight files are unchanged; a change stops the server "
+        "(503, exit 1) (0: no checks).",
+    )
+    header_timeout: float = Field(
+        30.0, ge=0, description="Seconds a connection has to send a complete request head, else it is closed (0: none)."
+    )
+    body_timeout: float = Field(
+        30.0, ge=0, description="Seconds a request body may pause between reads, else it is closed (0: none)."
+    )
     sse_ping_interval: float = Field(
         15.0, ge=0, description="Seconds between keep-alive comments on an idle event stream (0: none)."
     )

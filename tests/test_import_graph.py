@@ -44,6 +44,7 @@ ROOMS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("ui",),
         ("settings",),
         ("errors",),
+        ("log_text",),
     ),
 }
 

@@ -12,10 +12,16 @@ per-expert keys); everything else is memory-mapped from the checkpoint itself. T
 Writes are atomic: the old index is removed first, the data file is written under a temporary name, fsynced and
 renamed, and only then is the index written (temporary name + rename). A run killed at any point leaves either
 no index (the next run rewrites) or a complete folder.
+
+Before writing, the folder's file system must have room for every byte the write needs (refused otherwise with
+the folder, the bytes needed and the bytes free: :class:`OffloadSpaceError`); a write that fails anyway (a full or
+shrinking disk, a file-size limit, an error or interrupt of the run) removes its temporary files before the error
+goes on, so a failed load never leaves the disk fuller than it found it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -35,6 +41,9 @@ FORMAT = "loadmaster-offload/1"
 INDEX = "index.json"
 DATA = "tensors.bin"
 ALIGN = 64
+#: Room kept for index.json besides the data file: a fixed part and a share per tensor (its name, shape, range).
+INDEX_RESERVE = 64 * 1024
+INDEX_BYTES_PER_TENSOR = 512
 _DTYPE_TAGS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
@@ -44,6 +53,33 @@ def _config_digest(model_path: Path) -> str:
         return hashlib.sha256(cfg.read_bytes()).hexdigest()
     except OSError:
         return ""
+
+
+class OffloadSpaceError(CheckpointError):
+    """The offload folder's file system has not enough free space for the tensors the plan puts there."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def data_bytes(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The size of the data file these tensors make (sorted by name, each 64-byte aligned)."""
+    pos = 0
+    for name in sorted(specs):
+        shape, dtype = specs[name]
+        pos += (-pos) % ALIGN
+        n = 1
+        for d in shape:
+            n *= int(d)
+        pos += n * dtype.itemsize
+    return pos
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 class OffloadFolder:
@@ -126,13 +162,40 @@ class OffloadFolder:
     def write(
         self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], produce: Callable[[str], torch.Tensor]
     ) -> int:
-        """Write every tensor ``produce(name)`` returns, then the index. Returns the bytes written."""
+        """Write every tensor ``produce(name)`` returns, then the index. Returns the bytes written.
+
+        Refuses (:class:`OffloadSpaceError`) when the file system cannot hold them; on any failure the temporary
+        files are removed before the error goes on."""
         self.path.mkdir(parents=True, exist_ok=True)
-        for stale in (self.path / INDEX,):
-            stale.unlink(missing_ok=True)  # from here on, nothing here looks complete until the new index lands
-        for tmp in self.path.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+        # from here on, nothing here looks complete until the new index lands; the old data goes too, so that its
+        # space counts as free
+        for stale in (self.path / INDEX, self.path / DATA, *self.path.glob("*.tmp")):
+            stale.unlink(missing_ok=True)
+        needed = data_bytes(specs) + INDEX_RESERVE + len(specs) * INDEX_BYTES_PER_TENSOR
+        free = free_bytes(self.path)
+        if needed > free:
+            raise OffloadSpaceError(self._no_room(needed, free))
         tmp_data = self.path / f"{DATA}.{os.getpid()}.tmp"
+        tmp_index = self.path / f"{INDEX}.{os.getpid()}.tmp"
+        try:
+            return self._write(specs, produce, tmp_data, tmp_index)
+        except BaseException as exc:
+            for tmp in (tmp_data, tmp_index):
+                tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise OffloadSpaceError(
+                    self._no_room(needed, free_bytes(self.path)) + f" (writing failed: {exc.strerror})"
+                ) from exc
+            raise
+
+    def _no_room(self, needed: int, free: int) -> str:
+        return (
+            f"The offload folder {self.path} needs {_size(needed)} ({needed} bytes) for the tensors the plan puts on "
+            f"disk, and its file system has {_size(free)} ({free} bytes) free. Free space there, pass another "
+            "offload_folder (--offload-folder), or give the plan more memory so that fewer tensors go to disk."
+        )
+
+    def _write(self, specs, produce, tmp_data: Path, tmp_index: Path) -> int:  # noqa: ANN001
         tensors: dict[str, dict] = {}
         pos = 0
         with open(tmp_data, "wb") as f:
@@ -165,7 +228,6 @@ class OffloadFolder:
             "data_size": pos,
             "tensors": tensors,
         }
-        tmp_index = self.path / f"{INDEX}.{os.getpid()}.tmp"
         with open(tmp_index, "w") as f:
             json.dump(index, f, indent=1)
             f.flush()

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -178,13 +178,16 @@ class BuildManifest:
     source_hash: str
     cflags: list[str]
     compiler: str
+    #: The library file's own size and SHA-256, so that a truncated or altered library is rebuilt, never loaded.
+    size: int = -1
+    sha256: str = ""
 
 
 class _Library:
     """The bound functions of one loaded library."""
 
     def __init__(self, path: Path, isa: str):
-        lib = ctypes.CDLL(str(path))
+        lib = _load_private_copy(path)
         lib.lm_isa.restype = ctypes.c_char_p
         built_for = lib.lm_isa().decode()
         if built_for != isa:
@@ -195,6 +198,30 @@ class _Library:
             fn.restype = ctypes.c_int
             fn.argtypes = argtypes
             self.fns[name] = fn
+
+
+_private_copies: list[int] = []  # memfds of loaded libraries, open while the process lives
+
+
+def _load_private_copy(path: Path) -> ctypes.CDLL:
+    """Load ``path`` from a private in-memory copy (a memfd), checked against its manifest's hash: the cache file
+    can then be truncated or rewritten under a running process without a SIGBUS (a mapped file that shrinks
+    kills the process that maps it). Falls back to the file itself where there is no memfd."""
+    image = path.read_bytes()
+    try:
+        manifest = json.loads(path.with_suffix(".json").read_text())
+        if hashlib.sha256(image).hexdigest() != manifest.get("sha256"):
+            raise OSError(f"{path} changed since it was checked (its hash no longer matches its manifest)")
+        fd = os.memfd_create(f"loadmaster-{path.name}")
+    except (AttributeError, ValueError):  # no memfd on this system
+        return ctypes.CDLL(str(path))
+    view = memoryview(image)
+    while view:
+        view = view[os.write(fd, view) :]
+    # The descriptor stays open for the life of the process: the dynamic loader knows a library by the name it was
+    # opened as, so a closed descriptor's number, reused for the next path's copy, would hand back the first one.
+    _private_copies.append(fd)
+    return ctypes.CDLL(f"/proc/self/fd/{fd}")
 
 
 _lock = threading.Lock()
@@ -302,7 +329,16 @@ def _valid(lib: Path, want: BuildManifest, any_compiler: bool) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     same = (got.isa, got.source_hash, got.cflags) == (want.isa, want.source_hash, want.cflags)
-    return lib.is_file() and same and (any_compiler or got.compiler == want.compiler)
+    if not (lib.is_file() and same and (any_compiler or got.compiler == want.compiler)):
+        return False
+    try:
+        image = lib.read_bytes()
+    except OSError:
+        return False
+    if (len(image), hashlib.sha256(image).hexdigest()) != (got.size, got.sha256):
+        log.warning("native CPU kernels: %s does not match its manifest (size or hash); rebuilding it", lib.name)
+        return False
+    return True
 
 
 def _cached(isa: str, compiler: str | None) -> Path | None:
@@ -352,6 +388,8 @@ def build(isa: str, cc: str | None = None) -> Path:
 
     log.info("building the native CPU kernels (%s) into %s", isa, target)
     replace_atomically(target, compile_to, mode=0o755)  # a library the runtime user must be able to load
+    image = target.read_bytes()
+    manifest = replace(manifest, size=len(image), sha256=hashlib.sha256(image).hexdigest())
     # The manifest goes last: a library without one is never loaded, so a crash between the two is harmless.
     write_text_atomically(target.with_suffix(".json"), json.dumps(asdict(manifest)))
     return target

@@ -37,6 +37,9 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--default-max-new-tokens", int, "new tokens when a request names none (default 100)"),
     ("--max-body-bytes", int, "largest request body (default 1 MiB)"),
     ("--grace-period", float, "seconds SIGTERM waits for in-flight requests (default 30)"),
+    ("--weights-watch-interval", float, "seconds between checks that the weight files are unchanged (default 2)"),
+    ("--header-timeout", float, "seconds a connection has to send a whole request head; then closed (default 30)"),
+    ("--body-timeout", float, "seconds a request body may pause between reads; then closed (default 30)"),
     ("--sse-ping-interval", float, "seconds between keep-alive comments on an idle event stream; 0: none (default 15)"),
     ("--grammar-timeout", float, "seconds one request's response_format/grammar may take to compile (default 10)"),
     ("--plan-max-layers", int, "most layers a model sent to /plan may have (default 1024)"),
@@ -143,15 +146,17 @@ def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSet
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Every record on one line, whatever a request put in it (:mod:`service.log_text`); uvicorn's own loggers
+    propagate here too (``log_config=None`` below), so they are escaped the same way."""
+    from service import log_text
+
+    log_text.install(getattr(logging, level.upper(), logging.INFO))
 
 
 def curl_example(settings: ServiceSettings) -> str:
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    auth = f" -H 'Authorization: Bearer {settings.api_key[0]}'" if settings.api_key else ""
+    # never the key itself: the log is read by more people than the key is meant for
+    auth = " -H 'Authorization: Bearer <your key>'" if settings.api_key else ""
     return (
         f"curl -s http://{host}:{settings.port}/generate{auth} -H 'Content-Type: application/json' "
         '-d \'{"inputs": "Once upon a time", "parameters": {"max_new_tokens": 30}}\''
@@ -173,6 +178,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     import uvicorn
 
     from service.http.app import create_app
+    from service.http.connection_guard import guarded_protocol
     from service.model.background_load import check_model_source
 
     _configure_logging(settings.log_level)
@@ -217,6 +223,8 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=settings.hard_stop_s,
         access_log=False,
+        http=guarded_protocol(settings.header_timeout, settings.body_timeout),
+        log_config=None,  # uvicorn's records reach the root logger's escaping formatter
     )
     server = DrainingServer(config)
 

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(levelname)s %(message)s")
+    from service import log_text
+
+    log_text.install(logging.INFO, "%(asctime)s rank%(process)d %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         sys.stderr.write("loadmaster pipeline: error: start it with torchrun (RANK and WORLD_SIZE are not set)\n")

@@ -36,6 +36,14 @@ class AccessRecord:
     total_s: float | None = None
     cancelled: bool = False
     started: float = field(default_factory=time.perf_counter)
+    _prompts: set[int] = field(default_factory=set, repr=False)
+
+    def add_sequence(self, prompt_ids: list[int]) -> None:
+        """One more sequence of this request: its prompt counts once however many sequences share it (``n``,
+        ``best_of``), as the answer's usage counts it; its generated tokens are added as they come."""
+        if id(prompt_ids) not in self._prompts:
+            self._prompts.add(id(prompt_ids))
+            self.prompt_tokens = (self.prompt_tokens or 0) + len(prompt_ids)
 
     def final_status(self, sent: int) -> int:
         """The status to log and count: 499 for an answer cut short because its client left."""

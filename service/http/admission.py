@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio.to_thread
@@ -23,12 +24,16 @@ from service.http import access_log
 from service.http.metrics import Metrics
 from service.model.background_load import LoadedModel, ModelHost
 from service.model.positions import loaded_position_limit, served_positions
+from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Seconds a server whose weight files changed keeps answering 503 (and the error to open requests) before it exits.
+WEIGHTS_CHANGED_LINGER_S = 1.0
 
 
 class Runtime:
@@ -49,7 +54,9 @@ class Runtime:
         #: The engine streams whose responses are not over (the end of the grace period ends them).
         self.streams: set[EngineStream] = set()
         self._streams_lock = threading.Lock()  # the loop adds and removes; the grace timer's thread reads
+        self.weights_watch: WeightsWatch | None = None
         host.on_ready(self._start_engine)
+        host.on_ready(self._watch_weights)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def _start_engine(self, loaded: LoadedModel) -> None:
@@ -88,8 +95,35 @@ class Runtime:
         engine.start()
         self.engine = engine
 
+    def _watch_weights(self, loaded: LoadedModel) -> None:
+        interval = self.settings.weights_watch_interval
+        if interval > 0 and Path(loaded.path).is_dir():
+            self.weights_watch = WeightsWatch(weight_files(Path(loaded.path)), interval, self.weights_changed).start()
+
+    def weights_changed(self, reason: str) -> None:
+        """The served weight files changed under the server: stop admitting (503 with the reason), end what is in
+        flight with that error, stop the engine, and after a moment let the server exit non-zero (restart me)."""
+        text = (
+            f"The served model's weight files changed on disk ({reason}); this server stops serving and exits so "
+            "that it is restarted on the new files. Retry the request shortly."
+        )
+        state = self.host.state
+        state.error, state.error_type, state.phase = text, NotReadyError.error_type, "failed"
+        with self._streams_lock:
+            streams = list(self.streams)
+        error = ErrorEvent.of(NotReadyError(text))
+        for stream in streams:
+            stream.deliver(error)
+        if self.engine is not None:
+            threading.Thread(target=self.engine.stop, name="loadmaster-weights-stop", daemon=True).start()
+        exit_timer = threading.Timer(WEIGHTS_CHANGED_LINGER_S, self.host.stop_serving, args=(text,))
+        exit_timer.daemon = True
+        exit_timer.start()
+
     def shutdown(self) -> None:
         self.draining = True
+        if self.weights_watch is not None:
+            self.weights_watch.stop()
         if self.engine is not None:
             self.engine.stop()
 
@@ -116,6 +150,8 @@ class Runtime:
     def require_ready(self) -> tuple[Engine, Validator, LoadedModel]:
         if self.draining:
             raise NotReadyError("The server is shutting down and accepts no new requests.")
+        if self.host.state.phase == "failed" and self.engine is not None:  # served, then stopped (weights changed)
+            raise NotReadyError(str(self.host.state.error))
         loaded = self.host.loaded
         if self.engine is None or self.validator is None or loaded is None:
             st = self.host.state
@@ -170,7 +206,7 @@ class EngineStream:
         self.finished = False
         self.record = access_log.current()
         if self.record is not None:
-            self.record.prompt_tokens = len(request.prompt_ids)
+            self.record.add_sequence(request.prompt_ids)
         self.submitted_at = time.perf_counter()
         self.generated = 0
         self.ticket = engine.submit(request, self._sink)
@@ -185,7 +221,7 @@ class EngineStream:
                 if self.record.ttft_s is None:
                     self.record.ttft_s = time.perf_counter() - self.submitted_at
                     self.record.queue_s = self.request.queued_s
-                self.record.generated_tokens = self.generated
+                self.record.generated_tokens += 1  # every sequence of the request counts (n, best_of, prompts)
             if not self.tokens:
                 return
         self.deliver(event)

@@ -8,6 +8,7 @@ request id in the ``X-Request-Id`` header and in the log line; tracebacks stay i
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,6 +61,19 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+#: A client's request id is kept when it is 1-64 of these ASCII characters; anything else is replaced whole by a
+#: fresh id (never trimmed or re-encoded into something the client did not send).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def request_id(sent: str | None) -> str:
+    """The request's id: the client's ``X-Request-Id`` if it is plain ASCII (letters, digits, ``-_.``, at most 64),
+    else a new one."""
+    if sent is not None and _REQUEST_ID.fullmatch(sent):
+        return sent
+    return uuid.uuid4().hex[:16]
+
+
 class GuardMiddleware:
     """Pure ASGI middleware: request id, API key, body checks (size 413, type 415, strict JSON 422), the access-log
     line and per-route request metrics."""
@@ -77,8 +91,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        rid = headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        rid = "".join(ch for ch in rid if ch.isalnum() or ch in "-_.")[:64] or uuid.uuid4().hex[:16]
+        rid = request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
         record = access_log.AccessRecord(request_id=rid, method=scope.get("method", ""), path=path)

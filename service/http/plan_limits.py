@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from planner.types import Skeleton
 from service.errors import OverloadedError, RequestValidationError
+from service.model.model_paths import path_error_reason
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -110,10 +111,14 @@ def check_model_dir(path: Path, settings: ServiceSettings) -> None:
     config = path / "config.json"
     if not config.is_file():
         return  # the planner says what is missing
-    if config.stat().st_size > MAX_CONFIG_BYTES:
-        raise PlanLimitError(f"{config.name} is larger than {MAX_CONFIG_BYTES} bytes; this is not a model config.")
     try:
+        if config.stat().st_size > MAX_CONFIG_BYTES:
+            raise PlanLimitError(f"{config.name} is larger than {MAX_CONFIG_BYTES} bytes; this is not a model config.")
         data = json.loads(config.read_text(encoding="utf-8"))
+    except OSError as exc:  # unreadable, or gone since is_file()
+        raise RequestValidationError(
+            f"{config.name} in that directory cannot be read: {path_error_reason(exc)}."
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise RequestValidationError(
             f"{config.name} in that directory is not valid JSON ({exc}); not a model."

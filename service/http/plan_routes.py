@@ -27,7 +27,13 @@ from service.http.admission import request_id_of, runtime_of
 from service.http.cluster_plan_routes import MAX_HOSTS, HostSpec, check_cluster_request, cluster_answer
 from service.http.plan_limits import PlanAbandoned, PlanWorkers, check_config, check_model_dir, check_skeleton
 from service.model.background_load import ALLOWED_ROOT_OPTION, hub_ref, serve_roots
-from service.model.model_paths import check_path_text, confine_model_files, real_roots, resolve_under_roots
+from service.model.model_paths import (
+    check_path_text,
+    confine_model_files,
+    path_error_reason,
+    real_roots,
+    resolve_under_roots,
+)
 from service.model.positions import model_position_limit, planned_context
 from service.schemas.openapi_responses import BODY_ERRORS, errors
 from service.schemas.response_models import ClusterPlanResponse, NoPlanResponse, PlanResponse
@@ -155,12 +161,12 @@ async def plan_route(request: Request, body: PlanRequest) -> Response:
     settings = runtime.settings
     check_cluster_request(body)
     source = _model_source(request, body)
-    if isinstance(source, dict):
-        check_config(source, settings)
-    elif not str(source).startswith("hf://"):
-        check_model_dir(Path(source), settings)
     default_context = _default_context(request, body)
     try:
+        if isinstance(source, dict):
+            check_config(source, settings)
+        elif not str(source).startswith("hf://"):
+            check_model_dir(Path(source), settings)
         answer = await _workers(request).run(
             lambda: _plan(source, body, settings, default_context),
             timeout=settings.plan_timeout,
@@ -170,6 +176,11 @@ async def plan_route(request: Request, body: PlanRequest) -> Response:
     except PlanAbandoned:
         log.info("request %s: /plan abandoned (client gone or server draining)", request_id_of(request))
         return Response(status_code=CLIENT_CLOSED)
+    except LoadmasterError as exc:
+        if isinstance(source, str) and exc.args and isinstance(exc.args[0], str):
+            log.info("request %s: /plan of %s refused: %s", request_id_of(request), source, exc)
+            exc.args = (_without_server_paths(exc.args[0], source, body.model, settings), *exc.args[1:])
+        raise
     return JSONResponse(answer)
 
 
@@ -189,6 +200,15 @@ def _default_context(request: Request, body: PlanRequest) -> int:
     runtime = runtime_of(request)
     plan = runtime.loaded.plan if runtime.loaded is not None else None
     return plan.workload.context if plan is not None else runtime.settings.planned_context()
+
+
+def _without_server_paths(message: str, source: str, named: str | None, settings: Any) -> str:
+    """A refusal as the client may read it: the model directory as the client named it, the roots unnamed (the log
+    keeps the real paths)."""
+    message = message.replace(source, named or "<served model>")
+    for root in sorted({str(r) for r in real_roots([*settings.model_root, *settings.allowed_root])}, key=len)[::-1]:
+        message = message.replace(root, "<model root>")
+    return message
 
 
 def _workers(request: Request) -> PlanWorkers:
@@ -212,6 +232,10 @@ def _plan(source: Any, body: PlanRequest, settings: Any, default_context: int) -
         raise
     except RecursionError:
         raise RequestValidationError("The config nests too deeply to be a model config.") from None
+    except OSError as exc:  # a file of the model that cannot be opened: a link loop, a directory, no permission
+        raise RequestValidationError(
+            f"A file of that model cannot be read: {path_error_reason(exc)}; fix the model directory."
+        ) from None
     except _NOT_A_MODEL as exc:
         raise RequestValidationError(
             f"This is not a model the planner can read: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"

@@ -265,6 +265,12 @@ class ModelHost:
             log.debug("the load's traceback", exc_info=exc)  # the one error line below is what an operator reads
             self._failed(f"{type(exc).__name__}: {' '.join(str(exc).split())}", "not_ready")
 
+    def stop_serving(self, message: str) -> None:
+        """The loaded model can no longer be served (its files changed): failed, and the server exits non-zero."""
+        self.state.error, self.state.error_type, self.state.phase = message, "not_ready", "failed"
+        for callback in self._on_failed:
+            callback(message)
+
     def _failed(self, message: str, error_type: str) -> None:
         self.state.error = message
         self.state.error_type = error_type

@@ -8,6 +8,7 @@ roots (:func:`confine_model_files`): a link in a model directory cannot make the
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -60,8 +61,10 @@ def resolve_under_roots(name: str, roots: Iterable[str]) -> Path:
             inside_any = True
             if real.is_dir():
                 return real
-        except OSError as exc:  # a loop of symlinks, a component the file system refuses
-            raise RequestValidationError(f"The model path {name!r} cannot be resolved: {exc.strerror}.") from None
+        except (OSError, RuntimeError) as exc:  # a loop of symlinks (RuntimeError on 3.11), a refused component
+            raise RequestValidationError(
+                f"The model path {name!r} cannot be resolved: {path_error_reason(exc)}."
+            ) from None
     if not inside_any:
         raise PathEscapeError(
             f"The model path {name!r} is outside the configured model roots (absolute path elsewhere, or a "
@@ -104,5 +107,14 @@ def confine_model_files(directory: Path, roots: Sequence[Path], option: str) -> 
                     f"{str(entry)!r} is a link to {str(real)!r}, outside the allowed roots ({names()}); replace the "
                     f"link with the file, or add the directory it points into with {option}."
                 )
-    except OSError as exc:  # a loop of links, an unreadable directory
-        raise RequestValidationError(f"The model directory {str(directory)!r} cannot be read: {exc}.") from None
+    except (OSError, RuntimeError) as exc:  # a loop of links (RuntimeError on 3.11), an unreadable directory
+        raise RequestValidationError(
+            f"A file of the model directory cannot be read: {path_error_reason(exc)}."
+        ) from None
+
+
+def path_error_reason(exc: BaseException) -> str:
+    """What went wrong with a path, without the server's own paths: ``resolve()`` names the real one it reached."""
+    if isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP:
+        return "a loop of symbolic links, or a chain of them longer than the OS follows"
+    return getattr(exc, "strerror", None) or type(exc).__name__

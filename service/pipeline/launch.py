@@ -260,6 +260,7 @@ def _on_broken(app: Any, message: str) -> None:
     """The ring broke: readiness 503 with the reason, the error to every open request, then exit 1."""
     from service.engine.requests import ErrorEvent
     from service.errors import NotReadyError
+    from service.log_text import public_message
 
     watchdog = threading.Timer(BROKEN_EXIT_S, os._exit, args=(1,))
     watchdog.daemon = True
@@ -267,7 +268,8 @@ def _on_broken(app: Any, message: str) -> None:
     if app is None:
         return
     runtime = app.state.runtime
-    text = f"The model pipeline broke ({message}); the server is restarting. Retry the request shortly."
+    # the log has the whole reason (PipelineStageModel._break); clients get it without source paths and peer addresses
+    text = f"The model pipeline broke ({public_message(message)}); the server is restarting. Retry the request shortly."
     state = runtime.host.state
     state.error, state.error_type, state.phase = text, NotReadyError.error_type, "failed"
     with runtime._streams_lock:  # noqa: SLF001 - the runtime's open streams, as its grace period reads them

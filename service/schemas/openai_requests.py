@@ -16,6 +16,7 @@ from service.engine.requests import GenerationRequest
 from service.engine.sampling import SamplingParams
 from service.engine.structured_output import GrammarSpec, schema_text
 from service.errors import RequestValidationError
+from service.log_text import printable
 from service.schemas.validation import (
     MAX_CHOICES,
     MAX_SEED,
@@ -146,7 +147,7 @@ def _openai_common(v: Validator, body: CompletionRequest | ChatCompletionRequest
         unknown = sorted(k for k, value in body.stream_options.items() if k != "include_usage" and is_set(value))
         if unknown:
             raise RequestValidationError(
-                f"Unsupported parameter(s): {', '.join('stream_options.' + k for k in unknown)}; omit them."
+                f"Unsupported parameter(s): {', '.join(printable('stream_options.' + k)[:200] for k in unknown)}; omit them."
             )
     return n
 

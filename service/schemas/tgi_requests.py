@@ -123,11 +123,7 @@ def validate_tgi(v: Validator, body: TGIRequest, request_id: str) -> list[Genera
         raise RequestValidationError(
             "best_of > 1 needs sampling: set do_sample=true (or a temperature, top_k, top_p or typical_p)."
         )
-    ids = v.tokenize(body.inputs)
-    if p.truncate is not None:
-        if p.truncate < 1:
-            raise RequestValidationError(f"truncate must be a positive integer (got {p.truncate}).")
-        ids = ids[-p.truncate :]
+    ids = v.tokenize(body.inputs, truncate=p.truncate)
     request = GenerationRequest(
         prompt_ids=ids,
         max_new_tokens=v.new_tokens(p.max_new_tokens, len(ids), "max_new_tokens"),

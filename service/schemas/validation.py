@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from service.engine.requests import GenerationRequest
 from service.engine.structured_output import GrammarCompiler
 from service.errors import RequestValidationError
+from service.log_text import printable
 
 MAX_STOP_SEQUENCES = 8
 #: Most alternatives per token (TGI ``top_n_tokens``, OpenAI ``top_logprobs``; OpenAI's own limit is 20).
@@ -69,7 +70,7 @@ def refuse_unknown(body: BaseModel, where: str = "") -> None:
     """A 422 naming each field this server does not know that the request sets (never accepted and ignored)."""
     extra = {k: v for k, v in (body.model_extra or {}).items() if is_set(v)}
     if extra:
-        names = ", ".join(f"{where}{k}" for k in sorted(extra))
+        names = ", ".join(printable(f"{where}{k}")[:200] for k in sorted(extra))
         raise RequestValidationError(f"Unsupported parameter(s): {names}. This server does not implement them; omit.")
 
 
@@ -110,13 +111,24 @@ class Validator:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids, timeout=grammar_timeout)
 
     # -- prompts and limits -------------------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """``text``'s token ids, within ``max_input_tokens``. ``truncate`` (TGI's): keep the last ``truncate`` tokens
+        first, then check the limit, so a long input with a small ``truncate`` is served (the body size bounds the
+        tokenizing)."""
         if not text:
             raise RequestValidationError("The input is empty; send at least one character of prompt.")
-        self.refuse_surely_too_long(text)
+        if truncate is None:
+            self.refuse_surely_too_long(text)
+        elif not 1 <= truncate <= self.max_input_tokens:
+            raise RequestValidationError(
+                f"truncate must be strictly positive and at most {self.max_input_tokens} (max_input_tokens); "
+                f"got {truncate}."
+            )
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise RequestValidationError("The input encodes to no tokens; send a non-empty prompt.")
+        if truncate is not None:
+            ids = ids[-truncate:]
         return self._fits(list(ids))
 
     def token_ids(self, ids: list[int], name: str = "prompt") -> list[int]:

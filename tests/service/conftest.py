@@ -20,6 +20,7 @@ import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.http.app import create_app
+from service.http.connection_guard import guarded_protocol
 from service.settings import ServiceSettings
 
 
@@ -50,7 +51,12 @@ class LiveServer:
         self.settings = settings.model_copy(update={"port": self.port, "host": "127.0.0.1"})
         self.app = create_app(self.settings, loader=loader)
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            http=guarded_protocol(self.settings.header_timeout, self.settings.body_timeout),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)

@@ -3,6 +3,7 @@ product, operator registration, the build cache, and models that use them still 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -435,3 +436,56 @@ def test_a_path_that_fails_to_build_gives_way_to_the_next(tmp_path, monkeypatch)
     assert not st.available and "building the kernels failed" in st.reason and st.isa == best
     monkeypatch.undo()
     kernel_build.reset()
+
+
+_USE_KERNELS = (
+    "import logging, sys, torch; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+    "from torch import nn; from loaders.native import kernel_build; from loaders.native.linear import use_native_linears\n"
+    "st = kernel_build.status(); print(st.available, '|', st.library, flush=True)\n"
+    "m = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)\n"
+    "assert use_native_linears(m, 'auto') == 1\n"
+    "x = torch.randn(1, 64, dtype=torch.bfloat16)\n"
+    "import os, time\n"
+    "if len(sys.argv) > 1:  # truncate the cached library under this running process, then use the kernels\n"
+    "    os.truncate(st.library, 0)\n"
+    "for _ in range(3): y = m(x)\n"
+    "print('ran', float(y.float().abs().sum()) >= 0)\n"
+)
+
+
+@needs_kernel
+def test_the_manifest_records_size_and_hash_and_a_damaged_library_is_rebuilt(tmp_path):
+    """A cached library truncated, or rewritten with other bytes of the same size, with its manifest intact, is
+    rebuilt at the next start (the manifest's size and SHA-256 no longer match), never loaded."""
+    env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path)}
+    first = _run(_STATUS, env)
+    assert first.returncode == 0 and first.stdout.startswith("True"), first.stderr
+    lib = Path(first.stdout.split("|")[1].strip())
+    manifest = json.loads(lib.with_suffix(".json").read_text())
+    image = lib.read_bytes()
+    assert manifest["size"] == len(image) and manifest["sha256"] == hashlib.sha256(image).hexdigest()
+    for damage in (lambda: os.truncate(lib, len(image) // 3), lambda: lib.write_bytes(image[:-64] + b"\0" * 64)):
+        damage()
+        r = _run(_USE_KERNELS, env)
+        assert r.returncode == 0, r.stderr  # never a SIGBUS (-7)
+        assert "does not match its manifest" in r.stderr and "building the native CPU kernels" in r.stderr
+        assert r.stdout.startswith("True") and "ran True" in r.stdout
+        assert lib.read_bytes() == image
+
+
+@needs_kernel
+def test_a_library_truncated_under_a_running_process_does_not_kill_it(tmp_path):
+    """The library is loaded from a private in-memory copy, so truncating the cache file while the process runs
+    its kernels cannot raise SIGBUS."""
+    env = {"LOADMASTER_KERNEL_CACHE": str(tmp_path)}
+    assert _run(_STATUS, env).returncode == 0
+    r = subprocess.run(
+        [sys.executable, "-c", _USE_KERNELS, "truncate"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "ran True" in r.stdout
