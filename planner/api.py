@@ -23,6 +23,7 @@ from planner.placement.assemble import assemble
 from planner.placement.cost_model import compute_dtype, predict
 from planner.placement.inputs import PlanInputs, resolve_inputs
 from planner.placement.solve import Solution, make_problem, solve
+from planner.placement.strategies import Problem, compute_loads
 from planner.types import Hardware, Plan
 
 
@@ -106,6 +107,16 @@ class SlotChoice:
     reason: str
 
 
+def lone_speed(solution: Solution, lone_problem: Problem, dtype: str | None) -> float:
+    """Predicted tokens/s of one stream alone on ``solution``'s placement (made for more slots): the weights stay
+    where that placement put them, the memory the other slots hold stays taken, only one sequence reads."""
+    assignment = solution.fill.assignment
+    assert assignment is not None, "a fitting solution has an assignment"
+    loads = solution.fill.loads or compute_loads(solution.problem, assignment)
+    lone = replace(lone_problem, excluded=solution.problem.excluded)
+    return predict(lone, assignment, loads, 1, dtype).decode_tokens_per_s
+
+
 def choose_slots(model: Any, inputs: PlanInputs, max_batch_size: int) -> SlotChoice:
     """The number of KV slots for a server that was not told a batch size: between one sequence of the full context
     (the floor: below it nothing is served) and ``max_batch_size`` of them.
@@ -134,14 +145,7 @@ def choose_slots(model: Any, inputs: PlanInputs, max_batch_size: int) -> SlotCho
     for batch in (b for b in candidates if 1 <= b <= max_batch_size):
         solution = most if batch == max_batch_size else solved(batch)
         if solution.fits:
-            fill = solution.fill
-            speed[batch] = predict(
-                replace(lone_problem, excluded=solution.problem.excluded),
-                fill.assignment,
-                fill.loads,
-                1,
-                compute_dtype(lone),
-            ).decode_tokens_per_s
+            speed[batch] = lone_speed(solution, lone_problem, compute_dtype(lone))
     if not speed:
         return SlotChoice(1, "no plan fits even one sequence of the full context")
     best = max(speed.values())
