@@ -37,6 +37,8 @@ class HostPaths:
     meminfo: str = "/proc/meminfo"
     cgroup_root: str = "/sys/fs/cgroup"
     self_cgroup: str = "/proc/self/cgroup"
+    #: This process's own status (``RssFile``: the libraries and files it has mapped and touched).
+    self_status: str = "/proc/self/status"
     dev_dir: str = "/dev"
     nvidia_proc: str = "/proc/driver/nvidia"
     #: Where ``nvidia-smi`` is looked for; None means the process's ``PATH``.
@@ -239,9 +241,22 @@ def _own_cgroup_dirs(paths: HostPaths) -> list[tuple[str, str]]:
     return dirs
 
 
-def read_container_limit(paths: HostPaths = HostPaths()) -> tuple[int, str] | None:
-    """The container's memory limit in bytes and the file it came from (cgroup v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``), or None when there is no limit: no such file, ``max``, or a huge value."""
+@dataclass(frozen=True)
+class ContainerLimit:
+    """A cgroup memory limit, the file it came from, and what the processes in that cgroup already hold."""
+
+    limit: int
+    source: str
+    #: Bytes the box already holds that a plan cannot use: the cgroup's anonymous memory (this process's
+    #: interpreter, torch, tokenizer, and anything else running in the box) plus the files this process has mapped
+    #: (torch's libraries: evicting them would only fault them back in).
+    footprint: int
+    footprint_source: str
+
+
+def read_container_limit(paths: HostPaths = HostPaths()) -> ContainerLimit | None:
+    """The container's memory limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``) and what is already
+    held inside it, or None when there is no limit: no such file, ``max``, or a huge value."""
     for directory, version in _own_cgroup_dirs(paths):
         name = "memory.max" if version == "v2" else "memory.limit_in_bytes"
         path = os.path.join(directory, name)
@@ -258,31 +273,64 @@ def read_container_limit(paths: HostPaths = HostPaths()) -> tuple[int, str] | No
             continue
         if limit <= 0 or limit >= UNLIMITED_CGROUP_BYTES:
             return None
-        return limit, f"cgroup {version} {name}"
+        footprint, how = _footprint(directory, version, paths)
+        return ContainerLimit(limit, f"cgroup {version} {name}", footprint, how)
     return None
 
 
+def _read_kv(path: str, unit: int = 1) -> dict[str, int]:
+    """``key value`` (or ``key: value kB``) lines as integers times ``unit``; empty when the file cannot be read."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.replace(":", " ").split()
+                if len(parts) >= 2 and parts[1].isdigit():
+                    out[parts[0]] = int(parts[1]) * unit
+    except OSError:
+        pass
+    return out
+
+
+def _footprint(directory: str, version: str, paths: HostPaths) -> tuple[int, str]:
+    """Measured, not guessed: the cgroup's anonymous memory (``memory.stat``: v2 ``anon``, v1 ``total_rss``) plus
+    this process's mapped files (``RssFile``); this process's whole ``VmRSS`` where ``memory.stat`` is unreadable."""
+    stat = _read_kv(os.path.join(directory, "memory.stat"))
+    status = _read_kv(paths.self_status, unit=1024)
+    key = "anon" if version == "v2" else ("total_rss" if "total_rss" in stat else "rss")
+    if key in stat:
+        mapped = status.get("RssFile", 0)
+        return stat[
+            key
+        ] + mapped, f"the cgroup's {key} {format_bytes(stat[key])} + this process's mapped files {format_bytes(mapped)}"
+    rss = status.get("VmRSS", 0)
+    return rss, f"this process's VmRSS {format_bytes(rss)}"
+
+
 def host_memory(paths: HostPaths = HostPaths()) -> HostMemory:
-    """RAM the CPU may hold: the smaller of ``MemAvailable`` and the container's memory limit."""
+    """RAM the CPU may hold: the smaller of ``MemAvailable`` and what the container's memory limit leaves once what
+    the box already holds (the process itself included) is taken off."""
     available = read_mem_available(paths)
     if available is None:
         try:
             available = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError):
             available = 0
-    limit = read_container_limit(paths)
-    if limit is not None and limit[0] < available:
+    box = read_container_limit(paths)
+    left = None if box is None else max(box.limit - box.footprint, 0)
+    if box is not None and left < available:
         return HostMemory(
-            available=limit[0],
-            bound=limit[1],
+            available=left,
+            bound=box.source,
             reason=(
-                f"cpu capacity {format_bytes(limit[0])} is the container's memory limit ({limit[1]}), "
-                f"below the host's MemAvailable of {format_bytes(available)}"
+                f"cpu capacity {format_bytes(left)} is the container's memory limit {format_bytes(box.limit)} "
+                f"({box.source}) less what the box already holds ({box.footprint_source}), below the host's "
+                f"MemAvailable of {format_bytes(available)}"
             ),
         )
     why = f"cpu capacity {format_bytes(available)} is the host's MemAvailable"
-    if limit is not None:
-        why += f" (the container's limit, {format_bytes(limit[0])} from {limit[1]}, is higher)"
+    if box is not None:
+        why += f" (the container's limit, {format_bytes(box.limit)} from {box.source}, leaves more)"
     return HostMemory(available=available, bound="MemAvailable", reason=why)
 
 

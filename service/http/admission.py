@@ -22,7 +22,7 @@ from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRe
 from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics
-from service.model.background_load import LoadedModel, ModelHost
+from service.model.background_load import LoadedModel, ModelHost, engine_slots
 from service.model.positions import loaded_position_limit, served_positions
 from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
@@ -82,7 +82,7 @@ class Runtime:
         engine = Engine(
             loaded.model,
             loaded.tokenizer,
-            max_batch_size=s.max_batch_size,
+            max_batch_size=engine_slots(s, loaded),
             max_queue=s.max_concurrent_requests,
             max_total_tokens=max_total,
             metrics=self.metrics,

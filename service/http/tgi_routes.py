@@ -19,6 +19,7 @@ from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValida
 from service.http.admission import EngineStream, off_loop, open_streams, request_id_of, runtime_of, wait_all
 from service.http.event_stream import event_stream, json_event
 from service.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.model.background_load import engine_slots
 from service.model.memory_report import memory_report
 from service.schemas.openapi_responses import (
     BODY_ERRORS,
@@ -315,6 +316,7 @@ async def info(request: Request) -> dict[str, Any]:
     }
     if loaded is None:
         return out
+    out["limits"]["max_batch_size"] = engine_slots(s, loaded)  # the KV slots its plan budgets (reason in the plan)
     model = loaded.model
     out.update(
         {

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.api import SlotChoice, choose_slots
 from planner.errors import LoadmasterError
+from planner.placement.inputs import PlanInputs
 from planner.types import Plan
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
@@ -171,6 +173,24 @@ def load_flags(settings: ServiceSettings) -> dict[str, Any]:
     }
 
 
+def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, SlotChoice | None]:
+    """What the served model is planned for: the context the model's positions allow, the disk tier (a folder
+    under the cache for what must be cast; the rest is read in place from the shards) where the machine's memory is
+    detected, and, unless ``--batch-size`` was given, as many KV slots as fit without slowing a lone stream
+    (:func:`planner.api.choose_slots`; the engine then runs that many sequences at once)."""
+    inputs = settings.plan_inputs()
+    inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
+    if inputs.offload_folder is None and inputs.max_memory is None:
+        from loaders.checkpoint.materialize import default_offload_folder
+
+        inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
+    if settings.batch_size is not None:
+        return inputs, None
+    slots = choose_slots(path, inputs, settings.max_batch_size)
+    log.info("KV cache: %s", slots.reason)
+    return replace(inputs, batch_size=slots.batch_size), slots
+
+
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
     """Fetch (from the Hub) and confine the model's folder, read its tokenizer, then hand the plan inputs to the
     one load (:func:`loaders.load_checkpoint`: describe, plan from that Skeleton, place, execute). Runs on the
@@ -188,14 +208,14 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         refuse_lengths_beyond_positions(settings, path)
     else:
         path = resolve_model_dir(settings)
-    inputs = settings.plan_inputs()
-    # plan for what the server will allow, which the model's positions cap
-    inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
+    inputs, slots = served_inputs(settings, path)
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
     result = load_checkpoint(path, device_map=inputs, progress=progress, **load_flags(settings))
     result.model.eval()
     the_plan = result.plan
     assert the_plan is not None, "a load from plan inputs carries its plan"
+    if slots is not None:
+        the_plan.reasons.append(slots.reason)
     name = settings.served_model_name or (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,
@@ -207,6 +227,14 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         quantization=the_plan.workload.quantization,
         load_stats=result.stats,
     )
+
+
+def engine_slots(settings: ServiceSettings, loaded: LoadedModel) -> int:
+    """Sequences the engine runs at once: the batch its plan budgeted KV for (never more: the plan would not hold),
+    within ``--max-batch-size``."""
+    if loaded.plan is None:
+        return settings.max_batch_size
+    return max(1, min(settings.max_batch_size, loaded.plan.workload.batch_size))
 
 
 Loader = Callable[[ServiceSettings, Callable[[Any], None]], LoadedModel]
