@@ -179,10 +179,13 @@ class Hardware:
         return None
 
 
-#: Prompt tokens the serving engine prefills in one step (its chunk), shared by every prefilling sequence; decode
-#: rows ride along. Defined here, once, because the plan budgets activations for exactly the step the engine runs:
-#: the engine (``service.engine``) imports this constant rather than keeping a number of its own.
-PREFILL_CHUNK = 256
+#: The most prompt tokens the serving engine prefills in one step, shared by every prefilling sequence; decode
+#: rows ride along. Defined here, once, because the plan budgets activations for the largest step the engine runs:
+#: the engine (``service.engine``) imports this constant rather than keeping a number of its own. The engine's
+#: budget per step adapts below it (``service.engine.prefill_budget``): all of it for a wave of prompts (16
+#: prompts of 128 tokens prefill in one step, vLLM's default ``max_num_batched_tokens``), less beside decoding
+#: streams.
+PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)

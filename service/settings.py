@@ -78,7 +78,12 @@ class ServiceSettings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="critical, error, warning, info, debug or trace."
     )
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice).")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads, fixed (default: the affinity mask's CPUs capped by the cgroup quota, fewer while "
+        "the CPU is contended).",
+    )
     cpu_kernels: Literal["auto", "native", "torch"] = Field(
         "auto", description="bf16/fp32 decode on the CPU: native kernels where they build (auto), always, or never."
     )

@@ -48,7 +48,11 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--plan-timeout", float, "seconds one /plan may compute before it is abandoned (default 30)"),
     ("--plan-workers", int, "/plan computations at once; more get 429 (default 2)"),
     ("--log-level", str, "critical, error, warning, info, debug or trace (default info)"),
-    ("--threads", int, "CPU threads torch may use (default: torch's choice; 1 on a busy shared CPU)"),
+    (
+        "--threads",
+        int,
+        "CPU threads, fixed (default: the CPUs of the affinity mask and cgroup quota, fewer while contended)",
+    ),
     (
         "--cpu-kernels",
         str,
@@ -167,6 +171,18 @@ def curl_example(settings: ServiceSettings) -> str:
 SWITCH_INTERVAL_S = 0.001
 
 
+def _set_threads(requested: int | None) -> None:
+    """torch's thread count for the load and every thread started after it (the engine's own adapts below it):
+    ``--threads``, else the CPUs of the affinity mask capped by the cgroup quota (``/info`` says which)."""
+    import torch
+
+    from planner.hardware.cpu_share import cpu_share
+
+    share = cpu_share(requested)
+    torch.set_num_threads(share.threads)
+    log.info("CPU threads: %s", share.reason)
+
+
 def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) -> int:
     """Run the server until SIGTERM/SIGINT; in-flight requests get ``grace_period`` seconds to finish.
 
@@ -185,10 +201,7 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     # Worker threads (body parsing, tokenization, detokenization) hold the GIL in bursts; the event loop waits up to
     # the switch interval for each handover, so a shorter one keeps /health and streams answering while they run.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    if settings.threads:
-        import torch
-
-        torch.set_num_threads(settings.threads)
+    _set_threads(settings.threads)
     check_model_source(settings)  # a missing directory or an unservable Hub id is a usage error now, not later
     settings.check_plan_flags()  # so are unreadable planner flags
     app = create_app(settings, loader=loader)

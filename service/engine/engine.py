@@ -6,8 +6,8 @@ each stage of an iteration has a module of its own (the line vLLM v1 draws betwe
 
 1. the scheduler (:mod:`service.engine.scheduler`) admits waiting requests while a slot is free and the KV budget
    has room, and answers which rows the iteration's forward runs (a :class:`~service.engine.scheduler.SchedulerOutput`):
-   a decode row for every running sequence and up to ``PREFILL_CHUNK`` prompt tokens of the sequences still
-   being prefilled;
+   a decode row for every running sequence and up to the step's prefill budget (at most ``PREFILL_CHUNK``) of
+   prompt tokens of the sequences still being prefilled;
 2. the executor (:mod:`service.engine.step_executor`) runs that one forward, has each decode row and each sequence
    whose prompt is now complete choose its next token in one batched pass, and hands the tokens to the output
    thread, which sends the events;
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.devices import torch_device_name
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import supports_slot_cache
@@ -63,7 +64,8 @@ class Engine:
     runs (:mod:`service.engine.multi_gpu_runner`, which also says when it is not used; ``device_pipeline`` reports
     it); ``standin_runs`` is that module's test-only hook. ``prefix_cache=False`` turns prefix reuse off: every
     prompt is prefilled whole, whatever the slots hold (a benchmark of cold prompts; tenants that must not share
-    timing).
+    timing). ``threads`` sets and adapts the CPU thread count on the engine thread
+    (:class:`~loaders.native.cpu_threads.ThreadGovernor`); None leaves torch's as it is.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Engine:
         micro_batches: int | None = None,
         standin_runs: int | None = None,
         prefix_cache: bool = True,
+        threads: ThreadGovernor | None = None,
     ):
         if not supports_slot_cache(model):
             raise GenerationError(
@@ -118,6 +121,7 @@ class Engine:
             record_forward=self.scheduler.record_forward,
             on_unrecoverable=self._stop_for_good,
         )
+        self.threads = threads
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -192,6 +196,8 @@ class Engine:
     # -- engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.threads is not None:
+                self.threads.start()
             while True:
                 with self._cv:
                     while not self._stopping and not self.scheduler.waiting and not self.scheduler.running:
@@ -205,6 +211,8 @@ class Engine:
                         seq.request.queued_s = now - seq.enqueued_at
                         self.metrics.queued(seq.request.queued_s)
                 self._step()
+                if self.threads is not None:
+                    self.threads.after_step()
                 self.scheduler.release()
                 if self.executor.release_memory:  # here no frame or cache of the failed step is referenced any more
                     self.executor.release_memory = False
@@ -234,7 +242,10 @@ class Engine:
         if plan.decodes:
             self.peak_batch = max(self.peak_batch, plan.decodes)
             self.steps += 1
+        started = time.perf_counter()
         self.executor.execute(plan.rows)
+        prompt_tokens = sum(len(r.row.tokens) for r in plan.rows if r.prefill)
+        self.scheduler.budget.observe(prompt_tokens, plan.decodes, time.perf_counter() - started)
         while plan.deferred and plan.prefill_budget > 0:
             plan = self.scheduler.schedule_prefill(plan.prefill_budget)
             if not plan.rows:

@@ -8,8 +8,10 @@ decides, once per engine iteration:
    + max new tokens of every admitted sequence) has room; a free slot that still holds the prompt's prefix is
    preferred (:mod:`service.engine.prefix_index`);
 2. the iteration's rows: a decode row for every running sequence (one token, at its own position) and up to
-   :data:`PREFILL_CHUNK` prompt tokens in all, oldest sequence first, so a long prompt is prefilled over several
-   iterations while the running streams keep decoding;
+   the step's prefill budget of prompt tokens in all, oldest sequence first. The budget
+   (:mod:`service.engine.prefill_budget`) is :data:`PREFILL_CHUNK` for a wave of prompts, so a burst is prefilled
+   together, and what fits the streams' inter-token latency when few prompts wait beside many streams, so a long
+   prompt is prefilled over several iterations while the running streams keep decoding;
 3. release: the slots of sequences that ended go back to the pool, their tokens kept as a cached prefix.
 
 Its answer is a :class:`SchedulerOutput`, a typed record of what to run; the
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from planner.types import PREFILL_CHUNK  # the plan budgets activations for exactly this step
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import Row
+from service.engine.prefill_budget import PrefillBudget
 from service.engine.prefix_index import SlotContents, common_prefix
 from service.engine.requests import Sequence
 from service.errors import GenerationError, OverloadedError
@@ -46,7 +49,7 @@ class ScheduledRow:
 class SchedulerOutput:
     """What one forward runs: decode rows first (``decodes`` of them), then prompt chunks.
 
-    ``prefill_budget`` is what is left of the iteration's :data:`PREFILL_CHUNK` after these chunks, and
+    ``prefill_budget`` is what is left of the iteration's prefill budget after these chunks, and
     ``deferred`` says a prompt was held back for an earlier one's shared prefix: then, once this forward has
     computed that prefix, :meth:`Scheduler.schedule_prefill` gives the held prompts a round of their own.
     """
@@ -82,6 +85,7 @@ class Scheduler:
         self._admissions = 0
         self.prefilled_tokens = 0  # prompt tokens run through the model (a reused prefix is not counted)
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
+        self.budget = PrefillBudget()
 
     # -- the queue (caller's thread, under the engine's lock) ------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -108,6 +112,11 @@ class Scheduler:
         """Sequences admitted and not yet ended (one that just finished counts no more, though its slot is freed
         at the end of the engine's iteration)."""
         return sum(1 for s in self.running if not s.done)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prefill budget of the last step (the ceiling before the first)."""
+        return self.budget.last or PREFILL_CHUNK
 
     @property
     def reserved_tokens(self) -> int:
@@ -141,8 +150,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The iteration's forward: a decode row (one token) for every running sequence that has chosen a token,
-        in slot order, and up to :data:`PREFILL_CHUNK` prompt tokens of the sequences still prefilling. Decode
-        rows and prompt chunks share one forward, so offloaded layers are read once per iteration."""
+        in slot order, and up to the step's prefill budget (at most :data:`PREFILL_CHUNK`) of prompt tokens of the
+        sequences still prefilling. Decode rows and prompt chunks share one forward, so offloaded layers are read
+        once per iteration."""
         for seq in self.running:
             if seq.cancelled.is_set():
                 seq.done = True
@@ -153,7 +163,8 @@ class Scheduler:
             ScheduledRow(s, Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]), False)
             for s in decoders
         ]
-        chunks = self.schedule_prefill(PREFILL_CHUNK)
+        prompts = sum(1 for s in self.running if s.prefilling and not s.done)
+        chunks = self.schedule_prefill(self.budget.tokens(PREFILL_CHUNK, decoders=len(rows), prompts=prompts))
         chunks.rows[:0] = rows
         chunks.decodes = len(rows)
         return chunks

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import anyio.to_thread
 from starlette.requests import Request
 
+from loaders.native.cpu_threads import ThreadGovernor
+from planner.hardware.cpu_share import CpuShare, cpu_share
 from service.engine.engine import Engine, eos_ids
 from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
 from service.errors import NotReadyError, OverloadedError
@@ -43,6 +45,9 @@ class Runtime:
         self.settings = settings
         self.host = host
         self.metrics = metrics
+        #: The CPUs this process may use and the thread count that follows (``--threads``, quota, mask).
+        self.cpu_share: CpuShare = cpu_share(settings.threads)
+        self.threads: ThreadGovernor | None = None
         self.engine: Engine | None = None
         self.validator: Validator | None = None
         self.draining = False
@@ -79,6 +84,9 @@ class Runtime:
             stop_ids=eos_ids(loaded.model, loaded.tokenizer),
             grammar_timeout=s.grammar_timeout,
         )
+        share = self.cpu_share
+        # below the ceiling the count follows the CPU the engine really gets, unless --threads fixed it
+        self.threads = ThreadGovernor(share.threads, adaptive=share.requested is None, reason=share.reason)
         engine = Engine(
             loaded.model,
             loaded.tokenizer,
@@ -90,6 +98,7 @@ class Runtime:
             micro_batches=None if s.pipeline else s.micro_batches,
             standin_runs=s.standin_device_runs,
             prefix_cache=s.prefix_cache,
+            threads=self.threads,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()

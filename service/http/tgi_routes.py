@@ -313,6 +313,7 @@ async def info(request: Request) -> dict[str, Any]:
         },
         "model_id": None,
         "prefix_cache": s.prefix_cache,
+        "cpu_threads": cpu_threads_report(runtime),
     }
     if loaded is None:
         return out
@@ -336,6 +337,27 @@ async def info(request: Request) -> dict[str, Any]:
         out["device_pipeline"] = runtime.engine.device_pipeline.to_dict()
     if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction
         out["pipeline"] = model.pipeline_report()
+    return out
+
+
+def cpu_threads_report(runtime: Any) -> dict[str, Any]:
+    """The thread ceiling and why (affinity mask, cgroup quota, --threads); with the engine running, the count in
+    use now, the contention measured and the prefill budget per step."""
+    share = runtime.cpu_share
+    out: dict[str, Any] = {
+        "threads": share.threads,
+        "ceiling": share.threads,
+        "bound": share.bound,
+        "reason": share.reason,
+        "affinity": share.affinity,
+        "quota": share.quota,
+        "quota_source": share.quota_source,
+        "adaptive": share.requested is None,
+    }
+    if runtime.threads is not None:
+        out.update(runtime.threads.to_dict(), reason=share.reason)
+    if runtime.engine is not None:
+        out["prefill_tokens"] = runtime.engine.scheduler.prefill_tokens
     return out
 
 

@@ -166,6 +166,25 @@ class KernelReport(_Answer):
     kernels: dict[str, KernelState | None]
 
 
+class CpuThreadsInfo(_Answer):
+    """The CPU threads torch and the native kernels run on, and why (``planner.hardware.cpu_share``,
+    ``loaders.native.cpu_threads``)."""
+
+    threads: int = Field(description="Threads the engine runs on now.")
+    ceiling: int = Field(description="The most it uses: --threads, else the affinity mask capped by the quota.")
+    bound: str = Field(description="What set the ceiling: threads (--threads), quota or affinity.")
+    reason: str
+    affinity: int = Field(description="CPUs in the process's affinity mask.")
+    quota: float | None = Field(None, description="The cgroup CPU quota in CPUs, if any.")
+    quota_source: str | None = None
+    adaptive: bool = Field(description="Whether the count drops below the ceiling while the CPU is contended.")
+    wait_ratio: float | None = Field(
+        None, description="Last measured run-queue wait of the process's threads per second they ran."
+    )
+    changes: int = Field(0, description="Times the count changed since the engine started.")
+    prefill_tokens: int | None = Field(None, description="The engine's prefill budget per step now.")
+
+
 class DevicePipelineInfo(_Answer):
     """The micro-batch schedule over this host's GPUs (``service.engine.multi_gpu_runner``)."""
 
@@ -194,6 +213,7 @@ class InfoResponse(_Answer):
     memory: dict[str, Any] | None = Field(None, description="Per device: planned and measured bytes.")
     load_stats: Any = None
     cpu_kernels: KernelReport | None = None
+    cpu_threads: CpuThreadsInfo | None = Field(None, description="CPU threads in use, their ceiling and why.")
     prefix_cache: bool = Field(True, description="Whether prompts reuse the KV of prefixes the cache holds.")
     pipeline: dict[str, Any] | None = Field(
         None, description="Served with --pipeline: every stage's rank, layers, memory planned and measured, busy time."

@@ -70,3 +70,73 @@ def test_admission_stops_at_the_kv_budget_and_the_queue_at_its_bound(tok) -> Non
     a.done = True
     s.release()
     assert s.admit() == [b] and s.running == [b]
+
+
+# -- the prefill budget: a wave together, a long prompt beside streams in steps that keep their latency ------------
+def test_a_wave_gets_the_whole_ceiling_and_few_prompts_beside_streams_what_fits_the_itl_target() -> None:
+    from service.engine.prefill_budget import MIN_PREFILL, PrefillBudget
+
+    b = PrefillBudget(itl_target_s=0.4)
+    assert b.tokens(2048, decoders=0, prompts=16) == 2048  # nobody decodes: all of it
+    assert b.tokens(2048, decoders=3, prompts=1) == 2048  # nothing measured yet
+    b.observe(0, 8, 0.1)  # decode rows alone: 0.1 s a step
+    b.observe(500, 8, 0.6)  # 500 prompt tokens beside them added 0.5 s: 1 ms a token
+    assert b.tokens(2048, decoders=8, prompts=1) == 300  # (0.4 - 0.1) s / 1 ms
+    assert b.tokens(2048, decoders=8, prompts=8) == 2048  # as many prompts as streams: a wave, prefilled together
+    assert b.tokens(256, decoders=0, prompts=1) == 256 and b.last == 256  # never above the ceiling
+    b.observe(0, 8, 1.0)  # a contended CPU: decode steps alone near the target
+    assert b.tokens(2048, decoders=8, prompts=1) == MIN_PREFILL  # a prompt still progresses
+
+
+@pytest.mark.parametrize("first_alone", [False, True])
+def test_a_wave_of_16_prompts_is_prefilled_within_two_steps(tiny_llama: Path, first_alone: bool) -> None:
+    """16 distinct 128-token prompts arrive together (or 15 while a stream decodes): every one is wholly prefilled
+    within two forwards of the wave's arrival, not one chunk per prompt in turn (8 forwards at the former 256)."""
+    import queue
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from planner.types import PREFILL_CHUNK
+    from service.engine.engine import Engine
+    from service.engine.requests import FinishEvent, TokenEvent
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    words = "river stone light garden winter market letter window harbor forest engine silver".split()
+    prompts = [
+        tok(f"{i} " + " ".join(words[(i * 5 + j) % 12] for j in range(300)))["input_ids"][:128] for i in range(16)
+    ]
+    assert sum(map(len, prompts)) <= PREFILL_CHUNK and all(len(p) == 128 for p in prompts)
+    engine = Engine(model, tok, max_batch_size=16, max_queue=32, max_total_tokens=256, prefix_cache=False)
+    forwards = [0]
+    prefilled_at: dict[int, int] = {}  # prompt -> the forward (counted on the engine thread) that completed it
+    record = engine.scheduler.record_forward
+
+    def counting(rows) -> None:
+        record(rows)
+        forwards[0] += 1
+        for r in rows:
+            if r.prefill and not r.seq.prefilling:
+                prefilled_at[prompts.index(list(r.seq.request.prompt_ids))] = forwards[0]
+
+    engine.executor._record_forward = counting
+    sinks = [queue.Queue() for _ in prompts]
+    engine.start()
+    try:
+        rest = range(16)
+        if first_alone:  # a stream decodes beside the wave
+            engine.submit(GenerationRequest(prompt_ids=prompts[0], max_new_tokens=120), sinks[0].put)
+            assert isinstance(sinks[0].get(timeout=60), TokenEvent)
+            rest = range(1, 16)
+        arrived = forwards[0]
+        for i in rest:
+            engine.submit(GenerationRequest(prompt_ids=prompts[i], max_new_tokens=4), sinks[i].put)
+        for i in rest:
+            while not isinstance(sinks[i].get(timeout=120), FinishEvent):
+                pass
+    finally:
+        engine.stop()
+    steps = [prefilled_at[i] - arrived for i in rest]
+    # while the wave arrived, at most one forward ran with its first arrivals; the next took all that were left
+    assert max(steps) <= 2, steps

@@ -30,15 +30,16 @@ def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path) -> Non
             widths.append(int(ids.numel()))
 
     model.register_forward_pre_hook(count, with_kwargs=True)
-    batch = 4
-    engine = Engine(model, tok, max_batch_size=batch, max_queue=16, max_total_tokens=1000)
-    engine.start()
+    batch = 8
+    engine = Engine(model, tok, max_batch_size=batch, max_queue=16, max_total_tokens=1000, prefix_cache=False)
     try:
-        long_prompt = tok("the sea " * 300)["input_ids"][:700]  # ~3 chunks of prefill
-        requests = [GenerationRequest(prompt_ids=long_prompt[: 700 - 50 * i], max_new_tokens=8) for i in range(batch)]
+        # 3280 prompt tokens in all, over one step's; each under LONG_PROMPT_CONTEXT, so they are packed together
+        long_prompt = tok("the sea " * 300)["input_ids"][:480]
+        requests = [GenerationRequest(prompt_ids=long_prompt[: 480 - 20 * i], max_new_tokens=8) for i in range(batch)]
         sinks = [queue.Queue() for _ in requests]
-        for req, sink in zip(requests, sinks):
+        for req, sink in zip(requests, sinks):  # queued before the loop starts: one wave, admitted together
             engine.submit(req, sink.put)
+        engine.start()
         for sink in sinks:
             while not isinstance(ev := sink.get(timeout=120), (FinishEvent, ErrorEvent)):
                 pass
@@ -46,7 +47,7 @@ def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path) -> Non
     finally:
         engine.stop()
     workload = Workload(dtype="float32", batch_size=batch, context=1000, prefill_chunk=PREFILL_CHUNK)
-    assert max(widths) > PREFILL_CHUNK // 2, "the prompts were prefilled in chunks"
+    assert max(widths) > PREFILL_CHUNK // 2, "the wave was prefilled together, in steps of up to PREFILL_CHUNK"
     assert max(widths) <= workload.step_tokens() < batch * 1000
 
 

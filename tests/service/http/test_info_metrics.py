@@ -32,6 +32,10 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     fp32 = kernel_build.status(torch.float32)
     assert info["cpu_kernels"]["choice"] == "auto"
     assert info["cpu_kernels"]["kernels"]["float32"] == {"available": fp32.available, "reason": fp32.reason}
+    threads = info["cpu_threads"]  # the ceiling from the affinity mask and cgroup quota, and why
+    assert 1 <= threads["threads"] <= threads["ceiling"] <= threads["affinity"]
+    assert threads["bound"] in ("affinity", "quota") and threads["adaptive"] and threads["reason"]
+    assert threads["prefill_tokens"] >= 1
     assert (info["load_stats"]["native_linears"] > 0) == fp32.available
 
 
