@@ -105,13 +105,13 @@ def _call_schema(fmt: ToolFormat, tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
-    """The grammar of the calls a ``required`` or named ``tool_choice`` asks for (one call of one of ``tools``;
-    Mistral's array holds one or more when ``parallel``)."""
+def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> GrammarSpec:
+    """The grammar of the call a ``required`` or named ``tool_choice`` asks for: exactly one call of one of
+    ``tools`` (in Mistral's array too), so that a model cannot run on adding calls; ``auto`` parses any number."""
     options = [_call_schema(fmt, t) for t in tools]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     if fmt.array:
-        schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
     value = {"prefix": fmt.call_prefix, "schema": schema, "suffix": fmt.call_suffix}
     return GrammarSpec("wrapped_json", json.dumps(value), "tool_choice")
 
@@ -132,7 +132,7 @@ def plan_tools(
     fmt = tool_format(template, parser)
     grammar = None
     if mode == "required":
-        grammar = call_grammar(fmt, checked, parallel is not False)
+        grammar = call_grammar(fmt, checked)
     elif mode == "named":
-        grammar = call_grammar(fmt, [t for t in checked if t["function"]["name"] == name], False)
+        grammar = call_grammar(fmt, [t for t in checked if t["function"]["name"] == name])
     return ToolPlan(tools=checked, fmt=fmt, names=frozenset(names), grammar=grammar, choice=mode)
