@@ -54,7 +54,11 @@ def _message(final: FinishEvent, shape: ChatShape) -> tuple[dict[str, Any], str]
     """A choice's message and finish reason."""
     tools = shape.tools
     reasoning, content, calls = read_whole(
-        _final_text(final), shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None
+        _final_text(final),
+        shape.prompt_text,
+        shape.thinks,
+        tools.fmt if tools else None,
+        tools.names if tools else None,
     )
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:

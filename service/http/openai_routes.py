@@ -20,6 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
 from service.errors import NotFoundError, openai_status
+from service.http import access_log
 from service.http.admission import (
     EngineStream,
     merged_events,
@@ -29,7 +30,6 @@ from service.http.admission import (
     runtime_of,
     wait_all,
 )
-from service.http import access_log
 from service.http.event_stream import event_stream, json_event, text_event
 from service.schemas.openai_requests import CompletionRequest, validate_completion
 from service.schemas.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
@@ -68,14 +68,19 @@ def cumulative_logprob(final: FinishEvent) -> float:
     return sum(t.logprob for t in final.tokens)
 
 
+#: The names TGI's clients send for "the one model this endpoint serves".
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
+
+
 def _check_model(request: Request, name: str | None) -> str:
     """The served model's name. A request naming another model is a 404 ``model_not_found`` (as in vLLM), unless
-    it names one of ``--served-model-name``'s aliases or the model's path, or ``--accept-any-model`` is set (for
-    clients that must send some name: huggingface_hub sends ``"tgi"``). No ``model`` at all is the served one."""
+    it names one of ``--served-model-name``'s aliases or the model's path, or ``--accept-any-model`` is set. No
+    ``model`` at all is the served one, and so are TGI's placeholders (:data:`PLACEHOLDER_MODELS`: huggingface_hub
+    sends ``"dummy"`` or ``"tgi"`` to a TGI endpoint, which serves one model whatever is named)."""
     runtime = runtime_of(request)
     loaded = runtime.loaded
     served = loaded.name if loaded else ""
-    if not name or loaded is None or runtime.settings.accept_any_model:
+    if not name or name in PLACEHOLDER_MODELS or loaded is None or runtime.settings.accept_any_model:
         return served
     if name not in (served, str(loaded.path), *runtime.settings.served_names()):
         raise NotFoundError(

@@ -18,8 +18,6 @@ from service.engine.requests import GenerationRequest
 from service.engine.sampling import SamplingParams
 from service.engine.structured_output import GrammarSpec, schema_text
 from service.errors import RequestValidationError
-from service.tools.reasoning import thinks
-from service.tools.tool_requests import ToolPlan, plan_tools
 from service.schemas.validation import (
     MAX_CHOICES,
     MAX_SEED,
@@ -29,6 +27,8 @@ from service.schemas.validation import (
     refuse_unknown,
     request_model_config,
 )
+from service.tools.reasoning import thinks
+from service.tools.tool_requests import ToolPlan, plan_tools
 
 
 class _OpenAIRequest(BaseModel):
@@ -53,7 +53,9 @@ class _OpenAIRequest(BaseModel):
     )
     top_k: int | None = Field(None, description="vLLM's extension: sample among the k likeliest tokens.")
     repetition_penalty: float | None = Field(None, description="vLLM's extension (transformers' semantics).")
-    min_p: float | None = Field(None, description="vLLM's extension: when sampling, keep tokens >= min_p x the top one.")
+    min_p: float | None = Field(
+        None, description="vLLM's extension: when sampling, keep tokens >= min_p x the top one."
+    )
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit; at most 300 entries."
     )

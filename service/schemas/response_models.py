@@ -73,7 +73,9 @@ def openai_error_type(error_type: str, status: int | None = None) -> str:
     return OPENAI_ERROR_TYPES.get(error_type, error_type)
 
 
-def openai_error_body(message: str, error_type: str, code: str | None = None, status: int | None = None) -> dict[str, Any]:
+def openai_error_body(
+    message: str, error_type: str, code: str | None = None, status: int | None = None
+) -> dict[str, Any]:
     """OpenAI's error envelope, as a JSON-ready dict, with OpenAI's error type (:func:`openai_error_type`)."""
     detail = OpenAIErrorDetail(message=message, type=openai_error_type(error_type, status), code=code)
     return OpenAIErrorEnvelope(error=detail).model_dump()

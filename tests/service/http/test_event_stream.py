@@ -115,7 +115,9 @@ def test_openai_client_reads_pinged_streams(pinging: LiveServer) -> None:
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     text = oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=TOKENS, temperature=0).choices[0].text
-    pieces = list(oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=TOKENS, temperature=0, stream=True))
+    pieces = list(
+        oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=TOKENS, temperature=0, stream=True)
+    )
     assert "".join(p.choices[0].text for p in pieces) == text
 
 

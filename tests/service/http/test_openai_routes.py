@@ -126,8 +126,6 @@ def test_openai_client_gets_400_with_openai_error_shape(oa, server) -> None:
 def test_an_unknown_model_is_404_model_not_found(oa) -> None:
     """As in vLLM: a model this server does not serve is a 404 (aliases and --accept-any-model: test_agent_fields)."""
     with pytest.raises(openai.NotFoundError) as caught:
-        oa.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        oa.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     err = caught.value.body
     assert err["type"] == "not_found_error" and err["code"] == "model_not_found" and "tiny-llama" in err["message"]
-
-

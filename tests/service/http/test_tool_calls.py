@@ -105,7 +105,9 @@ def test_named_choice_picks_that_function_and_a_round_trip_works(family_server) 
     oa = _client(server)
     name = oa.models.list().data[0].id
     named = {"type": "function", "function": {"name": "get_time"}}
-    chat = oa.chat.completions.create(model=name, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=150)
+    chat = oa.chat.completions.create(
+        model=name, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=150
+    )
     call = chat.choices[0].message.tool_calls[0]
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
     history = [*ASK, chat.choices[0].message.model_dump(exclude_none=True)]
