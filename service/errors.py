@@ -68,6 +68,10 @@ class NotFoundError(ServiceError):
     error_type = "validation"
     status_code = 404
 
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code  # OpenAI's error code (model_not_found) under /v1
+
 
 #: The status of the planner's and the loader's errors (:class:`LoadmasterError` outside the service's own): they
 #: name what in the request's model, memory or checkpoint cannot work, which the client must change.

@@ -33,7 +33,17 @@ class ServiceSettings(BaseSettings):
         "Hub id org/name[@revision] fetched into the Hub cache (HF_HOME).",
     )
     demo: bool = Field(False, description="Build (once, cached) and serve the embedded demo model.")
-    served_model_name: str | None = Field(None, description="Name reported by /info and /v1/models.")
+    served_model_name: str | None = Field(
+        None,
+        description="Name reported by /info and /v1/models; more names after commas are aliases the OpenAI and "
+        "Anthropic routes accept in 'model' (default: the model folder's name).",
+    )
+    accept_any_model: bool = Field(
+        False, description="Serve requests whatever 'model' they name (default: 404 model_not_found for others)."
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None, description="How the model writes tool calls (default: read from its chat template)."
+    )
     max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
     gpus: str | None = Field(None, description="Declared GPUs NxSIZE, to plan for hardware that is not here.")
     strategy: str = Field("auto", description="auto, balanced, balanced_low_0, sequential, or a JSON map / @file.")
@@ -173,6 +183,10 @@ class ServiceSettings(BaseSettings):
                 f"({self.max_total_tokens}), or no token could be generated; raise --max-total-tokens."
             )
         return self
+
+    def served_names(self) -> list[str]:
+        """``--served-model-name``'s names: the first is reported, the rest are aliases."""
+        return [part.strip() for part in (self.served_model_name or "").split(",") if part.strip()]
 
     @property
     def hard_stop_s(self) -> float:

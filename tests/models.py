@@ -54,6 +54,28 @@ def llama_1b_dir(dtype: str = "bfloat16") -> Path:
     return build_model("llama", cache_dir() / f"llama-1b-{dtype}", size="1b", dtype=dtype)
 
 
+def chat_model_dir(family: str) -> Path:
+    """The tiny Llama with the chat template of ``family`` (:data:`tests.chat_templates.TEMPLATES`: Qwen2.5's
+    Hermes tool calls, Qwen3's thinking, Llama 3.1's JSON calls, Mistral's [TOOL_CALLS]), in its own folder."""
+    import shutil
+
+    from tests.chat_templates import TEMPLATES
+
+    source = tiny_llama_dir()
+    out = cache_dir() / f"tiny-llama-chat-{family}"
+    template = TEMPLATES[family]
+    marker = out / "chat_template.jinja"
+    if marker.exists() and marker.read_text() == template:
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    (tmp / "chat_template.jinja").write_text(template)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def demo_model_dir() -> Path:
     """A briefly trained demo-architecture Llama (few steps) for tests that want text-like behaviour."""
     return build_demo_model(cache_dir() / "demo-quick", steps=TEST_DEMO_STEPS)

@@ -39,6 +39,7 @@ ROOMS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("pipeline",),
         ("http",),
         ("schemas",),
+        ("tools",),
         ("engine",),
         ("model",),
         ("ui",),

@@ -29,15 +29,18 @@ class Detokenizer(Protocol):
         ...
 
 
-def make_detokenizer(tokenizer: Any, prompt_ids: list[int], *, streaming: bool = True) -> Detokenizer:
+def make_detokenizer(
+    tokenizer: Any, prompt_ids: list[int], *, streaming: bool = True, skip_special_tokens: bool = True
+) -> Detokenizer:
     """The detokenizer for one sequence: ``tokenizers``' DecodeStream where the tokenizer allows, else the fallback.
 
-    ``streaming=False`` forces the fallback (tests compare the two on the same tokens).
+    ``streaming=False`` forces the fallback (tests compare the two on the same tokens). ``skip_special_tokens=False``
+    keeps special tokens' text (tool-call markers that are special tokens, vLLM's option).
     """
     context = list(prompt_ids[-PROMPT_CONTEXT:])
     if streaming and stream_decodable(tokenizer):
-        return StreamDetokenizer(tokenizer, context)
-    return OffsetDetokenizer(tokenizer, context)
+        return StreamDetokenizer(tokenizer, context, skip_special_tokens)
+    return OffsetDetokenizer(tokenizer, context, skip_special_tokens)
 
 
 def stream_decodable(tokenizer: Any) -> bool:
@@ -65,8 +68,9 @@ class OffsetDetokenizer:
     decoded together with the incomplete one.
     """
 
-    def __init__(self, tokenizer: Any, context: list[int]):
+    def __init__(self, tokenizer: Any, context: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(context)
         self._prefix = 0
         self._read = len(self._ids)
@@ -76,8 +80,8 @@ class OffsetDetokenizer:
         return self._advance(final)
 
     def _advance(self, final: bool) -> str:
-        before = self._tokenizer.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self._tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
         if len(after) > len(before) and (final or not after.endswith(_REPLACEMENT)):
             self._prefix, self._read = self._read, len(self._ids)
             return after[len(before) :]
@@ -91,12 +95,13 @@ class StreamDetokenizer:
     final token can flush them the way decoding the whole sequence would (incomplete bytes become U+FFFD).
     """
 
-    def __init__(self, tokenizer: Any, context: list[int]):
+    def __init__(self, tokenizer: Any, context: list[int], skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=list(context), skip_special_tokens=True)
+        self._stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
         self._emitted = list(context)[-PROMPT_CONTEXT:]  # the last tokens whose text is out: context for a flush
         self._held: list[int] = []  # tokens whose text DecodeStream still holds back
 
@@ -109,7 +114,7 @@ class StreamDetokenizer:
             return piece
         if not final:
             return ""
-        before = self._tokenizer.decode(self._emitted, skip_special_tokens=True)
-        after = self._tokenizer.decode(self._emitted + self._held, skip_special_tokens=True)
+        before = self._tokenizer.decode(self._emitted, skip_special_tokens=self._skip)
+        after = self._tokenizer.decode(self._emitted + self._held, skip_special_tokens=self._skip)
         self._emitted, self._held = (self._emitted + self._held)[-PROMPT_CONTEXT:], []
         return after[len(before) :] if len(after) > len(before) else ""

@@ -35,6 +35,8 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # report the prompt tokens' logprobs (TGI decoder_input_details, OpenAI echo)
     grammar: Any = None  # a service.engine.structured_output.CompiledGrammar the output must follow, or None
     ignore_eos: bool = False  # generate max_new_tokens whatever is chosen (fixed-length greedy runs, as in vLLM)
+    stop_token_ids: frozenset[int] = frozenset()  # more tokens that end the sequence (vLLM's stop_token_ids)
+    skip_special_tokens: bool = True  # leave special tokens' text out of the output (vLLM's default)
     #: Seconds the request waited in the queue; set by the engine when it admits the request (the access log).
     queued_s: float | None = None
 
@@ -49,6 +51,8 @@ class TokenEvent:
     special: bool
     final: FinishEvent | None = None
     top_tokens: list[TokenEvent] = field(default_factory=list)  # the likeliest tokens at this step, best first
+    #: On a sequence's first token, the prompt's tokens when the request asked for their logprobs (echo in streams).
+    prefill: list[PrefillToken] | None = None
 
 
 @dataclass
@@ -156,7 +160,9 @@ class Sequence:
         self.eos = eos
         self.special = special
         self.enqueued_at = time.perf_counter()
-        self.detokenizer = make_detokenizer(tokenizer, request.prompt_ids)
+        self.detokenizer = make_detokenizer(
+            tokenizer, request.prompt_ids, skip_special_tokens=request.skip_special_tokens
+        )
         self.stops = StopMatcher(request.stop)
         self.slot: int | None = None  # its KV cache slot, from admission to its end
         self.prefilled = 0  # prompt tokens whose KV is in the slot
@@ -202,7 +208,7 @@ class Sequence:
             raise GenerationError(f"The grammar rejected token {token}; the constrained sequence cannot go on.")
         reason = None
         terminated = self.chooser.constraint is not None and self.chooser.constraint.terminated
-        if (token in self.eos and not self.request.ignore_eos) or terminated:
+        if (token in self.eos and not self.request.ignore_eos) or token in self.request.stop_token_ids or terminated:
             reason = "eos_token"
         elif len(self.generated) >= self.request.max_new_tokens:
             reason = "length"
@@ -223,9 +229,14 @@ class Sequence:
         if self.finished:
             return None
         delta = self.detokenizer.push(token, reason is not None)
+        if reason == "eos_token" and not self.request.skip_special_tokens:
+            ending = self.tokenizer.decode([token])  # the token that ends the sequence is not output text
+            delta = delta[: -len(ending)] if ending and delta.endswith(ending) else delta
         self.text += delta
         ev = self.token_event(token, logprob, top)
         ev.text = delta
+        if not self.tokens and self.prefill is not None:
+            ev.prefill = self.prefill
         self.tokens.append(ev)
         finish = None
         match = self.stops.feed(delta)

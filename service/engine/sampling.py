@@ -9,6 +9,7 @@ number from the row's own generator. So a seeded sequence gets the same tokens w
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ class SamplingParams:
     As in TGI, setting any warper (a temperature other than 1, top_k, top_p < 1, typical_p < 1) turns sampling on;
     ``temperature == 0`` (allowed by the OpenAI routes) means greedy.
 
+    ``min_p`` (vLLM) keeps, when sampling, the tokens at least ``min_p`` times as likely as the likeliest one (after
+    temperature). ``logit_bias`` (OpenAI) adds its bias to a token's logit before the penalties and temperature, so
+    it moves greedy choices too; -100 all but bans a token, +100 all but forces it.
+
     ``frequency_penalty`` and ``presence_penalty`` follow OpenAI: each generated occurrence of a token lowers its
     logit by ``frequency_penalty``, and any occurrence by ``presence_penalty`` once. ``repetition_penalty``
     follows transformers/TGI: the logits of tokens seen in the prompt or output are divided (positive) or
@@ -41,6 +46,10 @@ class SamplingParams:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seed: int | None = None
+    #: vLLM's ``min_p``: when sampling, drop tokens less likely than ``min_p`` times the likeliest one.
+    min_p: float | None = None
+    #: OpenAI's ``logit_bias``: (token id, bias) pairs added to the logits before anything else (greedy included).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def sampling(self) -> bool:
@@ -164,8 +173,9 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
     """
     rows, vocab = logits.shape
     dev = logits.device
-    in_place = any(c.constraint is not None or c.params.penalised for c in choosers)
+    in_place = any(c.constraint is not None or c.params.penalised or c.params.logit_bias for c in choosers)
     scores = logits.detach().to(torch.float32, copy=in_place)  # masks and penalties write into it
+    _apply_logit_bias(scores, choosers)
     _apply_constraints(scores, choosers)
     _apply_penalties(scores, choosers)
     temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
@@ -198,6 +208,17 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
         choosers[r].last = choice
         out.append(choice)
     return out
+
+
+def _apply_logit_bias(scores: torch.Tensor, choosers: Sequence[TokenChooser]) -> None:
+    """Add each row's ``logit_bias`` (in place); ids beyond the logits' width are ignored."""
+    vocab = scores.shape[1]
+    for r, c in enumerate(choosers):
+        pairs = [(i, b) for i, b in c.params.logit_bias if 0 <= i < vocab]
+        if pairs:
+            ids = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=scores.device)
+            bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=scores.device)
+            scores[r].index_add_(0, ids, bias)
 
 
 def _apply_constraints(scores: torch.Tensor, choosers: Sequence[TokenChooser]) -> None:
@@ -243,7 +264,7 @@ CANDIDATES = 256
 
 
 def _truncate(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Mask out (with -inf, in place) what top-k, then top-p, then typical-p exclude, each row by its own settings, batched
+    """Mask out (with -inf, in place) what top-k, then top-p, then typical-p, then min-p exclude, each row by its own settings, batched
     over the rows that use each. Each step sees the distribution the previous one left, renormalised; the most
     likely token always stays (tokens tied with the last one kept stay too)."""
     vocab = logprobs.shape[1]
@@ -279,6 +300,13 @@ def _truncate(logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         drop[:, 0] = False
         mask = torch.zeros_like(drop).scatter(1, order, drop)
         logprobs.index_copy_(0, idx, sub.masked_fill(mask, NEG_INF))
+    rows = [r for r, p in enumerate(params) if p.min_p]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        sub = logprobs.index_select(0, idx)
+        floor = torch.tensor([math.log(params[r].min_p) for r in rows], dtype=torch.float32, device=dev)
+        cutoff = sub.max(dim=-1).values + floor
+        logprobs.index_copy_(0, idx, sub.masked_fill(sub < cutoff.unsqueeze(1), NEG_INF))
     return logprobs
 
 

@@ -28,7 +28,7 @@ from service.errors import OverloadedError, RequestValidationError
 
 log = logging.getLogger(__name__)
 
-GrammarKind = Literal["json_schema", "json_object", "regex"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "wrapped_json"]
 
 #: Grammar compilations that may run at once (abandoned ones included); more wait, then get a 429.
 COMPILE_SLOTS = 2
@@ -36,7 +36,10 @@ COMPILE_SLOTS = 2
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What a request asked for: the kind, its text (a schema as JSON, or a regex) and the field it came in."""
+    """What a request asked for: the kind, its text (a schema as JSON, or a regex) and the field it came in.
+
+    ``wrapped_json`` (tool calls a ``tool_choice`` requires) is JSON text ``{"prefix", "schema", "suffix"}``: literal
+    text, a value of the schema, literal text."""
 
     kind: GrammarKind
     value: str = ""
@@ -154,6 +157,17 @@ def _compile_now(compiler: Any, spec: GrammarSpec) -> Any:
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if spec.kind == "json_schema":
         return compiler.compile_json_schema(spec.value, any_whitespace=False)
+    if spec.kind == "wrapped_json":
+        import xgrammar
+
+        parts = json.loads(spec.value)
+        pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
+        if parts.get("prefix"):
+            pieces.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['prefix'])}"))
+        if parts.get("suffix"):
+            pieces.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['suffix'])}"))
+        grammar = pieces[0] if len(pieces) == 1 else xgrammar.Grammar.concat(*pieces)
+        return compiler.compile_grammar(grammar)
     return compiler.compile_regex(spec.value)
 
 

@@ -35,6 +35,7 @@ class AccessRecord:
     ttft_s: float | None = None
     total_s: float | None = None
     cancelled: bool = False
+    user: str | None = None  # the OpenAI ``user`` field: the end user the client says the request is for
     started: float = field(default_factory=time.perf_counter)
     _prompts: set[int] = field(default_factory=set, repr=False)
 
@@ -66,6 +67,7 @@ class AccessRecord:
                 "queue_s": seconds(self.queue_s),
                 "ttft_s": seconds(self.ttft_s),
                 "total_s": seconds(self.total_s),
+                **({"user": self.user} if self.user is not None else {}),
             },
             separators=(",", ":"),
             ensure_ascii=True,

@@ -32,7 +32,7 @@ from service.errors import (
     http_status,
     openai_status,
 )
-from service.http import access_log, openai_routes, plan_routes, request_body, tgi_routes, ui_routes
+from service.http import access_log, chat_routes, openai_routes, plan_routes, request_body, tgi_routes, ui_routes
 from service.http.admission import Runtime
 from service.http.api_keys import check_api_key, is_open
 from service.http.metrics import Metrics
@@ -50,12 +50,17 @@ def _is_openai(path: str) -> bool:
 
 
 def error_response(
-    path: str, status: int, message: str, error_type: str, headers: dict[str, str] | None = None
+    path: str,
+    status: int,
+    message: str,
+    error_type: str,
+    headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
     if _is_openai(path):
         status = openai_status(status, error_type)
-        body = openai_error_body(message, error_type)
+        body = openai_error_body(message, error_type, code, status)
     else:
         body = error_body(message, error_type)
     return JSONResponse(body, status_code=status, headers=headers)
@@ -185,7 +190,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             headers = {"Retry-After": str(exc.retry_after)}
         elif isinstance(exc, NotReadyError):
             headers = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
-        return error_response(request.url.path, http_status(exc), str(exc), exc.error_type, headers)
+        code = getattr(exc, "code", None)
+        return error_response(request.url.path, http_status(exc), str(exc), exc.error_type, headers, code)
 
     @app.exception_handler(FastAPIValidationError)
     async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
@@ -242,6 +248,7 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     _install_error_handlers(app)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(chat_routes.router)
     app.include_router(plan_routes.router)
     app.include_router(ui_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)

@@ -19,7 +19,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
-from service.errors import openai_status
+from service.errors import NotFoundError, openai_status
+from service.http import access_log
 from service.http.admission import (
     EngineStream,
     merged_events,
@@ -30,11 +31,9 @@ from service.http.admission import (
     wait_all,
 )
 from service.http.event_stream import event_stream, json_event, text_event
-from service.schemas.openai_requests import ChatCompletionRequest, CompletionRequest, validate_chat, validate_completion
+from service.schemas.openai_requests import CompletionRequest, validate_completion
 from service.schemas.openapi_responses import BODY_ERRORS, GENERATION_ERRORS, errors, streamed
 from service.schemas.response_models import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
     ModelCard,
@@ -50,8 +49,8 @@ router = APIRouter(prefix="/v1", tags=["OpenAI"])
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
-def openai_error(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
-    return openai_error_body(message, error_type, code)
+def openai_error(message: str, error_type: str, code: str | None = None, status: int | None = None) -> dict[str, Any]:
+    return openai_error_body(message, error_type, code, status)
 
 
 def _final_text(final: FinishEvent) -> str:
@@ -69,24 +68,42 @@ def cumulative_logprob(final: FinishEvent) -> float:
     return sum(t.logprob for t in final.tokens)
 
 
+#: The names TGI's clients send for "the one model this endpoint serves".
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
+
+
 def _check_model(request: Request, name: str | None) -> str:
-    """The served model's name. As in TGI, the request's ``model`` is not checked: one model is served, and
-    clients that must send some name (huggingface_hub sends ``"dummy"``, others ``"tgi"``) work unchanged."""
-    loaded = runtime_of(request).loaded
+    """The served model's name. A request naming another model is a 404 ``model_not_found`` (as in vLLM), unless
+    it names one of ``--served-model-name``'s aliases or the model's path, or ``--accept-any-model`` is set. No
+    ``model`` at all is the served one, and so are TGI's placeholders (:data:`PLACEHOLDER_MODELS`: huggingface_hub
+    sends ``"dummy"`` or ``"tgi"`` to a TGI endpoint, which serves one model whatever is named)."""
+    runtime = runtime_of(request)
+    loaded = runtime.loaded
     served = loaded.name if loaded else ""
-    if name and loaded and name not in (served, str(loaded.path)):
-        log.debug("request names model %r; serving %r", name, served)
+    if not name or name in PLACEHOLDER_MODELS or loaded is None or runtime.settings.accept_any_model:
+        return served
+    if name not in (served, str(loaded.path), *runtime.settings.served_names()):
+        raise NotFoundError(
+            f"The model {name!r} does not exist on this server; it serves {served!r} (see GET /v1/models), or "
+            "start it with --accept-any-model.",
+            code="model_not_found",
+        )
     return served
 
 
-async def _start(request: Request, build, user: str | None, stream: bool) -> tuple[list[EngineStream], Any]:
-    """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts)."""
+async def _start(request: Request, build, user: str | None, stream: bool) -> tuple[list[EngineStream], Any, Any]:
+    """Validate, take a slot per sequence, submit; also returns the validator (for decoding prompts) and what
+    ``build`` returned beside the requests (when it returns a pair)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
-    gens = await off_loop(build, validator, request_id_of(request))
+    built = await off_loop(build, validator, request_id_of(request))
+    gens, extra = built if isinstance(built, tuple) else (built, None)
     if user:
         log.info("request %s: user %r", request_id_of(request), user)
-    return open_streams(runtime, engine, gens, stream), validator
+        record = access_log.current()
+        if record is not None:
+            record.user = user
+    return open_streams(runtime, engine, gens, stream), validator, extra
 
 
 async def _finals_or_response(
@@ -105,25 +122,43 @@ async def _finals_or_response(
     return [f for f in finals if isinstance(f, FinishEvent)], None
 
 
+def _running_usage(streams: list[EngineStream], counts: list[int], per_prompt: int) -> dict[str, int]:
+    """vLLM's ``continuous_usage_stats``: the request's token counts so far, on every chunk."""
+    prompt = sum(len(s.request.prompt_ids) for s in streams[::per_prompt])
+    generated = sum(counts)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
 def _stream_response(
     request: Request,
     streams: list[EngineStream],
     rid: str,
-    make_chunk: Callable[[int, str, str | None, TokenEvent | None], dict[str, Any]],
+    make_chunk: Callable[[int, str, str | None, TokenEvent | None], dict[str, Any] | None],
     first_chunks: list[dict[str, Any]],
-    include_usage: bool,
+    stream_options: dict[str, Any] | None,
     every_token: bool,
     per_prompt: int,
 ) -> EventSourceResponse:
     """Server-sent chunks for one or more sequences (choice ``i`` is stream ``i``). With ``every_token`` (logprobs
-    asked for) each token gets a chunk even while its text is held back."""
+    asked for) each token gets a chunk even while its text is held back; ``make_chunk`` may return ``None`` for a
+    token that adds nothing to send yet. ``stream_options``: ``include_usage`` adds a last chunk with the usage,
+    ``continuous_usage_stats`` (vLLM's) a ``usage`` on every chunk."""
+    include_usage = bool((stream_options or {}).get("include_usage"))
+    continuous = bool((stream_options or {}).get("continuous_usage_stats"))
 
     async def events() -> AsyncIterator[ServerSentEvent]:
         holds = [StopHoldback(s.request.stop) for s in streams]
+        counts = [0] * len(streams)
         finals: dict[int, FinishEvent] = {}
+
+        def send(chunk: dict[str, Any]) -> ServerSentEvent:
+            if continuous:
+                chunk["usage"] = _running_usage(streams, counts, per_prompt)
+            return json_event(chunk)
+
         try:
             for first in first_chunks:
-                yield json_event(first)
+                yield send(first)
             async for i, ev in merged_events(streams):
                 if isinstance(ev, ErrorEvent):
                     log.error("request %s failed mid-stream: %s", rid, ev.message)
@@ -131,16 +166,18 @@ def _stream_response(
                     return
                 if not isinstance(ev, TokenEvent):
                     continue
+                counts[i] += 1
                 if ev.final is None:
                     piece = holds[i].push(ev.text)
-                    if piece or every_token:
-                        yield json_event(make_chunk(i, piece, None, ev))
-                    continue
-                finals[i] = ev.final
-                rest = holds[i].finish(_final_text(ev.final))
-                yield json_event(make_chunk(i, rest, FINISH[ev.final.reason], ev))
+                    chunk = make_chunk(i, piece, None, ev) if piece or every_token else None
+                else:
+                    finals[i] = ev.final
+                    rest = holds[i].finish(_final_text(ev.final))
+                    chunk = make_chunk(i, rest, FINISH[ev.final.reason], ev)
+                if chunk is not None:
+                    yield send(chunk)
             if include_usage:
-                last = make_chunk(0, "", None, None)
+                last = make_chunk(0, "", None, None) or {}
                 last["choices"] = []
                 last["usage"] = _usage([finals[i] for i in sorted(finals)], per_prompt)
                 yield json_event(last)
@@ -186,13 +223,24 @@ async def model(request: Request, model_id: str) -> Response:
     if card is None or model_id != card["id"]:
         served = card["id"] if card else "none (still loading)"
         message = f"The model {model_id!r} does not exist on this server; it serves {served!r} (see GET /v1/models)."
-        return JSONResponse(openai_error(message, "not_found", "model_not_found"), status_code=404)
+        return JSONResponse(openai_error(message, "not_found", "model_not_found", 404), status_code=404)
     return JSONResponse(card)
+
+
+def _top_with_sampled(t: Any) -> dict[str, float] | None:
+    """A position's alternatives with the token itself among them (vLLM's k+1: the sampled token is always
+    there, so ``logprobs: 0`` gives ``{token: logprob}``)."""
+    if t.logprob is None:
+        return None
+    top = {a.text: a.logprob for a in t.top_tokens}
+    top.setdefault(t.text, t.logprob)
+    return top
 
 
 def _completion_logprobs(tokens: list[Any], top: bool, start: int = 0) -> dict[str, Any]:
     """OpenAI's legacy ``logprobs`` object for completions: ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (token text -> logprob, per position) and ``text_offset``. ``tokens`` are prompt then generated tokens."""
+    (token text -> logprob, per position) and ``text_offset`` (from ``start``: where the first token's text
+    begins in the choice's whole text). ``tokens`` are prompt then generated tokens."""
     offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
@@ -200,11 +248,14 @@ def _completion_logprobs(tokens: list[Any], top: bool, start: int = 0) -> dict[s
     return {
         "tokens": [t.text for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} if t.logprob is not None else None for t in tokens]
-        if top
-        else None,
+        "top_logprobs": [_top_with_sampled(t) for t in tokens] if top else None,
         "text_offset": offsets,
     }
+
+
+def _echoed(prefill: list[Any]) -> list[Any]:
+    """Echoed prompt tokens: special ones (a BOS) add no text, so the tokens spell the echoed text."""
+    return [replace(t, text="") if t.special else t for t in prefill]
 
 
 def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[list[int]]) -> list[str]:
@@ -212,7 +263,7 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
         return [body.prompt]
     if body.prompt and all(isinstance(x, str) for x in body.prompt):
         return list(body.prompt)  # type: ignore[arg-type]
-    return [validator.tokenizer.decode(ids) for ids in gens_prompts]
+    return [validator.tokenizer.decode(ids, skip_special_tokens=True) for ids in gens_prompts]
 
 
 @router.post(
@@ -228,7 +279,7 @@ def _prompt_texts(body: CompletionRequest, validator: Any, gens_prompts: list[li
 )
 async def completions(request: Request, body: CompletionRequest) -> Response:
     name = _check_model(request, body.model)
-    streams, validator = await _start(
+    streams, validator, _ = await _start(
         request, lambda v, rid: validate_completion(v, body, rid), body.user, bool(body.stream)
     )
     rid = request_id_of(request)
@@ -236,12 +287,21 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     n = body.n
     per = body.best_of or n
     want_logprobs = body.logprobs is not None
-    top = bool(body.logprobs)
+    top = body.logprobs is not None
+    prompts = _prompt_texts(body, validator, [s.request.prompt_ids for s in streams[::per]])
 
     if body.stream:
+        offsets = [0] * len(streams)  # characters of each choice's text so far (text_offset is cumulative)
+        echoed = [not body.echo] * len(streams)
 
         def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
-            lp = _completion_logprobs([ev], top) if want_logprobs and ev is not None else None
+            tokens = [ev] if ev is not None else []
+            if not echoed[i] and ev is not None:  # echo: the prompt first, as vLLM does
+                echoed[i] = True
+                text = prompts[i // n] + text
+                tokens = _echoed(ev.prefill or []) + tokens
+            lp = _completion_logprobs(tokens, top, offsets[i]) if want_logprobs and ev is not None else None
+            offsets[i] += sum(len(t.text) for t in tokens)
             return {
                 "id": cid,
                 "object": "text_completion",
@@ -250,13 +310,11 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                 "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
             }
 
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(request, streams, rid, chunk, [], include_usage, want_logprobs, n)
+        return _stream_response(request, streams, rid, chunk, [], body.stream_options, want_logprobs or body.echo, n)
 
     finals, early = await _finals_or_response(streams, request, rid)
     if early is not None:
         return early
-    prompts = _prompt_texts(body, validator, [s.request.prompt_ids for s in streams[::per]])
     choices = []
     for p, prompt_text in enumerate(prompts):
         group = finals[p * per : (p + 1) * per]
@@ -266,10 +324,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
             text = _final_text(final)
             logprobs = None
             if want_logprobs:
-                # echoed special tokens (a BOS) add no text, so the tokens still spell the echoed text
-                prompt = [replace(t, text="") if t.special else t for t in final.prefill] if body.echo else []
-                tokens = prompt + list(final.tokens)
-                logprobs = _completion_logprobs(tokens, top)
+                prompt = _echoed(final.prefill) if body.echo else []
+                logprobs = _completion_logprobs(prompt + list(final.tokens), top)
             if body.echo:
                 text = prompt_text + text
             choices.append(
@@ -283,86 +339,5 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
             "model": name,
             "choices": choices,
             "usage": _usage(finals, per),
-        }
-    )
-
-
-def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
-    return {
-        "token": ev.text,
-        "logprob": ev.logprob,
-        "bytes": list(ev.text.encode()),
-        "top_logprobs": [
-            {"token": a.text, "logprob": a.logprob, "bytes": list(a.text.encode())} for a in ev.top_tokens
-        ],
-    }
-
-
-@router.post(
-    "/chat/completions",
-    summary="Chat completion (OpenAI shape)",
-    response_model=ChatCompletionResponse,
-    responses={
-        **streamed(
-            "The chat completion, or (stream: true) chunks.",
-            ChatCompletionChunk,
-            OpenAIErrorEnvelope,
-            done_sentinel=True,
-        ),
-        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
-    },
-)
-async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    name = _check_model(request, body.model)
-    streams, _ = await _start(request, lambda v, rid: validate_chat(v, body, rid), body.user, bool(body.stream))
-    rid = request_id_of(request)
-    cid, created = f"chatcmpl-{rid}", int(time.time())
-
-    if body.stream:
-
-        def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any]:
-            delta = {"content": text} if text or finish is None else {}
-            return {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": name,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": delta,
-                        "logprobs": {"content": [_chat_logprob(ev)]} if body.logprobs and ev is not None else None,
-                        "finish_reason": finish,
-                    }
-                ],
-            }
-
-        firsts = []
-        for i in range(len(streams)):
-            first = chunk(i, "", None, None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            firsts.append(first)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return _stream_response(request, streams, rid, chunk, firsts, include_usage, body.logprobs, len(streams))
-
-    finals, early = await _finals_or_response(streams, request, rid)
-    if early is not None:
-        return early
-    return JSONResponse(
-        {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": name,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": _final_text(final)},
-                    "logprobs": {"content": [_chat_logprob(t) for t in final.tokens]} if body.logprobs else None,
-                    "finish_reason": FINISH[final.reason],
-                }
-                for i, final in enumerate(finals)
-            ],
-            "usage": _usage(finals, len(finals)),
         }
     )

@@ -187,7 +187,8 @@ async def plan_route(request: Request, body: PlanRequest) -> Response:
 def _names_served(request: Request, body: PlanRequest) -> bool:
     """Whether the request plans the served model (no model named, or the served model's name)."""
     runtime = runtime_of(request)
-    served = runtime.settings.served_model_name or (runtime.loaded.name if runtime.loaded else None)
+    names = runtime.settings.served_names()
+    served = names[0] if names else (runtime.loaded.name if runtime.loaded else None)
     return body.config is None and (body.model is None or (served is not None and body.model == served))
 
 

@@ -216,7 +216,7 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     assert the_plan is not None, "a load from plan inputs carries its plan"
     if slots is not None:
         the_plan.reasons.append(slots.reason)
-    name = settings.served_model_name or (hub.repo_id if hub is not None else path.name)
+    name = settings.served_names()[0] if settings.served_model_name else (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,
         tokenizer=tokenizer,

@@ -236,7 +236,7 @@ class Rank0:
             model=model,
             tokenizer=tokenizer,
             path=path,
-            name=settings.served_model_name or path.name,
+            name=(settings.served_names() or [path.name])[0],
             plan=plan.stages[0].plan,
             dtype=plan.workload.dtype,
             quantization=plan.workload.quantization,

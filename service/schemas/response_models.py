@@ -37,7 +37,10 @@ class ErrorEnvelope(_Answer):
 
 class OpenAIErrorDetail(_Answer):
     message: str
-    type: str = Field(description="The same stable kinds as ErrorEnvelope.error_type.")
+    type: str = Field(
+        description="OpenAI's kinds: invalid_request_error, not_found_error, authentication_error, rate_limit_error, "
+        "service_unavailable_error, server_error."
+    )
     param: str | None = None
     code: str | None = Field(None, description="e.g. model_not_found")
 
@@ -53,9 +56,29 @@ def error_body(message: str, error_type: str) -> dict[str, Any]:
     return ErrorEnvelope(error=message, error_type=error_type).model_dump()
 
 
-def openai_error_body(message: str, error_type: str, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error envelope, as a JSON-ready dict."""
-    return OpenAIErrorEnvelope(error=OpenAIErrorDetail(message=message, type=error_type, code=code)).model_dump()
+#: loadmaster's error types as OpenAI names them (what its clients branch on); by status where the type is shared.
+OPENAI_ERROR_TYPES = {
+    "validation": "invalid_request_error",
+    "authentication": "authentication_error",
+    "overloaded": "rate_limit_error",
+    "not_ready": "service_unavailable_error",
+    "generation": "server_error",
+}
+
+
+def openai_error_type(error_type: str, status: int | None = None) -> str:
+    """OpenAI's ``error.type`` for one of loadmaster's types: a 404 is ``not_found_error`` whatever its type."""
+    if status == 404:
+        return "not_found_error"
+    return OPENAI_ERROR_TYPES.get(error_type, error_type)
+
+
+def openai_error_body(
+    message: str, error_type: str, code: str | None = None, status: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's error envelope, as a JSON-ready dict, with OpenAI's error type (:func:`openai_error_type`)."""
+    detail = OpenAIErrorDetail(message=message, type=openai_error_type(error_type, status), code=code)
+    return OpenAIErrorEnvelope(error=detail).model_dump()
 
 
 # -- TGI ---------------------------------------------------------------------------------------------------------
@@ -313,6 +336,7 @@ class ClusterPlanResponse(_Answer):
 # -- OpenAI ------------------------------------------------------------------------------------------------------
 
 OpenAIFinish = Literal["length", "stop"]
+ChatFinish = Literal["length", "stop", "tool_calls"]
 
 
 class Usage(_Answer):
@@ -382,16 +406,29 @@ class ChatLogprobs(_Answer):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(_Answer):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+
+
+class ToolCallOut(_Answer):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Answer):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, description="The model's thinking, for templates that think.")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Answer):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: OpenAIFinish
+    finish_reason: ChatFinish
 
 
 class ChatCompletionResponse(_Answer):
@@ -405,16 +442,32 @@ class ChatCompletionResponse(_Answer):
     usage: Usage
 
 
+class FunctionCallDelta(_Answer):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(_Answer):
+    """A piece of a streamed tool call: ``id``, ``type`` and the name come with its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Answer):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Answer):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: OpenAIFinish | None
+    finish_reason: ChatFinish | None
 
 
 class ChatCompletionChunk(_Answer):

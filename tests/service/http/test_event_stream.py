@@ -85,7 +85,7 @@ def test_tgi_stream_is_compact_json_events_with_ping_comments_between(pinging: L
 
 
 def test_openai_stream_ends_with_done_after_pings(pinging: LiveServer) -> None:
-    body = {"model": "x", "prompt": "Once upon a time", "temperature": 0, "stream": True}
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "temperature": 0, "stream": True}
     _, data, _ = _stream_with_pings(pinging.url, "/v1/completions", body)
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
@@ -109,13 +109,15 @@ def test_tgi_client_reads_a_pinged_stream(pinging: LiveServer) -> None:
 def test_openai_client_reads_pinged_streams(pinging: LiveServer) -> None:
     oa = openai.OpenAI(base_url=pinging.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Tell me a story."}]
-    whole = oa.chat.completions.create(model="x", messages=messages, max_tokens=TOKENS, temperature=0)
+    whole = oa.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=TOKENS, temperature=0)
     chunks = list(
-        oa.chat.completions.create(model="x", messages=messages, max_tokens=TOKENS, temperature=0, stream=True)
+        oa.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=TOKENS, temperature=0, stream=True)
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
-    text = oa.completions.create(model="x", prompt="Hello", max_tokens=TOKENS, temperature=0).choices[0].text
-    pieces = list(oa.completions.create(model="x", prompt="Hello", max_tokens=TOKENS, temperature=0, stream=True))
+    text = oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=TOKENS, temperature=0).choices[0].text
+    pieces = list(
+        oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=TOKENS, temperature=0, stream=True)
+    )
     assert "".join(p.choices[0].text for p in pieces) == text
 
 

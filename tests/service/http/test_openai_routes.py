@@ -120,10 +120,12 @@ def test_openai_client_gets_400_with_openai_error_shape(oa, server) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny-llama", "messages": "nope"})
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["type"] == "validation" and "messages" in err["message"]
+    assert err["type"] == "invalid_request_error" and "messages" in err["message"]
 
 
-def test_any_model_name_is_answered_by_the_served_model(oa) -> None:
-    """Like TGI: clients that send a placeholder name (huggingface_hub's "dummy", "tgi") work unchanged."""
-    chat = oa.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "x"}], max_tokens=2)
-    assert chat.model == "tiny-llama" and chat.usage.completion_tokens == 2
+def test_an_unknown_model_is_404_model_not_found(oa) -> None:
+    """As in vLLM: a model this server does not serve is a 404 (aliases and --accept-any-model: test_agent_fields)."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        oa.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    err = caught.value.body
+    assert err["type"] == "not_found_error" and err["code"] == "model_not_found" and "tiny-llama" in err["message"]

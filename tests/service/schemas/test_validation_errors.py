@@ -116,10 +116,16 @@ def test_body_too_large_is_413_with_or_without_content_length(client: httpx.Clie
         ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream=true"),
         (
             "/v1/completions",
-            {"prompt": "Hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
+            {"prompt": "Hi", "stream": True, "stream_options": {"bogus": True}},
+            "stream_options.bogus",
         ),
-        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "Hi", "metadata": {"a": "b"}}, "metadata"),
+        ("/v1/completions", {"prompt": "Hi", "service_tier": "flex"}, "service_tier"),
         ("/v1/completions", {"prompt": "Hi", "logprobs": 9}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "presence_penalty": -2.5}, "presence_penalty"),
         (
@@ -129,7 +135,7 @@ def test_body_too_large_is_413_with_or_without_content_length(client: httpx.Clie
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
             "tool_choice",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "logprobs=true"),
@@ -170,7 +176,7 @@ def test_openai_routes_answer_400_in_openai_shape(client: httpx.Client, route: s
     r = client.post(route, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["type"] == "validation" and mentions in err["message"]
+    assert err["type"] == "invalid_request_error" and mentions in err["message"]
     assert set(err) == {"message", "type", "param", "code"}
 
 
