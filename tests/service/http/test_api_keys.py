@@ -48,7 +48,7 @@ def test_everything_else_needs_a_valid_key(keyed: LiveServer, method: str, path:
     r = httpx.request(method, keyed.url + path, json=body, headers=headers)
     assert r.status_code == 401
     if path.startswith("/v1/"):
-        assert r.json()["error"]["type"] == "authentication"
+        assert r.json()["error"]["type"] == "authentication_error"
     else:
         assert r.json()["error_type"] == "authentication"
     assert r.headers["www-authenticate"] == "Bearer"

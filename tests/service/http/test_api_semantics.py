@@ -82,7 +82,9 @@ def test_frequency_and_presence_penalties_stop_repetition(client: httpx.Client, 
     penalised = tgi_ids({"frequency_penalty": 2.0})
     assert len(set(penalised)) == len(penalised)
 
-    c = oa.completions.create(model="m", prompt="Hello", max_tokens=16, temperature=0, presence_penalty=2.0, logprobs=0)
+    c = oa.completions.create(
+        model="tiny-llama", prompt="Hello", max_tokens=16, temperature=0, presence_penalty=2.0, logprobs=0
+    )
     tokens = c.choices[0].logprobs.tokens
     assert len(set(tokens)) == len(tokens)
 
@@ -115,12 +117,20 @@ def test_openai_response_format_json_schema_and_json_object(oa) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     for seed in (1, 2):
         chat = oa.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Pick"}], max_tokens=80, response_format=fmt, seed=seed
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "Pick"}],
+            max_tokens=80,
+            response_format=fmt,
+            seed=seed,
         )
         jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
         assert chat.choices[0].finish_reason == "stop"
     c = oa.completions.create(
-        model="m", prompt="{", max_tokens=200, temperature=0, extra_body={"response_format": {"type": "json_object"}}
+        model="tiny-llama",
+        prompt="{",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
     )
     if c.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(c.choices[0].text), dict)
@@ -130,13 +140,13 @@ def test_openai_response_format_json_schema_and_json_object(oa) -> None:
 
 def test_openai_n_and_best_of(oa) -> None:
     chat = oa.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2, seed=4
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2, seed=4
     )
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content != chat.choices[1].message.content
     assert chat.usage.completion_tokens == 12
 
-    c = oa.completions.create(model="m", prompt="Once", max_tokens=5, n=2, best_of=3, seed=9, logprobs=0)
+    c = oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=5, n=2, best_of=3, seed=9, logprobs=0)
     assert [ch.index for ch in c.choices] == [0, 1]
     sums = [sum(ch.logprobs.token_logprobs) for ch in c.choices]
     assert sums == sorted(sums, reverse=True)
@@ -144,7 +154,7 @@ def test_openai_n_and_best_of(oa) -> None:
 
     chunks = list(
         oa.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, seed=4, stream=True
+            model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, seed=4, stream=True
         )
     )
     texts = ["", ""]
@@ -152,7 +162,7 @@ def test_openai_n_and_best_of(oa) -> None:
         for choice in ch.choices:
             texts[choice.index] += choice.delta.content or ""
     first = oa.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, seed=4
+        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=2, seed=4
     )
     assert texts == [c.message.content for c in first.choices]  # seeded: the stream gives the same two texts
 
@@ -160,20 +170,20 @@ def test_openai_n_and_best_of(oa) -> None:
 def test_openai_top_logprobs_plain_and_streamed(oa) -> None:
     msgs = [{"role": "user", "content": "Hello"}]
     chat = oa.chat.completions.create(
-        model="m", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+        model="tiny-llama", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
     stream = oa.chat.completions.create(
-        model="m", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        model="tiny-llama", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, stream=True
     )
     streamed = [e for ch in stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     assert all(len(e.top_logprobs) == 3 for e in streamed)
 
-    c = oa.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    c = oa.completions.create(model="tiny-llama", prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
     tops = c.choices[0].logprobs.top_logprobs
     assert len(tops) == 4 and all(1 <= len(t) <= 3 for t in tops)
 
@@ -181,19 +191,23 @@ def test_openai_top_logprobs_plain_and_streamed(oa) -> None:
 def test_prompts_as_token_ids_and_lists(oa, reference) -> None:
     _, tok = reference
     ids = tok("Hello there")["input_ids"]
-    by_text = oa.completions.create(model="m", prompt="Hello there", max_tokens=6, temperature=0).choices[0].text
-    by_ids = oa.completions.create(model="m", prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    by_text = (
+        oa.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=6, temperature=0).choices[0].text
+    )
+    by_ids = oa.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, temperature=0).choices[0].text
     assert by_ids == by_text
-    once = oa.completions.create(model="m", prompt="Once", max_tokens=6, temperature=0).choices[0].text
-    many = oa.completions.create(model="m", prompt=["Hello there", "Once"], max_tokens=6, temperature=0)
+    once = oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=6, temperature=0).choices[0].text
+    many = oa.completions.create(model="tiny-llama", prompt=["Hello there", "Once"], max_tokens=6, temperature=0)
     assert [c.text for c in many.choices] == [by_text, once] and [c.index for c in many.choices] == [0, 1]
-    nested = oa.completions.create(model="m", prompt=[ids, tok("Once")["input_ids"]], max_tokens=6, temperature=0)
+    nested = oa.completions.create(
+        model="tiny-llama", prompt=[ids, tok("Once")["input_ids"]], max_tokens=6, temperature=0
+    )
     assert [c.text for c in nested.choices] == [by_text, once]
 
 
 def test_openai_temperature_defaults_to_one(oa) -> None:
     def text(**kw) -> str:
-        return oa.completions.create(model="m", prompt="Once", max_tokens=8, **kw).choices[0].text
+        return oa.completions.create(model="tiny-llama", prompt="Once", max_tokens=8, **kw).choices[0].text
 
     assert text(seed=5) == text(seed=5, temperature=1.0)
     greedy = text(temperature=0)

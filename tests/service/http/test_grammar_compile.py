@@ -68,7 +68,7 @@ def test_a_schema_too_slow_to_compile_is_refused_naming_the_field_and_health_kee
     try:
         schema = json.loads(slow_schema(20, 4))
         body = {
-            "model": "x",
+            "model": "tiny-llama",
             "messages": [{"role": "user", "content": "Hi"}],
             "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}},
@@ -96,7 +96,7 @@ def test_a_schema_too_slow_to_compile_is_refused_naming_the_field_and_health_kee
 def test_a_simple_schema_still_compiles_and_constrains(strict: LiveServer) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     body = {
-        "model": "x",
+        "model": "tiny-llama",
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 32,
         "temperature": 0,

@@ -111,7 +111,7 @@ def test_out_of_memory_fails_the_request_cleanly_and_the_server_keeps_serving(fa
 
     fault.armed = True
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
-    assert r.status_code == 500 and r.json()["error"]["type"] == "generation"
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
 
     assert httpx.post(server.url + "/generate", json=body).status_code == 200
     assert server.runtime.in_flight == 0

@@ -36,7 +36,7 @@ def test_ready_reports_progress_until_the_load_finishes(tiny_llama: Path) -> Non
         assert g.status_code == 503 and g.json()["error_type"] == "not_ready"
         assert "loading" in g.json()["error"]
         o = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi"})
-        assert o.status_code == 503 and o.json()["error"]["type"] == "not_ready"
+        assert o.status_code == 503 and o.json()["error"]["type"] == "service_unavailable_error"
         assert httpx.get(server.url + "/info").json()["model_id"] is None
         assert httpx.get(server.url + "/v1/models").json()["data"] == []
 
