@@ -35,7 +35,8 @@ class TensorSpec(NamedTuple):
     """One parameter or buffer, by its name in the transformers module tree.
 
     ``kind`` is ``parameter``, ``buffer`` or ``buffer_nonpersistent`` (a buffer that is not in the checkpoint but
-    still occupies memory on its device). ``quantizable`` marks the weight of a linear layer that bitsandbytes
+    still occupies memory on its device), or ``packed`` (a tensor of a pre-quantized checkpoint's linear layer,
+    held in its stored dtype: :mod:`planner.model.quant_config`). ``quantizable`` marks the weight of a linear layer that bitsandbytes
     would replace; everything else stays in the compute dtype under quantization. ``cpu_quantizable`` marks the
     ``[out, in]`` weight of an ``nn.Linear`` below the head, which ``cpu_quantization`` replaces (GPT-2's
     ``Conv1D`` is ``quantizable`` but not this); the head is sized by its block (:func:`planner.placement.sizing.size_blocks`).

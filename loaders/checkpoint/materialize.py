@@ -69,10 +69,13 @@ class Materializer:
         copies: CudaCopies | None = None,
         staging_chunk: int = STAGING_CHUNK,
         lock_resident: bool = False,
+        keep_stored: Collection[str] = (),
     ):
         self.index = index
         self.run_dtype = run_dtype
         self._keep_fp32 = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in keep_fp32]
+        #: Modules whose tensors keep their stored dtype (a pre-quantized checkpoint's packed layers).
+        self._keep_stored = frozenset(keep_stored)
         self.reporter = reporter
         self.offload_folder = Path(offload_folder) if offload_folder is not None else None
         self.model_path = model_path
@@ -90,7 +93,7 @@ class Materializer:
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
-        if not stored.is_floating_point:
+        if not stored.is_floating_point or name.rpartition(".")[0] in self._keep_stored:
             return stored
         if any(r.search(name) for r in self._keep_fp32):
             return torch.float32

@@ -113,6 +113,7 @@ def place(
         model_path=model_path,
         has_gpu=has_gpu,
         lock_resident=lock_resident,
+        keep_stored=[n for n, m in model.named_modules() if getattr(m, "loadmaster_packed", False)],
     )
     unpinned = host_computed(model, device_map, cpu_compute, sources) if has_gpu else set()
     for name, t in mat.materialize(sources, {n: devices[n] for n in sources}, unpinned).items():

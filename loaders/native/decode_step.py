@@ -270,10 +270,16 @@ class _KernelBinder:
             raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
         if linear.in_features != k or linear.out_features != n:
             raise NotNativeDecodable("a quantized layer's shape differs from the model's")
+        if linear.perm is not None:
+            raise NotNativeDecodable("a layer stored in act-order (its inputs permuted) is not on the decode step")
         qw, sc, bf16 = linear.qweight, linear.scales, self.geometry.bf16
         if linear.scheme == "int8":
             fn = kernel_build.function("linear_q8")
             args = (qw.data_ptr(), qw.stride(0), sc.data_ptr())
+        elif linear.zeros is not None:
+            fn = kernel_build.function("linear_q4z")
+            zs = linear.zeros
+            args = (qw.data_ptr(), qw.stride(0), sc.data_ptr(), sc.stride(0), zs.data_ptr(), zs.stride(0))
         else:
             fn = kernel_build.function("linear_q4")
             args = (qw.data_ptr(), qw.stride(0), sc.data_ptr(), sc.stride(0))

@@ -145,6 +145,8 @@ _ARGTYPES = {
     "linear_f32_multi": [_P, _L, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I],
     "linear_q8": [_P, _L, _I, _P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
     "linear_q4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    # linear_q4 with a float16 zero point per group after the scales: zeros, ldz
+    "linear_q4z": [_P, _L, _I, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],
     "quantize_q4": [_P, _L, _I, _I, _I, _P, _L, _P, _L, _I],
     # q and its 3 strides, k and its 3, v and its 3, mask and its 2, out and its 3; B, H, KV, T, L, D, scale, bf16,

@@ -30,6 +30,7 @@ _lib.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("linear_multi(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]")
 _lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
 _lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
+_lib.define("linear_q4z(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor? bias, int in_features) -> Tensor")
 _lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
@@ -171,6 +172,17 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, in_features: int
     return w.reshape(n, -1)[:, :in_features].to(dtype)
 
 
+def dequantize_int4_zeros(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`dequantize_int4` with a zero point per group (float16 ``[N, G]``) in place of the 8."""
+    n = packed.shape[0]
+    p = packed.view(n, -1, GROUP // 2)
+    q = torch.cat([p & 0x0F, p >> 4], dim=2).to(torch.float32) - zeros.to(torch.float32)[:, :, None]
+    w = q * scales.to(torch.float32)[:, :, None]
+    return w.reshape(n, -1)[:, :in_features].to(dtype)
+
+
 def _check_quant(
     op: str,
     x: torch.Tensor,
@@ -253,6 +265,23 @@ def _linear_q4_cpu(x, packed, scales, bias, in_features: int) -> torch.Tensor:
     if out is None:
         out = F.linear(x, dequantize_int4(packed, scales, in_features, x.dtype), bias)
     return out
+
+
+def _linear_q4z_cpu(x, packed, scales, zeros, bias, in_features: int) -> torch.Tensor:
+    g = _groups(in_features)
+    _check_quant("linear_q4z", x, packed, scales, in_features, g * GROUP // 2, torch.uint8, torch.float16, g)
+    if zeros.dtype is not torch.float16 or tuple(zeros.shape) != tuple(scales.shape) or not zeros.is_contiguous():
+        raise ValueError(f"loadmaster::linear_q4z: zeros must be contiguous float16 {tuple(scales.shape)}")
+    n = packed.shape[0]
+    args = (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0), zeros.data_ptr(), zeros.stride(0))
+    out = _call_quant("linear_q4z", x, bias, n, in_features, args)
+    if out is None:
+        out = F.linear(x, dequantize_int4_zeros(packed, scales, zeros, in_features, x.dtype), bias)
+    return out
+
+
+def _quant_z_fake(x, packed, scales, zeros, bias, in_features: int) -> torch.Tensor:
+    return _quant_fake(x, packed, scales, bias, in_features)
 
 
 def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
@@ -357,6 +386,7 @@ _lib.impl("linear", _linear_cpu, "CPU")
 _lib.impl("linear_multi", _linear_multi_cpu, "CPU")
 _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
+_lib.impl("linear_q4z", _linear_q4z_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 # Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
 # caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
@@ -365,12 +395,14 @@ _lib.impl("linear", _linear_fake, "Meta")
 _lib.impl("linear_multi", _linear_multi_fake, "Meta")
 _lib.impl("linear_q8", _quant_fake, "Meta")
 _lib.impl("linear_q4", _quant_fake, "Meta")
+_lib.impl("linear_q4z", _quant_z_fake, "Meta")
 _lib.impl("decode_attention", _decode_attention_fake, "Meta")
 
 linear = torch.ops.loadmaster.linear.default
 linear_multi = torch.ops.loadmaster.linear_multi.default
 linear_q8 = torch.ops.loadmaster.linear_q8.default
 linear_q4 = torch.ops.loadmaster.linear_q4.default
+linear_q4z = torch.ops.loadmaster.linear_q4z.default
 decode_attention = torch.ops.loadmaster.decode_attention.default
 
 

@@ -236,15 +236,23 @@ class QuantizedCPULinear(nn.Module):
         qweight: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
+        zeros: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
     ):
+        """``zeros`` (int4 only): a float16 zero point per group in place of the 8 (asymmetric GPTQ/AWQ layers);
+        ``perm``: the input order the rows are stored in (GPTQ act-order), applied to each input first."""
         super().__init__()
         if scheme not in QUANTIZERS:
             raise ValueError(f"unknown CPU quantization {scheme!r}; use one of {', '.join(CPU_QUANTIZATION_CHOICES)}")
+        if zeros is not None and scheme != "int4":
+            raise ValueError("zero points are only for the int4 layout")
         self.scheme = scheme
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("perm", perm)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._op = operators.linear_q8 if scheme == "int8" else operators.linear_q4
 
@@ -255,10 +263,20 @@ class QuantizedCPULinear(nn.Module):
         return cls(scheme, linear.in_features, linear.out_features, q, s, bias)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        deq = operators.dequantize_int8 if self.scheme == "int8" else operators.dequantize_int4
-        return deq(self.qweight, self.scales, self.in_features, dtype)
+        if self.zeros is not None:
+            w = operators.dequantize_int4_zeros(self.qweight, self.scales, self.zeros, self.in_features, dtype)
+        else:
+            deq = operators.dequantize_int8 if self.scheme == "int8" else operators.dequantize_int4
+            w = deq(self.qweight, self.scales, self.in_features, dtype)
+        if self.perm is not None:  # column j holds input perm[j]
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
+        if self.perm is not None:
+            input = input.index_select(-1, self.perm)
+        if self.zeros is not None:
+            return operators.linear_q4z(input, self.qweight, self.scales, self.zeros, self.bias, self.in_features)
         return self._op(input, self.qweight, self.scales, self.bias, self.in_features)
 
     def extra_repr(self) -> str:

@@ -18,10 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from loaders.checkpoint.device_order import entry_of, ordered_entries
 from loaders.checkpoint.placement import PlacedModel
 from loaders.native.attention import use_native_attention
 from loaders.native.linear import use_native_linears
+from loaders.native.packed_formats import repack_packed_linears
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
 from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.run.readahead import DiskReadahead, merge_ranges
@@ -55,6 +58,9 @@ def apply_execution(
     "torch")."""
     model, device_map = placed.model, placed.device_map
     model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
+    packed = repack_packed_linears(model, _compute_dtype(model), native=placed.execution_device.type == "cpu")
+    if packed is not None:
+        model._loadmaster_packed_stats = packed
     if placed.execution_device.type != "cpu":
         if cpu_quantization:
             raise PlanError(
@@ -88,6 +94,14 @@ def apply_execution(
     native = use_native_linears(model, cpu_kernels)
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype the model computes in: its input embedding's."""
+    try:
+        return model.get_input_embeddings().weight.dtype
+    except (AttributeError, NotImplementedError):
+        return torch.float32
 
 
 __all__ = ["Execution", "apply_execution"]

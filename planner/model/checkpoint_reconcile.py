@@ -157,7 +157,7 @@ def _needed_bytes(blocks: list[Block], in_ckpt: set[str]) -> int:
     need = 0
     for blk in blocks:
         for t in blk.tensors:
-            if t.kind == "parameter" or (t.kind == "buffer" and t.name in in_ckpt):
+            if t.kind in ("parameter", "packed") or (t.kind == "buffer" and t.name in in_ckpt):
                 need += int(t.numel * DTYPE_BYTES[t.dtype])
     return need
 

@@ -310,6 +310,7 @@ class _Walk:
         not_head = mod is not roles.output_embeddings
         quantizable_weight = bool(params) and isinstance(mod, roles.linear_types) and not_head
         cpu_quantizable_weight = bool(params) and isinstance(mod, roles.cpu_linear_type) and not_head
+        packed = getattr(mod, "loadmaster_packed", False)  # a pre-quantized layer's stored tensors
         for group, is_param in ((params, True), (mod._buffers, False)):
             if not group:
                 continue
@@ -334,9 +335,8 @@ class _Walk:
                         cpu_quantizable_weight and is_weight,
                     )
                 else:
-                    spec = TensorSpec(
-                        full, tuple(t.shape), dtype, "buffer_nonpersistent" if tname in nonpersistent else "buffer"
-                    )
+                    kind = "buffer_nonpersistent" if tname in nonpersistent else "buffer"
+                    spec = TensorSpec(full, tuple(t.shape), dtype, "packed" if packed else kind)
                 if full in roles.declared_ties:
                     self.alias[full] = roles.declared_ties[full]
                     self.held_back.append((owner, spec))

@@ -37,6 +37,7 @@ from planner.model.config_values import (
 )
 from planner.model.fingerprint import checkpoint_fingerprint
 from planner.model.meta_skeleton import as_config, build_meta_model, config_from_dict, skeleton_from_model
+from planner.model.quant_config import quant_format
 from planner.model.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
 from planner.types import Block, Skeleton, TensorSpec
 
@@ -260,10 +261,19 @@ def _describe(
 ) -> CheckpointModel:
     """:func:`describe_checkpoint` from a config document and headers, wherever they were read (a directory, the
     Hub)."""
+    fmt = quant_format(doc)
+    if fmt is not None:  # built unquantized; the packed layers are swapped in below, as stored
+        doc = {k: v for k, v in doc.items() if k != "quantization_config"}
     cfg = config_from_dict(doc, source=f"{source}/{CONFIG_NAME}")
     default = default_dtype(_config_dtype(doc), (t.dtype for t in headers.tensors.values()))
     build = dtype or default
     model = build_meta_model(cfg, build if build in _BUILD_DTYPES else None)
+    if fmt is not None:
+        from planner.model.packed_linear import swap_packed_linears
+
+        n = swap_packed_linears(model, fmt, headers.tensors)
+        model.loadmaster_quant_format = fmt
+        log.info("%s: %d linear layers stored as %s", name, n, fmt.describe)
     skel = _with_checkpoint(
         skeleton_from_model(model, name=name), headers, str(getattr(model, "base_model_prefix", "") or ""), name
     )

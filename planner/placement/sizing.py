@@ -130,6 +130,8 @@ def tensor_bytes(t: TensorSpec, workload: Workload) -> int:
     if t.dtype not in DTYPE_BYTES:
         raise PlanError(f"tensor {t.name} has unsupported dtype {t.dtype!r}")
     n = math.prod(t.shape)
+    if t.kind == "packed":  # a pre-quantized checkpoint's tensor: held as stored (planner.model.quant_config)
+        return int(n * DTYPE_BYTES[t.dtype])
     if workload.cpu_quantization and t.cpu_quantizable and len(t.shape) == 2:
         return cpu_quantized_layout(int(t.shape[0]), int(t.shape[1]), workload.cpu_quantization).nbytes
     if workload.quantization and t.quantizable and len(t.shape) == 2:

@@ -258,3 +258,21 @@ def test_element_steps_round_as_transformers_modules(native_path, dtype):
         assert _ulps_apart(got, want) <= 1
     else:
         torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+
+
+def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path):
+    """An AWQ checkpoint (4-bit with a zero point per group) decodes on ``linear_q4z`` as the model's forward does."""
+    pytest.importorskip("compressed_tensors")
+    from tests.quant_checkpoints import write_quantized
+
+    write_quantized(tiny_llama_dir(), tmp_path / "awq", "awq", group=64)
+    model = loaders.load_model(tmp_path / "awq", device_map={"": "cpu"}, show_progress=False, dtype="float32")
+    assert model.model.layers[0].self_attn.q_proj.zeros is not None
+    decoder = NativeDecoder(model)
+    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
+    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
+    logits = _step(decoder, rows, keys, values)
+    with torch.inference_mode():
+        for b, (_, prompt, token) in enumerate(rows):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()

@@ -1,0 +1,258 @@
+"""Pre-quantized checkpoints at load: each stored layer (:class:`~planner.model.packed_linear.PackedLinear`) is
+repacked once into the native layouts (:mod:`loaders.native.quantization`), where its grid is exactly theirs.
+
+Every format is first read into one form: integer codes ``[N, K]``, a scale and a zero point per group of
+``group`` inputs (the dequantized weight is ``scale * (code - zero)``), and the input order (GPTQ act-order's
+``g_idx``). Then:
+
+- 4-bit with a group of a multiple of 64 (or per channel): the native int4 layout, one float16 scale per 64
+  inputs (each format group's scale repeated), a float16 zero point per group where they are not all 8
+  (``linear_q4z``), and act-order's permutation applied to the input. Exact: the same weights, bit for bit
+  (compressed-tensors' bfloat16 scales are exact in float16 unless below 2^-14; the log says if any were not);
+- 8-bit per channel: the native int8 layout (one float32 scale per row). Exact except codes of -128, which the
+  int8 kernel does not take: they become -127 (one step; the log counts them);
+- everything else (8-bit in groups, FP8): dequantized to the compute dtype, and the log says so, since the native
+  kernels have no layout for it yet.
+
+Reference layouts (the format's own packing, each checked in tests against the package where it installs):
+GPTQ ``qweight`` int32 ``[K*b/32, N]`` packed along inputs, low bits first, ``qzeros`` int32 ``[G, N*b/32]`` along
+outputs (stored minus one in the original ``gptq`` format), ``scales`` ``[G, N]``, ``g_idx`` ``[K]``; AWQ GEMM
+``qweight`` int32 ``[K, N/8]`` with the nibbles of each word holding outputs 0, 2, 4, 6, 1, 3, 5, 7, ``qzeros``
+alike, ``scales`` ``[G, N]``; compressed-tensors ``weight_packed`` int32 ``[N, K*b/32]`` along inputs, codes
+offset by ``2^(b-1)``, ``weight_scale`` ``[N, G]``, ``weight_zero_point`` packed along outputs; FP8 ``weight``
+e4m3 ``[N, K]`` times ``weight_scale`` (per channel or tensor) or ``weight_scale_inv`` per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from loaders.native.operators import GROUP
+from loaders.native.quantization import QuantizedCPULinear
+from planner.model.packed_linear import PackedLinear
+from planner.model.quant_config import QuantFormat
+
+log = logging.getLogger(__name__)
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + _AWQ_ORDER[i]
+
+
+@dataclass
+class PackedStats:
+    """What :func:`repack_packed_linears` did, for ``load_stats`` and the log."""
+
+    layers: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
+    clamped_codes: int = 0
+    inexact_scales: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Grid:
+    """A layer's weight as ``scale * (code - zero)``: codes ``[N, K]`` (int32), scales and zeros ``[N, G]``
+    (float32) for groups of ``group`` inputs along ``order`` (``None``: the stored input order)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group: int
+    bits: int
+    order: torch.Tensor | None = None
+
+
+def _unpack_int32(words: torch.Tensor, bits: int, dim: int, count: int) -> torch.Tensor:
+    """Codes packed ``32 // bits`` to an int32 along ``dim``, lowest bits first, as int32 ``[.., count, ..]``."""
+    per = 32 // bits
+    w = words.to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    if dim == 0:
+        codes = (w[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+        return codes.reshape(-1, w.shape[1])[:count]
+    codes = (w[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    return codes.reshape(w.shape[0], -1)[:, :count]
+
+
+def _gptq_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
+    n, k, b = m.out_features, m.in_features, fmt.bits
+    codes = _unpack_int32(m.qweight, b, 0, k).t()  # [N, K]
+    scales = m.scales.to(torch.float32).t()  # [N, G]
+    zeros = _unpack_int32(m.qzeros, b, 1, n).t().to(torch.float32)  # [N, G]
+    if fmt.zeros_minus_one:
+        zeros = (zeros + 1) % (1 << b) if b < 8 else zeros + 1
+    group = fmt.group_size if fmt.group_size > 0 else k
+    g_idx = getattr(m, "g_idx", None)
+    order = None
+    if g_idx is not None:
+        g_idx = g_idx.to(torch.int64)
+        if not torch.equal(g_idx, torch.arange(k) // group):
+            order = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[order], torch.arange(k) // group):  # groups of uneven sizes: per input
+                return Grid(codes, scales[:, g_idx], zeros[:, g_idx], 1, b)
+            codes = codes[:, order]  # position j now holds input order[j], of group j // group
+    return Grid(codes, scales, zeros, group, b, order)
+
+
+def _awq_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
+    n, k = m.out_features, m.in_features
+    inv = torch.tensor([_AWQ_ORDER.index(j) for j in range(8)])
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:
+        raw = _unpack_int32(words, 4, 1, words.shape[1] * 8).view(words.shape[0], -1, 8)
+        return raw[:, :, inv].reshape(words.shape[0], -1)[:, :n]
+
+    codes = unpack(m.qweight).t()  # [N, K]
+    zeros = unpack(m.qzeros).t().to(torch.float32)
+    scales = m.scales.to(torch.float32).t()
+    return Grid(codes, scales, zeros, fmt.group_size if fmt.group_size > 0 else k, 4)
+
+
+def _ct_int_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
+    n, k, b = m.out_features, m.in_features, fmt.bits
+    off = 1 << (b - 1)
+    if fmt.layout == "ct-pack":
+        codes = _unpack_int32(m.weight_packed, b, 1, k)  # offset codes, 0 .. 2^b - 1
+    else:
+        codes = m.weight.to(torch.int32) + off
+    scales = m.weight_scale.to(torch.float32).reshape(n, -1) if m.weight_scale.dim() else m.weight_scale.view(1, 1)
+    scales = scales.expand(n, -1)
+    zp = getattr(m, "weight_zero_point", None)
+    if zp is None or fmt.sym:
+        zeros = torch.full_like(scales, float(off))
+    elif fmt.layout == "ct-pack":
+        zeros = _unpack_int32(zp, b, 0, n).to(torch.float32).reshape(n, -1)
+    else:
+        zeros = zp.to(torch.float32).reshape(n, -1) + off
+    group = fmt.group_size if fmt.group_size > 0 else k
+    return Grid(codes, scales, zeros, group, b)
+
+
+_GRIDS = {"gptq": _gptq_grid, "awq": _awq_grid, "ct-pack": _ct_int_grid, "ct-int": _ct_int_grid}
+
+
+def _per_native_group(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """``[N, G]`` per format group -> ``[N, ceil(K/64)]`` per native group (each repeated group/64 times)."""
+    g64 = (k + GROUP - 1) // GROUP
+    idx = torch.arange(g64) * GROUP // group
+    return t[:, idx.clamp_(max=t.shape[1] - 1)]
+
+
+def _to_int4(m: PackedLinear, grid: Grid, stats: PackedStats) -> QuantizedCPULinear:
+    n, k = m.out_features, m.in_features
+    g64 = (k + GROUP - 1) // GROUP
+    codes = torch.full((n, g64 * GROUP), 8, dtype=torch.uint8)
+    codes[:, :k] = grid.codes.to(torch.uint8)
+    codes = codes.view(n, g64, GROUP)
+    packed = (codes[:, :, : GROUP // 2] | (codes[:, :, GROUP // 2 :] << 4)).reshape(n, -1).contiguous()
+    s32 = _per_native_group(grid.scales, grid.group, k)
+    scales = s32.to(torch.float16)
+    if not torch.equal(scales.to(torch.float32), s32):
+        stats.inexact_scales += 1
+    z = _per_native_group(grid.zeros, grid.group, k)
+    zeros = None if bool((z == 8).all()) else z.to(torch.float16).contiguous()
+    bias = m.bias.detach() if m.bias is not None else None
+    order = grid.order.contiguous() if grid.order is not None else None
+    return QuantizedCPULinear("int4", k, n, packed, scales.contiguous(), bias, zeros, order)
+
+
+def _to_int8(m: PackedLinear, grid: Grid, stats: PackedStats) -> QuantizedCPULinear:
+    n, k = m.out_features, m.in_features
+    g64 = (k + GROUP - 1) // GROUP
+    signed = grid.codes - grid.zeros.to(torch.int32)  # per channel: one zero per row
+    stats.clamped_codes += int((signed < -127).sum())
+    q = torch.zeros((n, g64 * GROUP), dtype=torch.int8)
+    q[:, :k] = signed.clamp_(-127, 127).to(torch.int8)
+    bias = m.bias.detach() if m.bias is not None else None
+    return QuantizedCPULinear("int8", k, n, q, grid.scales[:, 0].contiguous(), bias, None, grid.order)
+
+
+def dequantize_grid(grid: Grid, k: int) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` a grid stands for, in the stored input order."""
+    idx = torch.arange(k) // grid.group
+    w = (grid.codes.to(torch.float32) - grid.zeros[:, idx]) * grid.scales[:, idx]
+    if grid.order is not None:
+        w = torch.empty_like(w).index_copy_(1, grid.order, w)
+    return w
+
+
+def dequantize_fp8(m: PackedLinear, fmt: QuantFormat) -> torch.Tensor:
+    """The float32 weight of an FP8 layer: e4m3 codes times their per-block, per-channel or per-tensor scale."""
+    w = m.weight.to(torch.float32)
+    n, k = w.shape
+    if fmt.layout == "fp8-block":
+        bn, bk = fmt.block or (128, 128)
+        s = m.weight_scale_inv.to(torch.float32)
+        return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    s = m.weight_scale.to(torch.float32)
+    return w * (s.reshape(n, 1) if s.numel() == n else s.reshape(1, 1))
+
+
+def _dequantized(m: PackedLinear, weight: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+    lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta", dtype=dtype)
+    lin.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if m.bias is not None:
+        lin.bias = nn.Parameter(m.bias.detach(), requires_grad=False)
+    return lin
+
+
+def repack(m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool = True) -> tuple[nn.Module, str]:
+    """The runnable layer for one stored layer, and the kind it became (``native``: False on a GPU, where every
+    layer is dequantized)."""
+    fmt = m.fmt
+    if fmt.layout in ("ct-fp8", "fp8-block") or not native:
+        if fmt.layout not in ("ct-fp8", "fp8-block"):
+            weight = dequantize_grid(_GRIDS[fmt.layout](m, fmt), m.in_features)
+            return _dequantized(m, weight, dtype), f"int{fmt.bits} -> {str(dtype).removeprefix('torch.')}"
+        return _dequantized(m, dequantize_fp8(m, fmt), dtype), f"fp8 -> {str(dtype).removeprefix('torch.')}"
+    grid = _GRIDS[fmt.layout](m, fmt)
+    per_channel = grid.group >= m.in_features
+    if grid.bits == 4 and (per_channel or grid.group % GROUP == 0):
+        return _to_int4(m, grid, stats), "int4"
+    if grid.bits == 8 and per_channel and grid.order is None:
+        return _to_int8(m, grid, stats), "int8"
+    weight = dequantize_grid(grid, m.in_features)
+    return _dequantized(m, weight, dtype), f"int{grid.bits} -> {str(dtype).removeprefix('torch.')}"
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def repack_packed_linears(model: nn.Module, dtype: torch.dtype, native: bool = True) -> PackedStats | None:
+    """Replace every stored layer of a loaded ``model`` with its runnable form (see the module docstring); None
+    when the model has none. Layers dequantized for want of a native layout are said in the log. ``native``:
+    False where GPUs compute (every layer is then dequantized on its device)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    if not layers:
+        return None
+    t0 = time.perf_counter()
+    stats = PackedStats()
+    for name, m in layers:
+        on_cpu = next(m.buffers()).device.type == "cpu"
+        new, kind = repack(m, dtype, stats, native and on_cpu)
+        _set_module(model, name, new)
+        stats.layers += 1
+        stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+    stats.seconds = time.perf_counter() - t0
+    fmt = layers[0][1].fmt
+    log.info("%d %s layers repacked in %.2fs: %s", stats.layers, fmt.describe, stats.seconds, stats.kinds)
+    for kind, count in stats.kinds.items():
+        if "->" in kind:
+            log.warning(
+                "%d %s layers have no native kernel for their grid and were dequantized (%s): they hold and read "
+                "the compute dtype's bytes, not the stored ones",
+                count,
+                fmt.describe,
+                kind,
+            )
+    if stats.clamped_codes:
+        log.warning("%d int8 codes of -128 became -127 (the int8 kernel takes -127..127)", stats.clamped_codes)
+    if stats.inexact_scales:
+        log.warning("%d layers' scales were rounded to float16 (the native int4 layout's)", stats.inexact_scales)
+    return stats

@@ -1,0 +1,80 @@
+"""The meta model of a pre-quantized checkpoint: each quantized linear layer holds its tensors as stored.
+
+:func:`swap_packed_linears` replaces every ``nn.Linear`` whose checkpoint stores its format's marker tensor
+(:mod:`planner.model.quant_config`) with a :class:`PackedLinear` on the meta device: one buffer per stored tensor
+under the layer's name (``qweight``, ``qzeros``, ``scales``, ``g_idx``; ``weight_packed``, ``weight_scale``;
+``weight``, ``weight_scale_inv``, ...), in the stored shape and dtype. The walk (:mod:`planner.model.meta_skeleton`)
+marks them ``packed``, so the plan sizes them to the byte as stored, and the loader fills them from the shards
+like any tensor (a disk layer's are maps of the shard) and then repacks each layer once
+(:mod:`loaders.native.packed_formats`). Imports torch: only the meta walk reads this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from planner.model.quant_config import QuantFormat, check_stored_shapes
+from planner.model.safetensors_header import HeaderTensor
+
+
+class PackedLinear(nn.Module):
+    """A linear layer of a pre-quantized checkpoint, as stored: not runnable until the loader repacks it."""
+
+    #: Read by the walk (``packed`` tensors, sized as stored) and the loader (kept in their stored dtype).
+    loadmaster_packed = True
+
+    def __init__(
+        self,
+        fmt: QuantFormat,
+        in_features: int,
+        out_features: int,
+        stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        bias: nn.Parameter | None,
+    ):
+        super().__init__()
+        self.fmt = fmt
+        self.in_features = in_features
+        self.out_features = out_features
+        for name, (shape, dtype) in stored.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        self.bias = bias
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
+        raise RuntimeError(f"a {self.fmt.describe} layer runs only once the loader has repacked it")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt.describe}"
+
+
+def _stored_of(prefix: str, keys_by_module: Mapping[str, list[str]], headers: Mapping[str, HeaderTensor]):
+    out = {}
+    for suffix in keys_by_module.get(prefix, ()):
+        h = headers[f"{prefix}.{suffix}"]
+        out[suffix] = (tuple(h.shape), getattr(torch, h.dtype))
+    return out
+
+
+def swap_packed_linears(model: nn.Module, fmt: QuantFormat, headers: Mapping[str, HeaderTensor]) -> int:
+    """Replace the quantized linear layers of a meta ``model`` with :class:`PackedLinear`; returns how many.
+
+    A layer is quantized when ``<name>.<fmt.marker>`` is stored (its other tensors are every ``<name>.<suffix>``
+    key but ``bias``); the stored shapes must agree with the layer (else a ``PlanError`` names the tensor)."""
+    keys_by_module: dict[str, list[str]] = {}
+    for key in headers:
+        mod, _, suffix = key.rpartition(".")
+        if suffix != "bias":
+            keys_by_module.setdefault(mod, []).append(suffix)
+    swapped = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or fmt.marker not in keys_by_module.get(name, ()):
+            continue
+        stored = _stored_of(name, keys_by_module, headers)
+        check_stored_shapes(fmt, name, mod.out_features, mod.in_features, {s: v[0] for s, v in stored.items()})
+        packed = PackedLinear(fmt, mod.in_features, mod.out_features, stored, mod.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        swapped += 1
+    return swapped

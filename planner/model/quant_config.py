@@ -1,0 +1,229 @@
+"""Pre-quantized checkpoints: what a ``quantization_config`` in ``config.json`` says, checked, as plain data.
+
+GPTQ, AWQ, compressed-tensors and FP8 checkpoints store each quantized linear layer as packed tensors next to
+its module name (``q_proj.qweight``, ``q_proj.scales``, ...) instead of a ``weight``. The planner sizes those
+tensors as stored (:mod:`planner.model.packed_linear` puts them in the meta model, the walk marks them
+``packed``, :func:`planner.placement.sizing.tensor_bytes` keeps their stored bytes); the loader repacks them
+(:mod:`loaders.native.packed_formats`). A linear layer counts as quantized when the checkpoint stores its
+format's marker tensor (:attr:`QuantFormat.marker`); layers the format leaves alone (``modules_to_not_convert``,
+``ignore``) store a plain ``weight`` and stay ordinary linear layers, sized as stored like any other.
+
+Supported (anything else is a :class:`PlanError` naming the field and what is supported):
+
+- ``gptq``: ``bits`` 4 or 8, ``group_size`` -1 or a multiple of 64, ``desc_act`` with ``g_idx``, ``sym`` or not,
+  ``checkpoint_format`` ``gptq`` (zero points stored minus one) or ``gptq_v2``;
+- ``awq``: ``version`` ``gemm``, ``bits`` 4, ``group_size`` -1 or a multiple of 64, ``zero_point`` or not;
+- ``compressed-tensors``: ``format`` ``pack-quantized`` (int4/int8), ``naive-quantized`` / ``int-quantized``
+  (int8), ``float-quantized`` (FP8 e4m3, per channel or per tensor); weights strategy ``channel``, ``group``
+  (a multiple of 64) or ``tensor``;
+- ``fp8``: ``fmt`` e4m3, ``weight_block_size`` (``weight_scale_inv`` per block, as DeepSeek-V3 and Qwen3-FP8 ship).
+
+Not a torch import here: the planner's core reads this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from planner.errors import PlanError
+
+#: The ``quant_method`` values this module reads.
+SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+#: Known methods that loadmaster does not load yet (their checkpoints are refused with this said).
+NOT_YET = ("mxfp4", "bitsandbytes", "hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
+#: Inputs per group of the native 4-bit layout: a format's group must be a whole number of them.
+NATIVE_GROUP = 64
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One checkpoint's quantization, as the loader repacks it.
+
+    ``layout`` names the stored layout (``gptq``, ``awq``, ``ct-pack``, ``ct-int``, ``ct-fp8``, ``fp8-block``);
+    ``marker`` the tensor suffix whose presence makes a linear layer quantized; ``group_size`` is -1 per output
+    channel, 0 per tensor, else inputs per group; ``block`` the FP8 ``[rows, cols]`` scale block."""
+
+    method: str
+    layout: str
+    marker: str
+    bits: int
+    group_size: int = -1
+    sym: bool = True
+    desc_act: bool = False
+    zeros_minus_one: bool = False
+    block: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def describe(self) -> str:
+        group = {-1: "per channel", 0: "per tensor"}.get(self.group_size, f"group {self.group_size}")
+        if self.block:
+            group = f"blocks {self.block[0]}x{self.block[1]}"
+        kind = "fp8" if self.layout in ("ct-fp8", "fp8-block") else f"int{self.bits}"
+        return f"{self.method} {kind} {group}{'' if self.sym else ' asymmetric'}{' act-order' if self.desc_act else ''}"
+
+
+def _fail(field: str, value: Any, supported: str) -> PlanError:
+    return PlanError(
+        f"quantization_config.{field}={value!r} is not supported; supported: {supported}. "
+        "Use a checkpoint in a supported layout, or the unquantized one with --cpu-quantization."
+    )
+
+
+def _group(cfg: Mapping[str, Any], field: str = "group_size") -> int:
+    g = cfg.get(field, -1)
+    g = -1 if g is None else int(g)
+    if g != -1 and (g <= 0 or g % NATIVE_GROUP):
+        raise _fail(field, g, f"-1 (per channel) or a multiple of {NATIVE_GROUP}")
+    return g
+
+
+def _gptq(cfg: Mapping[str, Any]) -> QuantFormat:
+    bits = int(cfg.get("bits", 4))
+    if bits not in (4, 8):
+        raise _fail("bits", bits, "4 or 8")
+    fmt = str(cfg.get("checkpoint_format") or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _fail("checkpoint_format", fmt, "gptq or gptq_v2")
+    return QuantFormat(
+        "gptq",
+        "gptq",
+        "qweight",
+        bits,
+        _group(cfg),
+        bool(cfg.get("sym", True)),
+        bool(cfg.get("desc_act", False)),
+        zeros_minus_one=fmt == "gptq",
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+def _awq(cfg: Mapping[str, Any]) -> QuantFormat:
+    version = str(cfg.get("version") or "gemm").lower()
+    if version != "gemm":
+        raise _fail("version", version, "gemm")
+    bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
+    if bits != 4:
+        raise _fail("bits", bits, "4")
+    group = _group(cfg, "group_size" if "group_size" in cfg else "q_group_size")
+    return QuantFormat(
+        "awq",
+        "awq",
+        "qweight",
+        4,
+        group,
+        sym=not bool(cfg.get("zero_point", True)),
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+def _ct_weights(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    groups = cfg.get("config_groups") or {}
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, Mapping) and g.get("weights")]
+    if not weights:
+        raise _fail("config_groups", None, "one config group with 'weights' quantization arguments")
+    if any(w != weights[0] for w in weights[1:]):
+        raise _fail("config_groups", "several different weight schemes", "one weight scheme for every group")
+    return weights[0]
+
+
+def _compressed_tensors(cfg: Mapping[str, Any]) -> QuantFormat:
+    form = str(cfg.get("format") or "").lower()
+    w = _ct_weights(cfg)
+    bits, wtype = int(w.get("num_bits", 8)), str(w.get("type", "int")).lower()
+    strategy = str(w.get("strategy") or "tensor").lower()
+    if strategy not in ("channel", "group", "tensor"):
+        raise _fail("config_groups.weights.strategy", strategy, "channel, group or tensor")
+    group = {"channel": -1, "tensor": 0}.get(strategy)
+    if group is None:
+        group = _group(w)
+        if group == -1:
+            raise _fail("config_groups.weights.group_size", None, f"a multiple of {NATIVE_GROUP} for strategy group")
+    sym, ignore = bool(w.get("symmetric", True)), tuple(cfg.get("ignore") or ())
+    if w.get("actorder") not in (None, False, "static"):
+        raise _fail("config_groups.weights.actorder", w.get("actorder"), "none or static")
+    if form == "pack-quantized" and wtype == "int" and bits in (4, 8):
+        return QuantFormat("compressed-tensors", "ct-pack", "weight_packed", bits, group, sym, ignore=ignore)
+    if form in ("naive-quantized", "int-quantized") and wtype == "int" and bits == 8:
+        return QuantFormat("compressed-tensors", "ct-int", "weight_scale", 8, group, sym, ignore=ignore)
+    if form == "float-quantized" and wtype == "float" and bits == 8:
+        return QuantFormat("compressed-tensors", "ct-fp8", "weight_scale", 8, group, True, ignore=ignore)
+    raise _fail(
+        "format",
+        f"{form} ({wtype}{bits})",
+        "pack-quantized (int4, int8), naive-quantized or int-quantized (int8), float-quantized (fp8)",
+    )
+
+
+def _fp8(cfg: Mapping[str, Any]) -> QuantFormat:
+    fmt = str(cfg.get("fmt") or "e4m3").lower()
+    if fmt != "e4m3":
+        raise _fail("fmt", fmt, "e4m3")
+    block = cfg.get("weight_block_size")
+    if block is None or len(block) != 2 or any(int(b) <= 0 for b in block):
+        raise _fail("weight_block_size", block, "two positive block sides, e.g. [128, 128]")
+    return QuantFormat(
+        "fp8",
+        "fp8-block",
+        "weight_scale_inv",
+        8,
+        block=(int(block[0]), int(block[1])),
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+_READERS = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}
+
+
+def quant_format(doc: Mapping[str, Any]) -> QuantFormat | None:
+    """The checkpoint quantization ``config.json`` declares (None: none), or a :class:`PlanError` naming the
+    field that is not supported and what is."""
+    cfg = doc.get("quantization_config")
+    if cfg is None and isinstance(doc.get("text_config"), Mapping):
+        cfg = doc["text_config"].get("quantization_config")
+    if not cfg:
+        return None
+    if not isinstance(cfg, Mapping):
+        raise _fail("", type(cfg).__name__, "a JSON object")
+    method = str(cfg.get("quant_method") or "").lower()
+    reader = _READERS.get(method)
+    if reader is None:
+        later = " (known, not loaded by loadmaster yet)" if method in NOT_YET else ""
+        raise _fail("quant_method", method + later if later else method, ", ".join(SUPPORTED_METHODS))
+    return reader(cfg)
+
+
+def expected_shapes(fmt: QuantFormat, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
+    """The stored shape of each main tensor of one quantized ``[out, in]`` linear layer, by suffix (what the
+    headers must agree with; scales of the float formats whose shape varies are left out)."""
+    n, k = out_features, in_features
+    groups = 1 if fmt.group_size in (-1, 0) else -(-k // fmt.group_size)
+    per_int = 32 // fmt.bits
+    if fmt.layout == "gptq":
+        return {
+            "qweight": (-(-k // per_int), n),
+            "qzeros": (groups, -(-n // per_int)),
+            "scales": (groups, n),
+        }
+    if fmt.layout == "awq":
+        return {"qweight": (k, -(-n // 8)), "qzeros": (groups, -(-n // 8)), "scales": (groups, n)}
+    if fmt.layout == "ct-pack":
+        return {"weight_packed": (n, -(-k * fmt.bits // 32))}
+    if fmt.layout in ("ct-int", "ct-fp8"):
+        return {"weight": (n, k)}
+    assert fmt.block is not None
+    return {"weight": (n, k), "weight_scale_inv": (-(-n // fmt.block[0]), -(-k // fmt.block[1]))}
+
+
+def check_stored_shapes(fmt: QuantFormat, module: str, out_features: int, in_features: int, stored) -> None:
+    """A :class:`PlanError` when a packed tensor's stored shape disagrees with the config's layer."""
+    for suffix, shape in expected_shapes(fmt, out_features, in_features).items():
+        got = stored.get(suffix)
+        if got is not None and tuple(got) != shape:
+            raise PlanError(
+                f"{module}.{suffix} is stored as {list(got)}, but a {fmt.describe} layer of {out_features} outputs "
+                f"and {in_features} inputs stores {list(shape)}: the checkpoint disagrees with its "
+                "quantization_config or config.json."
+            )

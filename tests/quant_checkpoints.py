@@ -1,0 +1,214 @@
+"""Small pre-quantized checkpoints written from a test Llama, in each format's published layout.
+
+Round-to-nearest quantization (not GPTQ's or AWQ's search: the layout is what is tested), packed as each format
+stores it: GPTQ and AWQ by this module, following their documented packing; compressed-tensors through the
+``compressed-tensors`` package's own ``pack_to_int32`` where it installs. :func:`write_quantized` returns the
+folder and the dequantized float32 weights, which a reference model loads to give the logits a load must match.
+The output head stays unquantized (``modules_to_not_convert`` / ``ignore``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 32 // bits
+    r, c = codes.shape
+    padded = torch.zeros((-(-r // per) * per, c), dtype=torch.int64)
+    padded[:r] = codes.to(torch.int64)
+    v = padded.view(-1, per, c)
+    return _int32(sum(v[:, i] << (bits * i) for i in range(per)))
+
+
+def _groups_of(k: int, group: int, act_order: bool, seed: int) -> torch.Tensor:
+    """g_idx: each input's group; with act-order, groups are taken over a fixed random order of the inputs."""
+    if not act_order:
+        return torch.arange(k) // group
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = torch.arange(k) // group
+    return g_idx
+
+
+def _rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool):
+    """Per output row and group: (codes [N, K], scales [N, G] float16, zeros [N, G] int), GPTQ's grid."""
+    n, _ = w.shape
+    maxq = 2**bits - 1
+    scales = torch.empty((n, groups), dtype=torch.float16)
+    zeros = torch.empty((n, groups), dtype=torch.int64)
+    codes = torch.empty(w.shape, dtype=torch.int64)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().flatten()
+        wg = w[:, cols]
+        lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+        if sym:
+            hi = torch.maximum(lo.abs(), hi)
+            lo = -hi
+        s = ((hi - lo) / maxq).clamp(min=1e-8).to(torch.float16)
+        z = torch.full((n,), (maxq + 1) // 2) if sym else torch.round(-lo / s.float()).clamp(0, maxq).long()
+        q = torch.round(wg / s.float()[:, None]) + z[:, None]
+        codes[:, cols] = q.clamp(0, maxq).long()
+        scales[:, g], zeros[:, g] = s, z
+    return codes, scales, zeros
+
+
+def _gptq_layer(w, bits, group, sym, act_order, seed, v2=False):
+    n, k = w.shape
+    group = k if group == -1 else group
+    g_idx = _groups_of(k, group, act_order, seed)
+    groups = -(-k // group)
+    codes, scales, zeros = _rtn(w, g_idx, groups, bits, sym)
+    deq = (codes - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
+    stored_z = zeros if v2 else (zeros - 1) % (2**bits)
+    tensors = {
+        "qweight": pack_rows(codes.t(), bits),
+        "qzeros": pack_rows(stored_z, bits).t().contiguous(),
+        "scales": scales.t().contiguous(),
+        "g_idx": g_idx.to(torch.int32),
+    }
+    return tensors, deq
+
+
+def _awq_layer(w, group, zero_point):
+    n, k = w.shape
+    group = k if group == -1 else group
+    g_idx = torch.arange(k) // group
+    groups = -(-k // group)
+    codes, scales, zeros = _rtn(w, g_idx, groups, 4, not zero_point)
+    deq = (codes - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
+
+    def pack_awq(t):  # t: [R, N] codes -> [R, N/8] int32, nibble i holding column 8c + AWQ_ORDER[i]
+        r, c = t.shape
+        v = t.view(r, c // 8, 8)[:, :, list(AWQ_ORDER)].to(torch.int64)
+        return _int32(sum(v[:, :, i] << (4 * i) for i in range(8)))
+
+    return {"qweight": pack_awq(codes.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}, deq
+
+
+def _ct_int_layer(w, bits, group, sym, packed):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    n, k = w.shape
+    g = k if group == -1 else group
+    wg = w.view(n, -1, g)
+    qmax, qmin = 2 ** (bits - 1) - 1, -(2 ** (bits - 1))
+    if sym:
+        s = (wg.abs().amax(-1) / ((qmax - qmin) / 2)).clamp(min=1e-8).to(torch.bfloat16)
+        zp = torch.zeros_like(s, dtype=torch.int8)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / (qmax - qmin)).clamp(min=1e-8).to(torch.bfloat16)
+        zp = torch.round(qmin - lo / s.float()).clamp(qmin, qmax).to(torch.int8)
+    q = torch.round(wg / s.float()[..., None] + zp[..., None]).clamp(qmin, qmax).to(torch.int8)
+    deq = ((q.float() - zp.float()[..., None]) * s.float()[..., None]).reshape(n, k)
+    q = q.reshape(n, k)
+    t = {"weight_scale": s}
+    if packed:
+        t["weight_packed"] = pack_to_int32(q, bits)
+        t["weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        if not sym:
+            t["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+    else:
+        t["weight"] = q
+        if not sym:
+            t["weight_zero_point"] = zp
+    return t, deq
+
+
+def _fp8_layer(w, block):
+    n, k = w.shape
+    if block is None:  # compressed-tensors float-quantized, per channel
+        s = (w.abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+        q = (w / s).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale": s.to(torch.bfloat16)}, q.float() * s.to(torch.bfloat16).float()
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    s = torch.empty((gn, gk), dtype=torch.float32)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    for i in range(gn):
+        for j in range(gk):
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            s[i, j] = (blk.abs().amax() / 448.0).clamp(min=1e-12)
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return {"weight": q, "weight_scale_inv": s}, q.float() * full
+
+
+def _quant_config(fmt: str, **o) -> dict:
+    if fmt == "gptq":
+        return {
+            "quant_method": "gptq",
+            "bits": o["bits"],
+            "group_size": o["group"],
+            "desc_act": o["act_order"],
+            "sym": o["sym"],
+            "checkpoint_format": "gptq_v2" if o.get("v2") else "gptq",
+        }
+    if fmt == "awq":
+        return {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": o["group"], "zero_point": True}
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    strategy = "channel" if o.get("group", -1) == -1 else "group"
+    wtype, bits = ("float", 8) if fmt == "ct-fp8" else ("int", o["bits"])
+    weights = {"num_bits": bits, "type": wtype, "symmetric": o.get("sym", True), "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = o["group"]
+    form = {"ct-pack": "pack-quantized", "ct-int": "naive-quantized", "ct-fp8": "float-quantized"}[fmt]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": form,
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+
+
+def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.Tensor]:
+    """Write ``source`` (a saved Llama) to ``dest`` as ``fmt`` (``gptq``, ``awq``, ``ct-pack``, ``ct-int``,
+    ``ct-fp8``, ``fp8``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        state.update(load_file(f))
+    out: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        mod, _, leaf = key.rpartition(".")
+        if leaf != "weight" or mod.rpartition(".")[2] not in LINEARS:
+            out[key] = t
+            ref[key] = t.float()
+            continue
+        w = t.float()
+        if fmt == "gptq":
+            packed, deq = _gptq_layer(w, o["bits"], o["group"], o["sym"], o["act_order"], len(out), o.get("v2"))
+        elif fmt == "awq":
+            packed, deq = _awq_layer(w, o["group"], True)
+        elif fmt in ("ct-pack", "ct-int"):
+            packed, deq = _ct_int_layer(w, o["bits"], o.get("group", -1), o.get("sym", True), fmt == "ct-pack")
+        else:
+            packed, deq = _fp8_layer(w, (128, 128) if fmt == "fp8" else None)
+        for suffix, v in packed.items():
+            out[f"{mod}.{suffix}"] = v.contiguous()
+        ref[key] = deq
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json", "config.json"):
+            shutil.copy(f, dest / f.name)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = _quant_config(fmt, **o)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    return ref
