@@ -31,7 +31,7 @@ import torch
 
 from planner.hardware.devices import torch_device_name
 from service.engine.kv_pool import SlotKVCache
-from service.engine.model_runner import supports_slot_cache
+from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
 from service.engine.step_executor import StepExecutor
@@ -80,6 +80,7 @@ class Engine:
         standin_runs: int | None = None,
         prefix_cache: bool = True,
     ):
+        require_transformers()
         if not supports_slot_cache(model):
             raise GenerationError(
                 f"{type(model).__name__} has attention the engine's slot cache does not run (only full and "
