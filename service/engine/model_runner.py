@@ -42,12 +42,18 @@ from service.engine.kv_pool import BatchedBinding, BoundSlotCache, PackedBinding
 MIN_TRANSFORMERS = "5.24"
 
 
-def require_transformers(installed: str | None = None) -> None:
-    """Refuse a transformers older than :data:`MIN_TRANSFORMERS` with what to do (issue 34, defect 3)."""
+def installed_transformers() -> str:
+    """The version of the transformers this process imports."""
     import transformers
+
+    return transformers.__version__
+
+
+def require_transformers() -> None:
+    """Refuse a transformers older than :data:`MIN_TRANSFORMERS` with what to do (issue 34, defect 3)."""
     from packaging.version import Version
 
-    installed = installed or transformers.__version__
+    installed = installed_transformers()
     if Version(installed) < Version(MIN_TRANSFORMERS):
         from service.errors import GenerationError
 
