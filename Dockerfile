@@ -6,16 +6,22 @@
 #
 # One Dockerfile for both images, so the CPU image's smoke test (tests/docker/smoke.sh: a local Debian base,
 # TORCH_INDEX_URL= for PyPI's CPU torch) runs every install step the CUDA image runs. The CUDA image is the
-# default: an nvidia `-base` image (the driver-facing bits only, ~100 MB), because torch's CUDA wheel brings its
-# own CUDA runtime, cuBLAS and cuDNN as pip packages; a `-runtime` or `-cudnn` base would only duplicate them.
+# default. Its base is plain Ubuntu, not nvidia/cuda: torch's CUDA wheel brings its own CUDA runtime, cuBLAS, cuDNN
+# and NCCL as pip packages, and an nvidia/cuda base would add its NVIDIA_REQUIRE_CUDA, which makes the container
+# toolkit refuse drivers older than that image's CUDA even where torch's wheel runs on them (issue 34 defect 8).
+# The two NVIDIA_* variables below are what the toolkit needs to mount the host's driver (`--gpus all`).
 # See docs/gpu.md. Build-time-only inputs (a CA bundle for pip, a folder of wheels) go in docker/build-extras/
-# and stay in the build stage: the final image holds only the virtualenv.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+# and stay in the build stage: the final image holds only the virtualenv. With docker/build-extras/wheels/ present
+# the build is offline: every package, torch included, comes from that folder (--no-index).
+ARG BASE_IMAGE=ubuntu:24.04
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC="torch==2.13.0"
 # A CUDA build of torch by default; set empty to take torch from PyPI or the wheels in build-extras.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# With wheels in docker/build-extras/wheels/: 1 (the default) installs from them alone (--no-index, an offline
+# build); 0 lets pip also reach the indexes for what the folder lacks (the smoke test's partial wheel cache).
+ARG WHEELS_ONLY=1
 ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=180
 RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
@@ -36,12 +42,19 @@ COPY loaders /src/loaders
 COPY service /src/service
 RUN set -eu; \
     if [ -f /build-extras/ca.crt ]; then export PIP_CERT=/build-extras/ca.crt; fi; \
-    if [ -d /build-extras/wheels ]; then export PIP_FIND_LINKS=/build-extras/wheels; fi; \
+    offline=0; \
+    if [ -d /build-extras/wheels ] && ls /build-extras/wheels/*.whl >/dev/null 2>&1; then \
+        export PIP_FIND_LINKS=/build-extras/wheels; \
+        if [ "${WHEELS_ONLY}" = 1 ]; then export PIP_NO_INDEX=1; offline=1; fi; \
+    fi; \
     test -f /src/README.md || echo "# loadmaster" > /src/README.md; \
     python3 -m venv /opt/loadmaster; \
-    /opt/loadmaster/bin/pip install --upgrade pip; \
-    if [ -n "${TORCH_INDEX_URL}" ]; then \
-        /opt/loadmaster/bin/pip install "${TORCH_SPEC}" --index-url "${TORCH_INDEX_URL}"; \
+    if [ "$offline" = 0 ]; then /opt/loadmaster/bin/pip install --upgrade pip; fi; \
+    if [ -n "${TORCH_INDEX_URL}" ] && [ "$offline" = 0 ]; then \
+        /opt/loadmaster/bin/pip install "${TORCH_SPEC}" --index-url "${TORCH_INDEX_URL}" \
+        || { echo "${TORCH_SPEC} is not on ${TORCH_INDEX_URL}: pick a version it lists" \
+                  "(pip index versions torch --index-url ${TORCH_INDEX_URL}) and pass --build-arg TORCH_SPEC=torch==X"; exit 1; }; \
+        /opt/loadmaster/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 'torch ' + torch.__version__ + ' from ${TORCH_INDEX_URL} has no CUDA')"; \
     else \
         /opt/loadmaster/bin/pip install "${TORCH_SPEC}"; \
     fi; \
@@ -71,6 +84,8 @@ ENV PATH=/opt/loadmaster/bin:${PATH} \
     LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels \
     LOADMASTER_HOST=0.0.0.0 \
     LOADMASTER_PORT=8080 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 VOLUME ["/data"]
 USER loadmaster

@@ -103,6 +103,29 @@ def host_computed(
     model: torch.nn.Module, device_map: Mapping[str, DeviceId], cpu_compute: Collection[str], names: Collection[str]
 ) -> set[str]:
     """Which of tensor ``names`` belong to modules that compute on the CPU beside the GPUs (never copied to one, so
-    never pinned)."""
-    keys = cpu_compute_entries(model, device_map, cpu_compute)
+    never pinned): CPU experts, a plan's ``cpu_compute`` keys, and embeddings looked up on the host."""
+    keys = cpu_compute_entries(model, device_map, cpu_compute) + host_lookup_weights(model, device_map)
     return {n for n in names if is_under(n, keys)}
+
+
+def host_lookup_weights(model: torch.nn.Module, device_map: Mapping[str, DeviceId]) -> list[str]:
+    """The weights of input embeddings placed on ``cpu``: the streamer looks their rows up on the host
+    (``loaders.run.streaming.host_lookup_modules``), so they never cross to a GPU and pinning them only locks
+    memory (2 GiB for a 128k x 8k bf16 table; issue 34 defect 5). A table tied to the output head is copied to the
+    GPU as the head, so it is left out."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    out = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Embedding) or mod is head or mod is model:
+            continue
+        if head is not None and (tied or getattr(head, "weight", None) is mod.weight):
+            continue
+        weight = f"{name}.weight"
+        key = covering_key(weight, device_map)
+        if key is not None and device_map[key] == "cpu":
+            out.append(weight)
+    return out

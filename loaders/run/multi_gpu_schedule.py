@@ -9,6 +9,11 @@ a step of m micro-batches over k runs takes about (m + k - 1) run-times instead 
   the producing run's last launch, and the next run's stream waits on that event (``wait_event``, on the device)
   before copying them over. No host synchronisation happens inside a step: the host only waits for the last
   run's event of each micro-batch when it reads the result.
+- The step's own inputs come from the caller's thread (the engine's): the embedding and rotary, the KV cache's
+  ``copy_prefix`` and its growth are queued on *that thread's* current stream of each device. So ``step`` records
+  an event on the caller's current stream of every device a run is on, and each run's stream waits on its
+  device's event before its first launch (issue 34, defect 2: without it layer 0 could read hidden states, and a
+  layer write cache rows, that the caller's stream had not produced yet).
 - On the CPU (and for the stand-in devices the tests use: labels that all execute on the CPU) the queue's order is
   the dependency.
 
@@ -37,8 +42,9 @@ import torch
 from planner.hardware.devices import is_gpu
 from planner.placement.hf_device_map import covering_key
 
-#: What a run's worker receives: (micro-batch index, hidden states, the layers' keyword arguments, CUDA event).
-_Item = tuple[int, torch.Tensor, dict[str, Any], Any]
+#: What a run's worker receives: (micro-batch index, hidden states, the layers' keyword arguments, the producing
+#: run's CUDA event, the caller's events by device).
+_Item = tuple[int, torch.Tensor, dict[str, Any], Any, dict[torch.device, Any]]
 _STOP = object()
 
 
@@ -120,12 +126,13 @@ class MicroBatchSchedule:
 
     def step(self, items: Sequence[tuple[torch.Tensor, dict[str, Any]]]) -> list[torch.Tensor]:
         """Every micro-batch through every run, overlapped; their output hidden states in micro-batch order."""
+        entry = self._caller_events()
         for j, (hidden, kwargs) in enumerate(items):
-            self.workers[0].inbox.put((j, hidden, kwargs, None))
+            self.workers[0].inbox.put((j, hidden, kwargs, None, entry))
         out: dict[int, torch.Tensor] = {}
         failure: BaseException | None = None
         for _ in items:
-            j, hidden, _, event = self.done.get()
+            j, hidden, _, event, _ = self.done.get()
             if isinstance(hidden, BaseException):
                 failure = failure or hidden
                 continue
@@ -135,6 +142,17 @@ class MicroBatchSchedule:
         if failure is not None:
             raise failure
         return [out[j] for j in range(len(items))]
+
+    def _caller_events(self) -> dict[torch.device, Any]:
+        """An event recorded on the calling thread's current stream of each GPU a run is on: what the caller queued
+        there (embedding, rotary, cache copies and growth) must come before any run's launches."""
+        events: dict[torch.device, Any] = {}
+        for w in self.workers:
+            if w.stream is not None and w.run.device not in events:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(w.run.device))
+                events[w.run.device] = event
+        return events
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
@@ -150,23 +168,24 @@ class MicroBatchSchedule:
             item = worker.inbox.get()
             if item is _STOP:
                 return
-            j, hidden, kwargs, event = item
+            j, hidden, kwargs, event, entry = item
             if isinstance(hidden, BaseException):  # an earlier run failed: pass the failure on
                 nxt.put(item)
                 continue
             t0 = time.perf_counter()
             try:
-                hidden, event = self._run(worker, hidden, kwargs, event)
+                hidden, event = self._run(worker, hidden, kwargs, (event, entry.get(worker.run.device)))
             except BaseException as exc:  # noqa: BLE001 - handed to step(), which raises it on the caller's thread
-                nxt.put((j, exc, kwargs, None))
+                nxt.put((j, exc, kwargs, None, entry))
                 continue
             rest = self.delay_s - (time.perf_counter() - t0)
             if rest > 0:  # test-only: a run made artificially slow
                 time.sleep(rest)
-            nxt.put((j, hidden, kwargs, event))
+            nxt.put((j, hidden, kwargs, event, entry))
 
     @staticmethod
-    def _run(worker: _Worker, hidden: torch.Tensor, kwargs: dict[str, Any], event: Any) -> tuple[torch.Tensor, Any]:
+    def _run(worker: _Worker, hidden: torch.Tensor, kwargs: dict[str, Any], waits: tuple) -> tuple[torch.Tensor, Any]:
+        """``waits``: the producing run's event and the caller's event on this run's device (either may be None)."""
         run = worker.run
         if worker.stream is None:  # CPU: the queue's order is the dependency
             kw = _to(kwargs, run.device)
@@ -176,8 +195,9 @@ class MicroBatchSchedule:
                     hidden = layer(hidden, **kw)
             return hidden, None
         with torch.cuda.device(run.device), torch.cuda.stream(worker.stream):
-            if event is not None:
-                worker.stream.wait_event(event)  # on the device: the producer's launches come first
+            for event in waits:
+                if event is not None:
+                    worker.stream.wait_event(event)  # on the device: the producer's and the caller's launches first
             src = hidden
             hidden = _to(hidden, run.device)
             if src.device.type == "cuda":

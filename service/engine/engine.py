@@ -32,7 +32,7 @@ import torch
 from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.devices import torch_device_name
 from service.engine.kv_pool import SlotKVCache
-from service.engine.model_runner import supports_slot_cache
+from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
 from service.engine.step_executor import StepExecutor
@@ -83,6 +83,7 @@ class Engine:
         prefix_cache: bool = True,
         threads: ThreadGovernor | None = None,
     ):
+        require_transformers()
         if not supports_slot_cache(model):
             raise GenerationError(
                 f"{type(model).__name__} has attention the engine's slot cache does not run (only full and "

@@ -37,6 +37,33 @@ if TYPE_CHECKING:
     from loaders.native.decode_step import NativeDecoder
 from service.engine.kv_pool import BatchedBinding, BoundSlotCache, PackedBinding, SlotKVCache
 
+#: The lowest transformers the runner works with (pyproject's bound; a test keeps the two equal). Older ones take
+#: ``cache=`` into ``**kwargs`` without using it, so the model decodes without its KV cache: wrong tokens, no error.
+MIN_TRANSFORMERS = "5.24"
+
+
+def installed_transformers() -> str:
+    """The version of the transformers this process imports."""
+    import transformers
+
+    return transformers.__version__
+
+
+def require_transformers() -> None:
+    """Refuse a transformers older than :data:`MIN_TRANSFORMERS` with what to do (issue 34, defect 3)."""
+    from packaging.version import Version
+
+    installed = installed_transformers()
+    if Version(installed) < Version(MIN_TRANSFORMERS):
+        from service.errors import GenerationError
+
+        raise GenerationError(
+            f"transformers {installed} is installed but the engine needs transformers >= {MIN_TRANSFORMERS}: it "
+            "hands the model its KV cache as cache=, which older versions silently ignore (every token would be "
+            f"decoded without the cache, wrongly). Install a newer one: pip install 'transformers>={MIN_TRANSFORMERS},<6'."
+        )
+
+
 #: Under the native attention, a prompt row whose keys reach past this many positions runs in a call of its own on
 #: SDPA rather than packed on the native kernel: attending one row's long context, SDPA's blocked GEMMs are ~2.4x
 #: faster (256 bf16 query tokens over 1000 keys: 7.0 against 15.7 ms a layer on an AVX-512 EPYC), while packed short

@@ -69,7 +69,7 @@ for dir in ${PIP_FIND_LINKS:-/opt/wheels}; do
     done
 done
 say "building $IMAGE on $BASE_TAG (torch from the local wheels or PyPI; CPU, since no CUDA base can be pulled)"
-docker build --network host --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL= -t "$IMAGE" . \
+docker build --network host --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL= --build-arg WHEELS_ONLY=0 -t "$IMAGE" . \
     >"$LOGS/docker-build.log" 2>&1 || { tail -n 30 "$LOGS/docker-build.log"; exit 1; }
 say "built $IMAGE"
 rm -rf "$EXTRAS/wheels" "$EXTRAS/ca.crt"

@@ -57,3 +57,21 @@ def test_longest_prefix_wins_and_prefixes_respect_dots():
 def test_single_tensor_keys_are_allowed():
     got = assign_devices(NAMES, {"lm_head.weight": "disk", "model": "cpu"})
     assert got["lm_head.weight"] == "disk"
+
+
+@pytest.mark.parametrize("fixture,tied", [("tiny_llama", False), ("tiny_gpt2", True)])
+def test_an_embedding_looked_up_on_the_host_is_not_pinned(fixture, tied, request):
+    """Issue 34 defect 5: an input embedding on ``cpu`` beside GPUs is looked up on the host (only its rows' hidden
+    states cross), so it is left unpinned; a table tied to the output head crosses as the head and stays pinned."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loaders.checkpoint.device_order import host_computed
+
+    config = AutoConfig.from_pretrained(request.getfixturevalue(fixture))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embedding = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)) + ".weight"
+    layer = next(n for n, _ in model.named_parameters() if ".0." in n)
+    device_map = {"": 0, embedding.removesuffix(".weight"): "cpu", layer.rsplit(".", 1)[0]: "cpu"}
+    unpinned = host_computed(model, device_map, (), [embedding, layer])
+    assert unpinned == (set() if tied else {embedding})  # the streamed layer is pinned either way

@@ -100,3 +100,102 @@ def test_decoder_layers_and_their_devices_are_read_from_the_model_and_its_map(
     assert layer_devices({"": "cpu"}, "model.layers", 2) == ["cpu", "cpu"]
     assert layer_devices({"model": 0, "model.layers.1.mlp": 1}, "model.layers", 2) is None  # layer 1 is split
     assert layer_devices({"model.layers.0": 0}, "model.layers", 2) is None  # layer 1 is not placed
+
+
+class _StreamLog:
+    """Stand-in CUDA streams and events that record the order of launches, records and waits (issue 34 defect 2).
+
+    Each thread's current stream per device is the "caller's" stream until a ``torch.cuda.stream`` context names
+    another, as in CUDA; a layer's launch is logged on the stream current at that moment."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.log: list[tuple] = []
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        log = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = f"worker-{torch.device(device).index}"
+
+            def wait_event(self, event):
+                log.add("wait", self.name, event.on)
+
+        class Event:
+            def record(self, stream=None):
+                self.on = stream.name
+                log.add("record", stream.name)
+
+            def synchronize(self):
+                pass
+
+        self.Stream, self.Event = Stream, Event
+
+    def add(self, *entry) -> None:
+        with self.lock:
+            self.log.append(entry)
+
+    def current(self, device=None):
+        class Caller:
+            name = f"caller-{device.index if device is not None else '?'}"
+
+        return getattr(self.local, "stream", None) or Caller()
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.local.stream = s
+            try:
+                yield
+            finally:
+                self.local.stream = None
+
+        return ctx()
+
+
+class _Launch(torch.nn.Module):
+    def __init__(self, streams: _StreamLog, name: str):
+        super().__init__()
+        self.streams, self.name = streams, name
+
+    def forward(self, hidden, **kwargs):
+        self.streams.add("launch", self.streams.current().name, self.name)
+        return hidden + 1
+
+
+def test_each_run_waits_for_the_callers_stream_on_its_device_before_its_first_launch(monkeypatch) -> None:
+    """The engine thread queues the embedding, rotary and KV cache copies on its own current stream of each device;
+    every run's stream must wait on an event recorded there after them, before launching a layer (defect 2)."""
+    import contextlib
+
+    from loaders.run import multi_gpu_schedule as mgs
+
+    streams = _StreamLog()
+    monkeypatch.setattr(torch.cuda, "Stream", streams.Stream)
+    monkeypatch.setattr(torch.cuda, "Event", streams.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", streams.current)
+    monkeypatch.setattr(torch.cuda, "stream", streams.stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(mgs, "_to", lambda value, device: value)  # the tensors stay on the CPU
+    runs = [
+        mgs.DeviceRun(torch.device("cuda", 0), [_Launch(streams, "layer0")], 0, "0"),
+        mgs.DeviceRun(torch.device("cuda", 1), [_Launch(streams, "layer1")], 1, "1"),
+    ]
+    schedule = MicroBatchSchedule(runs)
+    try:
+        streams.add("launch", "caller-0", "embedding")  # the engine's own launches, before the step
+        streams.add("launch", "caller-1", "cache growth")
+        out = schedule.step([(torch.zeros(2), {}), (torch.ones(2), {})])
+    finally:
+        schedule.close()
+    assert [o.tolist() for o in out] == [[2.0, 2.0], [3.0, 3.0]]
+    log = streams.log
+    for k in (0, 1):
+        first = next(i for i, e in enumerate(log) if e[:2] == ("launch", f"worker-{k}"))
+        recorded = max(i for i, e in enumerate(log[:first]) if e == ("record", f"caller-{k}"))
+        assert log.index(("launch", f"caller-{k}", "embedding" if k == 0 else "cache growth")) < recorded
+        assert ("wait", f"worker-{k}", f"caller-{k}") in log[recorded:first], log

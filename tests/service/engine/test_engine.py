@@ -573,3 +573,21 @@ def test_the_allocator_cache_is_released_only_once_the_failed_step_is_gone(tiny_
     finally:
         engine.stop()
     assert handling_at_release and not any(handling_at_release), "empty_cache ran while the exception was handled"
+
+
+def test_an_engine_refuses_a_transformers_older_than_the_bound_it_needs(tiny_llama: Path, monkeypatch) -> None:
+    """transformers < 5.24 swallows ``cache=`` and decodes without the KV cache (issue 34 defect 3): refused at
+    once, with the version installed, the one needed and the pip command; the bound is pyproject's."""
+    import re
+
+    from service.engine import model_runner
+
+    pyproject = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+    assert re.search(r'"transformers>=([\d.]+)', pyproject).group(1) == model_runner.MIN_TRANSFORMERS
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    monkeypatch.setattr(model_runner, "installed_transformers", lambda: "5.17.0")
+    with pytest.raises(GenerationError, match=r"transformers 5\.17\.0 .*>= 5\.24.*pip install"):
+        Engine(model, tok, max_batch_size=1)
+    monkeypatch.setattr(model_runner, "installed_transformers", lambda: model_runner.MIN_TRANSFORMERS + ".0")
+    Engine(model, tok, max_batch_size=1).stop()
