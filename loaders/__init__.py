@@ -16,16 +16,47 @@ when made for another checkpoint). The model carries ``hf_device_map`` and ``loa
 ``progress`` receives :class:`LoadProgress` updates.
 """
 
-from loaders.checkpoint.load_progress import LoadProgress, LoadStats
-from loaders.errors import CheckpointError
-from loaders.load import (
-    LoadResult,
-    load_checkpoint,
-    load_model,
-    load_model_and_tokenizer,
-    load_stage,
-    load_tokenizer,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loaders.checkpoint.load_progress import LoadProgress, LoadStats
+    from loaders.errors import CheckpointError
+    from loaders.load import (
+        LoadResult,
+        load_checkpoint,
+        load_model,
+        load_model_and_tokenizer,
+        load_stage,
+        load_tokenizer,
+    )
+
+#: Where each public name lives. Resolved on first use (PEP 562), so importing one room of the loader (the server
+#: imports ``loaders.native.cpu_threads`` before it listens) does not pull in the whole load path and the
+#: transformers model code behind it.
+_HOMES = {
+    "CheckpointError": "loaders.errors",
+    "LoadProgress": "loaders.checkpoint.load_progress",
+    "LoadStats": "loaders.checkpoint.load_progress",
+    "LoadResult": "loaders.load",
+    "load_checkpoint": "loaders.load",
+    "load_model": "loaders.load",
+    "load_model_and_tokenizer": "loaders.load",
+    "load_stage": "loaders.load",
+    "load_tokenizer": "loaders.load",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'loaders' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CheckpointError",

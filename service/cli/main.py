@@ -201,9 +201,9 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     # Worker threads (body parsing, tokenization, detokenization) hold the GIL in bursts; the event loop waits up to
     # the switch interval for each handover, so a shorter one keeps /health and streams answering while they run.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    _set_threads(settings.threads)
     check_model_source(settings)  # a missing directory or an unservable Hub id is a usage error now, not later
     settings.check_plan_flags()  # so are unreadable planner flags
+    _set_threads(settings.threads)  # after the usage checks: a usage error stays one line on stderr
     app = create_app(settings, loader=loader)
     if prepare is not None:
         prepare(app)
