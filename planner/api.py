@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.errors import PlanError
 from planner.placement.advice import explain_no_fit
 from planner.placement.assemble import assemble
-from planner.placement.cost_model import compute_dtype, predict
 from planner.placement.inputs import PlanInputs, resolve_inputs
-from planner.placement.solve import Solution, make_problem, solve
-from planner.placement.strategies import Problem, compute_loads
+from planner.placement.solve import solve
 from planner.types import Hardware, Plan
 
 
@@ -92,72 +89,3 @@ def fits(model: Any, **kwargs: Any) -> bool:
 
 
 __all__ = ["plan", "plan_inputs", "fits"]
-
-
-#: Slots beyond one may cost a lone stream at most this fraction of its predicted speed: concurrency is taken where
-#: it is nearly free, not bought with a single user's latency.
-SLOT_SPEED_FLOOR = 0.9
-
-
-@dataclass(frozen=True)
-class SlotChoice:
-    """How many sequences the server's KV cache holds at once (its slots), and why: what the plan budgets KV for."""
-
-    batch_size: int
-    reason: str
-
-
-def lone_speed(solution: Solution, lone_problem: Problem, dtype: str | None) -> float:
-    """Predicted tokens/s of one stream alone on ``solution``'s placement (made for more slots): the weights stay
-    where that placement put them, the memory the other slots hold stays taken, only one sequence reads."""
-    assignment = solution.fill.assignment
-    assert assignment is not None, "a fitting solution has an assignment"
-    loads = solution.fill.loads or compute_loads(solution.problem, assignment)
-    lone = replace(lone_problem, excluded=solution.problem.excluded)
-    return predict(lone, assignment, loads, 1, dtype).decode_tokens_per_s
-
-
-def choose_slots(model: Any, inputs: PlanInputs, max_batch_size: int) -> SlotChoice:
-    """The number of KV slots for a server that was not told a batch size: between one sequence of the full context
-    (the floor: below it nothing is served) and ``max_batch_size`` of them.
-
-    Beyond the floor, KV competes with resident weights: in a box smaller than the model each slot's KV pushes
-    weights out (to disk, or off the GPUs) and slows every stream. So the most slots are taken whose placement still
-    predicts a lone stream at least :data:`SLOT_SPEED_FLOOR` of the fastest lone stream any fitting placement gives.
-    Where ``max_batch_size`` slots fit with nothing offloaded, that is the answer at once (one solve, the usual
-    case). Where nothing fits even one slot, the answer is one slot, so that the refusal's advice speaks of the
-    floor."""
-    resolved = resolve_inputs(model, inputs)
-
-    def solved(batch: int) -> Solution:
-        return solve(replace(resolved, workload=replace(resolved.workload, batch_size=batch)))
-
-    most = solved(max_batch_size)
-    if most.fits and all(d not in ("cpu", "disk") or not resolved.hardware.gpus for d in most.fill.assignment):
-        if "disk" not in most.fill.assignment:
-            return SlotChoice(
-                max_batch_size, f"{max_batch_size} KV slots (--max-batch-size): they fit beside the weights"
-            )
-    lone = replace(resolved.workload, batch_size=1)
-    lone_problem = make_problem(resolved.skeleton, resolved.hardware, lone)
-    candidates = sorted({max_batch_size, *(1 << i for i in range(max_batch_size.bit_length()))}, reverse=True)
-    speed: dict[int, float] = {}
-    for batch in (b for b in candidates if 1 <= b <= max_batch_size):
-        solution = most if batch == max_batch_size else solved(batch)
-        if solution.fits:
-            speed[batch] = lone_speed(solution, lone_problem, compute_dtype(lone))
-    if not speed:
-        return SlotChoice(1, "no plan fits even one sequence of the full context")
-    best = max(speed.values())
-    batch = max(b for b, s in speed.items() if s >= SLOT_SPEED_FLOOR * best)
-    slots = f"{batch} KV slot{'s' if batch > 1 else ''}"
-    if batch == max_batch_size:
-        return SlotChoice(batch, f"{slots} (--max-batch-size): they fit beside the weights")
-    larger = min(b for b in candidates if b > batch)
-    why = (
-        f"{larger} do not fit"
-        if larger not in speed
-        else f"{larger} would push weights out of memory and slow a lone stream below {SLOT_SPEED_FLOOR:.0%} of its "
-        f"predicted {best:.3g} tokens/s"
-    )
-    return SlotChoice(batch, f"{slots} of --max-batch-size {max_batch_size}: {why}; give --batch-size to plan for more")

@@ -111,6 +111,9 @@ class PlanInputs:
     cpu_quantization: str | None = None
     #: Prompt tokens a forward prefills (the serving engine's chunk), or None for a whole-batch prefill.
     prefill_chunk: int | None = None
+    #: The devices, already resolved once: a server measures its box once, so that the choices it makes from one
+    #: plan and the plan it loads see the same capacities (the process's footprint grows while it loads).
+    resolved_hardware: Hardware | None = None
 
     @classmethod
     def from_text(
@@ -150,6 +153,8 @@ class PlanInputs:
 
     def hardware(self) -> Hardware:
         """The devices these inputs allow (declared, limited by ``max_memory``, or detected)."""
+        if self.resolved_hardware is not None:
+            return self.resolved_hardware
         hardware = build_hardware(self.max_memory, self.gpus, self.offload_folder, self.gpu_reserve, self.bandwidths)
         if not hardware.devices:
             raise PlanError("no devices to plan for; give max_memory (e.g. {'cpu': '16GiB'}) or --gpus")

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import LoadmasterError
+from planner.errors import LoadmasterError, PlanError
 from service.cli import startup_gc
 
 if TYPE_CHECKING:
@@ -255,7 +255,11 @@ def serve(settings: ServiceSettings, loader: Any = None, prepare: Any = None) ->
     )
     log.info("try: %s", curl_example(settings))
     server.run()
-    return 1 if failed_load else 0
+    if not failed_load:
+        return 0
+    # a model that does not fit the memory it was given is the operator's to change (flags, box): a usage error,
+    # exit 2 as for a bad flag; anything else that stopped the load, 1
+    return 2 if runtime.host.state.error_type == PlanError.error_type else 1
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ import torch
 
 from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.devices import torch_device_name
+from planner.types import PREFILL_CHUNK
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
@@ -65,7 +66,9 @@ class Engine:
     it); ``standin_runs`` is that module's test-only hook. ``prefix_cache=False`` turns prefix reuse off: every
     prompt is prefilled whole, whatever the slots hold (a benchmark of cold prompts; tenants that must not share
     timing). ``threads`` sets and adapts the CPU thread count on the engine thread
-    (:class:`~loaders.native.cpu_threads.ThreadGovernor`); None leaves torch's as it is.
+    (:class:`~loaders.native.cpu_threads.ThreadGovernor`); None leaves torch's as it is. ``prefill_chunk`` is the
+    most prompt tokens one step prefills: the step the plan budgeted activations for (the plan's
+    ``workload.prefill_chunk``; a tight box plans a smaller one).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class Engine:
         standin_runs: int | None = None,
         prefix_cache: bool = True,
         threads: ThreadGovernor | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         require_transformers()
         if not supports_slot_cache(model):
@@ -115,6 +119,7 @@ class Engine:
             max_total_tokens=self.max_total_tokens,
             kv_budget_tokens=self.kv_budget_tokens,
             prefix_cache=prefix_cache,
+            prefill_chunk=prefill_chunk,
         )
         self.executor = StepExecutor(
             self.runner,

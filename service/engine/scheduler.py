@@ -73,8 +73,10 @@ class Scheduler:
         max_total_tokens: int,
         kv_budget_tokens: int,
         prefix_cache: bool = True,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.cache = cache
+        self.prefill_chunk = prefill_chunk  # the plan's step: it budgets activations for no wider a forward
         self.contents = SlotContents(slots)
         self.max_queue = max_queue
         self.max_total_tokens = max_total_tokens
@@ -116,7 +118,7 @@ class Scheduler:
     @property
     def prefill_tokens(self) -> int:
         """The prefill budget of the last step (the ceiling before the first)."""
-        return self.budget.last or PREFILL_CHUNK
+        return self.budget.last or self.prefill_chunk
 
     @property
     def reserved_tokens(self) -> int:
@@ -164,7 +166,7 @@ class Scheduler:
             for s in decoders
         ]
         prompts = sum(1 for s in self.running if s.prefilling and not s.done)
-        chunks = self.schedule_prefill(self.budget.tokens(PREFILL_CHUNK, decoders=len(rows), prompts=prompts))
+        chunks = self.schedule_prefill(self.budget.tokens(self.prefill_chunk, decoders=len(rows), prompts=prompts))
         chunks.rows[:0] = rows
         chunks.decodes = len(rows)
         return chunks

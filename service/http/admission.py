@@ -24,7 +24,7 @@ from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRe
 from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics
-from service.model.background_load import LoadedModel, ModelHost, engine_slots
+from service.model.background_load import LoadedModel, ModelHost, engine_prefill_chunk, engine_slots
 from service.model.positions import loaded_position_limit, served_positions
 from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
@@ -99,6 +99,7 @@ class Runtime:
             standin_runs=s.standin_device_runs,
             prefix_cache=s.prefix_cache,
             threads=self.threads,
+            prefill_chunk=engine_prefill_chunk(loaded),
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()

@@ -36,6 +36,7 @@ from service.http import access_log, chat_routes, openai_routes, plan_routes, re
 from service.http.admission import Runtime
 from service.http.api_keys import check_api_key, is_open
 from service.http.metrics import Metrics
+from service.http.storage_metrics import StorageCollector
 from service.model.background_load import LoadedModel, Loader, ModelHost, load_model
 from service.model.memory_report import memory_gauges, memory_report, weight_bytes_by_device
 from service.schemas import openapi_document
@@ -223,8 +224,12 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     host = ModelHost(settings, loader or load_model)
     runtime = Runtime(settings, host, metrics)
 
+    storage = StorageCollector(lambda: runtime.loaded.plan if runtime.loaded else None, lambda: metrics.generated_total)
+    metrics.registry.register(storage)
+
     def on_ready(loaded: LoadedModel) -> None:
         runtime.weight_bytes = weight_bytes_by_device(loaded.load_stats)
+        storage.ready()
 
     host.on_ready(on_ready)
     metrics.memory_reader = lambda: memory_gauges(

@@ -110,6 +110,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of the last minute, for tokens/s
         self.memory_reader: MemoryReader | None = None
+        self.generated_total = 0  # generated tokens, for per-token rates read at scrape time
         r.register(_MemoryCollector(self))
 
     # -- HTTP side -------------------------------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class Metrics:
         self._prompt_tokens.inc(prompt)
         self._generated_tokens.inc(generated)
         with self._lock:
+            self.generated_total += generated
             self._recent.append((now, generated))
             self._recent = [(t, n) for t, n in self._recent if now - t <= 60.0]
 

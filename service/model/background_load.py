@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.api import SlotChoice, choose_slots
 from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
-from planner.types import Plan
+from planner.placement.served_shape import choose_slots, choose_step
+from planner.types import PREFILL_CHUNK, Plan
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
 from service.settings import ServiceSettings
@@ -173,22 +173,30 @@ def load_flags(settings: ServiceSettings) -> dict[str, Any]:
     }
 
 
-def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, SlotChoice | None]:
-    """What the served model is planned for: the context the model's positions allow, the disk tier (a folder
-    under the cache for what must be cast; the rest is read in place from the shards) where the machine's memory is
-    detected, and, unless ``--batch-size`` was given, as many KV slots as fit without slowing a lone stream
-    (:func:`planner.api.choose_slots`; the engine then runs that many sequences at once)."""
+def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, list[str]]:
+    """What the served model is planned for, and the reasons of what was chosen for it: the context the model's
+    positions allow, the disk tier (a folder under the cache for what must be cast; the rest is read in place from
+    the shards) where the machine's memory is detected, the engine's prefill step, and, unless ``--batch-size`` was
+    given, as many KV slots as fit without slowing a lone stream (:mod:`planner.placement.served_shape`; the engine
+    then runs that many sequences at once, each step prefilling at most that many prompt tokens)."""
     inputs = settings.plan_inputs()
     inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
     if inputs.offload_folder is None and inputs.max_memory is None:
         from loaders.checkpoint.materialize import default_offload_folder
 
         inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
-    if settings.batch_size is not None:
-        return inputs, None
-    slots = choose_slots(path, inputs, settings.max_batch_size)
-    log.info("KV cache: %s", slots.reason)
-    return replace(inputs, batch_size=slots.batch_size), slots
+    inputs = replace(inputs, resolved_hardware=inputs.hardware())  # measured once: every choice below sees it
+    # the step for the slots the server is told, else for the floor of one sequence (the slots follow the step)
+    step = choose_step(path, inputs if settings.batch_size is not None else replace(inputs, batch_size=1))
+    inputs = replace(inputs, prefill_chunk=step.prefill_chunk)
+    reasons = [step.reason]
+    if settings.batch_size is None:
+        slots = choose_slots(path, inputs, settings.max_batch_size)
+        inputs = replace(inputs, batch_size=slots.batch_size)
+        reasons.append(slots.reason)
+    for reason in reasons:
+        log.info("served shape: %s", reason)
+    return inputs, reasons
 
 
 def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> LoadedModel:
@@ -208,14 +216,13 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         refuse_lengths_beyond_positions(settings, path)
     else:
         path = resolve_model_dir(settings)
-    inputs, slots = served_inputs(settings, path)
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
+    inputs, shape_reasons = served_inputs(settings, path)  # after the tokenizer: the box's footprint holds it
     result = load_checkpoint(path, device_map=inputs, progress=progress, **load_flags(settings))
     result.model.eval()
     the_plan = result.plan
     assert the_plan is not None, "a load from plan inputs carries its plan"
-    if slots is not None:
-        the_plan.reasons.append(slots.reason)
+    the_plan.reasons.extend(shape_reasons)
     name = settings.served_names()[0] if settings.served_model_name else (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,
@@ -235,6 +242,12 @@ def engine_slots(settings: ServiceSettings, loaded: LoadedModel) -> int:
     if loaded.plan is None:
         return settings.max_batch_size
     return max(1, min(settings.max_batch_size, loaded.plan.workload.batch_size))
+
+
+def engine_prefill_chunk(loaded: LoadedModel) -> int:
+    """The most prompt tokens one engine step prefills: the step its plan budgeted activations for."""
+    chunk = loaded.plan.workload.prefill_chunk if loaded.plan is not None else None
+    return chunk or PREFILL_CHUNK
 
 
 Loader = Callable[[ServiceSettings, Callable[[Any], None]], LoadedModel]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -18,7 +19,8 @@ from service.engine.engine import Engine
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest
 
 
-def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("chunk", [PREFILL_CHUNK, 256])  # the default step, and a tight box's smaller one
+def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path, chunk: int) -> None:
     assert scheduler.PREFILL_CHUNK is PREFILL_CHUNK  # one definition, not two equal numbers
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
@@ -31,7 +33,9 @@ def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path) -> Non
 
     model.register_forward_pre_hook(count, with_kwargs=True)
     batch = 8
-    engine = Engine(model, tok, max_batch_size=batch, max_queue=16, max_total_tokens=1000, prefix_cache=False)
+    engine = Engine(
+        model, tok, max_batch_size=batch, max_queue=16, max_total_tokens=1000, prefix_cache=False, prefill_chunk=chunk
+    )
     try:
         # 3280 prompt tokens in all, over one step's; each under LONG_PROMPT_CONTEXT, so they are packed together
         long_prompt = tok("the sea " * 300)["input_ids"][:480]
@@ -46,8 +50,8 @@ def test_the_engine_prefills_the_chunk_the_plan_budgets(tiny_llama: Path) -> Non
             assert isinstance(ev, FinishEvent), ev
     finally:
         engine.stop()
-    workload = Workload(dtype="float32", batch_size=batch, context=1000, prefill_chunk=PREFILL_CHUNK)
-    assert max(widths) > PREFILL_CHUNK // 2, "the wave was prefilled together, in steps of up to PREFILL_CHUNK"
+    workload = Workload(dtype="float32", batch_size=batch, context=1000, prefill_chunk=chunk)
+    assert max(widths) > chunk // 2, "the wave was prefilled together, in steps of up to the plan's chunk"
     assert max(widths) <= workload.step_tokens() < batch * 1000
 
 

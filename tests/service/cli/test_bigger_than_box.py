@@ -1,0 +1,107 @@
+"""A model bigger than its box, served with no flag but the model (issue 32), in a real memory cgroup: the server
+measures the box and its own footprint, keeps what fits resident, reads the rest from the checkpoint's files, and
+answers what plain transformers answers, without being OOM-killed. A box too small for one sequence exits 2 with
+advice that names ``--cpu-quantization``, and that advice, applied, serves."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.memory_box import cgroup_unavailable, make_box
+from tests.models import llama_100m_dir
+from tests.service.cli.test_cli_serve import REPO, _env, _wait_ready
+from tests.service.conftest import free_port
+
+MiB = 2**20
+why_not = cgroup_unavailable()
+
+#: The 100M Llama holds 406 MB of fp32 weights; the server process itself (torch, transformers, the tokenizer,
+#: uvicorn) about 300 MB. A 640 MiB box holds the process and part of the weights, never all of them.
+BOX = 640 * MiB
+PROMPT = "The sea is"
+NEW_TOKENS = 8
+
+
+def _serve_in(box_limit: int, tmp_path: Path) -> tuple[subprocess.Popen, str, Path, object]:
+    box = make_box(box_limit)
+    port = free_port()
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, preexec_fn=box.join())
+    return proc, f"http://127.0.0.1:{port}", log, box
+
+
+def _reference_ids() -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(llama_100m_dir(), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(llama_100m_dir())
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.skipif(why_not is not None, reason=why_not or "")
+def test_no_flag_serve_in_a_box_smaller_than_the_model_is_ready_correct_and_not_killed(tmp_path: Path) -> None:
+    proc, url, log, box = _serve_in(BOX, tmp_path)
+    try:
+        _wait_ready(url, proc, log, timeout=300, poll=0.5)
+        info = httpx.get(url + "/info", timeout=30).json()
+        plan = info["model"]["plan"] if "model" in info and "plan" in info["model"] else info["plan"]
+        devices = {b["device"]: b for b in plan["budgets"]}
+        assert devices["disk"]["weights"] > 0 and devices["cpu"]["weights"] > 0, plan["budgets"]  # split, as planned
+        assert devices["cpu"]["capacity"] < BOX, "the plan's CPU capacity is the box minus the process's footprint"
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+        r = httpx.post(url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        got = [t["id"] for t in r.json()["details"]["tokens"]]
+        assert got == _reference_ids()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+            for s in family.samples
+        }
+        streamed = samples[("loadmaster_weights_bytes", (("device", "disk"), ("placement", "streamed")))]
+        assert streamed == devices["disk"]["weights"]  # the offload runs as planned, and /metrics says so
+        assert samples[("loadmaster_storage_read_bytes_per_token", ())] >= 0
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        kills = box.oom_kills()
+        box.remove()
+    assert kills == 0, log.read_text()[-3000:]
+
+
+def test_a_box_too_small_for_one_sequence_exits_2_and_its_cpu_quantization_advice_serves(tmp_path: Path) -> None:
+    """Declared, as ``--max-memory`` declares a box without a disk (a cgroup this small would hold no Python at all):
+    exit 2, one line of advice naming ``--cpu-quantization``; applying that advice serves."""
+    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--max-memory", "cpu=160MiB"]
+    p = subprocess.run([*argv, "--port", str(free_port())], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    advice = [line for line in p.stderr.splitlines() if "does not fit" in line]
+    assert len(advice) == 1, p.stderr[-3000:]
+    match = re.search(r"--cpu-quantization (int8|int4)", advice[0])
+    assert match, advice[0]
+    port = free_port()
+    log = tmp_path / "advised.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*argv, *match.group(0).split(), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=_env()
+        )
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", proc, log, timeout=300, poll=0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"inputs": PROMPT}, timeout=300)
+        assert r.status_code == 200 and r.json()["generated_text"], r.text
+    finally:
+        proc.terminate()
+        proc.wait(60)
