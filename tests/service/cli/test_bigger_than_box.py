@@ -16,7 +16,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.memory_box import cgroup_unavailable, make_box
+from bench.memory_box import cgroup_unavailable, make_box
 from tests.models import llama_100m_dir
 from tests.service.cli.test_cli_serve import REPO, _env, _wait_ready
 from tests.service.conftest import free_port

@@ -1,5 +1,9 @@
 """A real memory cgroup to run a server in: a box smaller than the model, as ``docker run --memory`` makes one.
 
+The one definition for both its users: the cgroup tests (``tests/service/cli/test_bigger_than_box.py``) and
+``bench/bigbox.py``. It lives in ``bench`` because nothing outside ``tests`` may import from ``tests``
+(``tests/test_import_graph.py``).
+
 cgroup v2 (``memory.max``, ``memory.events``' ``oom_kill``) where the unified hierarchy has the memory controller,
 else v1 (``memory.limit_in_bytes``, ``memory.oom_control``'s ``oom_kill``). Needs root; :func:`cgroup_unavailable`
 says why not where a box cannot be made, so a test can skip with that reason.
