@@ -65,29 +65,33 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
+def _ui_settings(model: Path, folder: Path, cpu: int) -> Any:
+    return settings_for(
+        model,
+        api_key=[KEY],
+        max_memory=[f"cpu={cpu}", "disk=1GiB"],
+        offload_folder=str(folder),
+        batch_size=4,
+        max_batch_size=4,
+        max_concurrent_requests=32,
+    )
+
+
 def _cpu_budget_splitting(model: Path, folder: Path) -> int:
-    """A RAM budget (bytes) under which the tiny model's plan keeps some layers on cpu and the rest on disk."""
-    from planner.api import fits, plan
+    """A RAM budget (bytes) under which the server's plan of the tiny model keeps some layers on cpu and the rest on
+    disk. Planned as the server plans (its served shape picks the prefill step, so the split moves with it)."""
+    from planner.api import plan_inputs
     from planner.errors import PlanError
-    from planner.types import PREFILL_CHUNK
+    from service.model.background_load import served_inputs
 
-    kwargs: dict[str, Any] = dict(offload_folder=str(folder), batch_size=4, context=512, prefill_chunk=PREFILL_CHUNK)
-
-    def ok(cpu: int) -> bool:
-        return fits(str(model), max_memory={"cpu": cpu, "disk": "1GiB"}, **kwargs)
-
-    lo, hi = 1 << 16, 1 << 28
-    assert ok(hi)
-    while hi - lo > 4096:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    for extra in range(0, 1 << 22, 32 << 10):  # the smallest fit puts every layer on disk; add room for some
+    for cpu in range(1 << 20, 16 << 20, 64 << 10):
         try:
-            placed = set(plan(str(model), max_memory={"cpu": hi + extra, "disk": "1GiB"}, **kwargs).placement.values())
-        except PlanError:  # fitting is not monotonic in one device's size near the edge
+            inputs, _ = served_inputs(_ui_settings(model, folder, cpu), model)
+            placed = set(plan_inputs(str(model), inputs, advise=False).placement.values())
+        except PlanError:  # too small for any placement
             continue
         if placed == {"cpu", "disk"}:
-            return hi + extra
+            return cpu
     raise AssertionError("no RAM budget splits the tiny model between cpu and disk")
 
 
@@ -95,17 +99,7 @@ def _cpu_budget_splitting(model: Path, folder: Path) -> int:
 def ui_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     folder = tmp_path_factory.mktemp("offload")
     cpu = _cpu_budget_splitting(tiny_llama, folder)
-    s = LiveServer(
-        settings_for(
-            tiny_llama,
-            api_key=[KEY],
-            max_memory=[f"cpu={cpu}", "disk=1GiB"],
-            offload_folder=str(folder),
-            batch_size=4,
-            max_batch_size=4,
-            max_concurrent_requests=32,
-        )
-    ).start()
+    s = LiveServer(_ui_settings(tiny_llama, folder, cpu)).start()
     yield s
     s.stop()
 
