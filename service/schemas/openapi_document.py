@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from service.schemas import anthropic_responses as ar
 from service.schemas import response_models as rm
 
 #: Models the document references by ``$ref`` from ``responses=`` tables.
@@ -24,6 +25,8 @@ REFERENCED_MODELS: tuple[type, ...] = (
     rm.TGIStreamEvent,
     rm.CompletionChunk,
     rm.ChatCompletionChunk,
+    ar.AnthropicErrorEnvelope,
+    ar.AnthropicStreamEvent,
 )
 
 _FASTAPI_422 = "#/components/schemas/HTTPValidationError"
