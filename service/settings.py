@@ -44,6 +44,12 @@ class ServiceSettings(BaseSettings):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="How the model writes tool calls (default: read from its chat template)."
     )
+    responses_store_size: int = Field(
+        256,
+        ge=0,
+        description="Responses kept in memory for /v1/responses' previous_response_id (least recently used go "
+        "first; 0: none kept).",
+    )
     max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
     gpus: str | None = Field(None, description="Declared GPUs NxSIZE, to plan for hardware that is not here.")
     strategy: str = Field("auto", description="auto, balanced, balanced_low_0, sequential, or a JSON map / @file.")

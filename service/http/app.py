@@ -42,7 +42,8 @@ from service.http import (
     ui_routes,
 )
 from service.http.admission import Runtime
-from service.http.agent_apis import messages_routes
+from service.http.agent_apis import messages_routes, responses_routes
+from service.http.agent_apis.response_store import ResponseStore
 from service.http.api_keys import check_api_key, is_open
 from service.http.metrics import Metrics
 from service.http.storage_metrics import StorageCollector
@@ -268,11 +269,13 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     )
     app.state.runtime = runtime
     app.state.settings = settings
+    app.state.response_store = ResponseStore(settings.responses_store_size)
     _install_error_handlers(app)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(chat_routes.router)
     app.include_router(messages_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(plan_routes.router)
     app.include_router(ui_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)

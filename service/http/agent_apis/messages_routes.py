@@ -30,7 +30,7 @@ from service.http.agent_apis.output_blocks import (
     sequence_pieces,
     whole_blocks,
 )
-from service.http.event_stream import SEPARATOR, event_stream
+from service.http.event_stream import event_stream, typed_event
 from service.http.openai_routes import _V1_ERRORS, _check_model, _finals_or_response, _start
 from service.schemas.anthropic_requests import MessagesRequest, as_chat_request
 from service.schemas.anthropic_responses import (
@@ -72,12 +72,6 @@ def _delta(event: BlockEvent) -> dict[str, Any]:
     return {"type": "input_json_delta", "partial_json": event.delta}
 
 
-def _event(data: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(
-        data=json.dumps(data, separators=(",", ":"), ensure_ascii=False), event=data["type"], sep=SEPARATOR
-    )
-
-
 def _block_event(event: BlockEvent) -> dict[str, Any]:
     index = event.block.index
     if event.kind == "start":
@@ -93,26 +87,26 @@ def _stream(request: Request, stream: Any, shape: ChatShape, head: dict[str, Any
     async def events() -> AsyncIterator[ServerSentEvent]:
         blocks = OutputBlocks()
         usage = {"input_tokens": len(stream.request.prompt_ids), "output_tokens": 0}
-        yield _event({"type": "message_start", "message": {**head, "content": [], "usage": dict(usage)}})
+        yield typed_event({"type": "message_start", "message": {**head, "content": [], "usage": dict(usage)}})
         async for item in sequence_pieces(stream, shape):
             if isinstance(item, ErrorEvent):
                 log.error("request %s failed mid-stream: %s", rid, item.message)
                 status = openai_status(item.status_code, item.error_type)
-                yield _event(anthropic_error_body(item.message, status))
+                yield typed_event(anthropic_error_body(item.message, status))
                 return
             if isinstance(item, FinishEvent):
                 for ev in blocks.close():
-                    yield _event(_block_event(ev))
+                    yield typed_event(_block_event(ev))
                 delta = {
                     "stop_reason": _stop_reason(item, blocks.has_calls),
                     "stop_sequence": matched_stop(item, stream.request.stop),
                 }
                 usage["output_tokens"] = item.generated_tokens
-                yield _event({"type": "message_delta", "delta": delta, "usage": usage})
-                yield _event({"type": "message_stop"})
+                yield typed_event({"type": "message_delta", "delta": delta, "usage": usage})
+                yield typed_event({"type": "message_stop"})
                 return
             for ev in blocks.take(item):
-                yield _event(_block_event(ev))
+                yield typed_event(_block_event(ev))
 
     return event_stream(events(), runtime_of(request).settings)
 

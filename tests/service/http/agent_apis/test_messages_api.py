@@ -27,7 +27,10 @@ WEATHER = {
         "additionalProperties": False,
     },
 }
-TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}}}
+TIME = {
+    "name": "get_time",
+    "input_schema": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]},
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
