@@ -65,7 +65,9 @@ class ServiceSettings(BaseSettings):
     # The listener.
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    api_key: CommaList = Field(default_factory=list, description="Bearer keys; when set, all but /health* need one.")
+    api_key: CommaList = Field(
+        default_factory=list, description="API keys (Bearer or x-api-key); when set, all but /health* need one."
+    )
     model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
     allow_hub_plan: bool = Field(
         False, description="Let /plan read Hub ids (config + shard headers: outbound requests to HF_ENDPOINT)."
