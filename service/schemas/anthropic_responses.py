@@ -82,7 +82,7 @@ class AnthropicMessageResponse(_Answer):
 class AnthropicStreamEvent(_Answer):
     """One event of a stream (its SSE ``event:`` name is its ``type``): message_start, content_block_start,
     content_block_delta (text_delta, input_json_delta, thinking_delta), content_block_stop, message_delta,
-    message_stop, or error."""
+    message_stop, ping, or error."""
 
     type: Literal[
         "message_start",
@@ -91,6 +91,7 @@ class AnthropicStreamEvent(_Answer):
         "content_block_stop",
         "message_delta",
         "message_stop",
+        "ping",
     ]
     message: dict[str, Any] | None = None
     index: int | None = None

@@ -9,7 +9,6 @@ naming its ``type``. Errors take Anthropic's envelope (:func:`service.http.app.e
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -88,6 +87,7 @@ def _stream(request: Request, stream: Any, shape: ChatShape, head: dict[str, Any
         blocks = OutputBlocks()
         usage = {"input_tokens": len(stream.request.prompt_ids), "output_tokens": 0}
         yield typed_event({"type": "message_start", "message": {**head, "content": [], "usage": dict(usage)}})
+        yield typed_event({"type": "ping"})
         async for item in sequence_pieces(stream, shape):
             if isinstance(item, ErrorEvent):
                 log.error("request %s failed mid-stream: %s", rid, item.message)
@@ -137,11 +137,11 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     }
     if body.stream:
         return _stream(request, streams[0], shape, head)
-    finals, early = await _finals_or_response(streams, request, request_id_of(request))
+    finals, early = await _finals_or_response(
+        streams, request, request_id_of(request), lambda message, _, status: anthropic_error_body(message, status)
+    )
     if early is not None:
-        if early.status_code == 499:
-            return early
-        return JSONResponse(anthropic_error_body(_message_of(early), early.status_code), status_code=early.status_code)
+        return early
     final = finals[0]
     blocks, calls = whole_blocks(final, shape)
     return JSONResponse(
@@ -153,10 +153,3 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
             "usage": {"input_tokens": final.prompt_tokens, "output_tokens": final.generated_tokens},
         }
     )
-
-
-def _message_of(response: Response) -> str:
-    try:
-        return json.loads(bytes(response.body))["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return "Generation failed; the server logged the details."
