@@ -187,7 +187,8 @@ def _stream(request: Request, stream: Any, shape: ChatShape, answer: _Draft, ite
         async for piece in sequence_pieces(stream, shape):
             if isinstance(piece, ErrorEvent):
                 log.error("request %s failed mid-stream: %s", rid, piece.message)
-                yield send({"type": "error", **openai_error(piece.message, piece.error_type)["error"]})
+                detail = openai_error(piece.message, piece.error_type)["error"]
+                yield send({"type": "error", "code": detail["type"], "message": detail["message"], "param": None})
                 return
             if isinstance(piece, FinishEvent):
                 for ev in blocks.close():
