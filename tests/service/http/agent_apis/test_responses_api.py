@@ -124,6 +124,11 @@ def test_previous_response_id_continues_the_conversation(server) -> None:
     direct = oa.responses.create(
         model=name, input=whole, tools=[WEATHER], max_output_tokens=6, temperature=0, store=False
     )
+    echoed = [{"role": "user", "content": ASK}, *(o.model_dump(exclude_none=True) for o in first.output), *follow]
+    fed_back = oa.responses.create(
+        model=name, input=echoed, tools=[WEATHER], max_output_tokens=6, temperature=0, store=False
+    )
+    assert fed_back.output_text == direct.output_text  # output items sent back as input, as clients do
     assert second.previous_response_id == first.id
     assert second.output_text == direct.output_text and second.usage.input_tokens == direct.usage.input_tokens
     assert second.usage.input_tokens > first.usage.input_tokens
