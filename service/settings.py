@@ -44,6 +44,12 @@ class ServiceSettings(BaseSettings):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description="How the model writes tool calls (default: read from its chat template)."
     )
+    responses_store_size: int = Field(
+        256,
+        ge=0,
+        description="Responses kept in memory for /v1/responses' previous_response_id (least recently used go "
+        "first; 0: none kept).",
+    )
     max_memory: CommaList = Field(default_factory=list, description="Per-device limits, DEV=SIZE (e.g. 0=20GiB).")
     gpus: str | None = Field(None, description="Declared GPUs NxSIZE, to plan for hardware that is not here.")
     strategy: str = Field("auto", description="auto, balanced, balanced_low_0, sequential, or a JSON map / @file.")
@@ -59,7 +65,9 @@ class ServiceSettings(BaseSettings):
     # The listener.
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    api_key: CommaList = Field(default_factory=list, description="Bearer keys; when set, all but /health* need one.")
+    api_key: CommaList = Field(
+        default_factory=list, description="API keys (Bearer or x-api-key); when set, all but /health* need one."
+    )
     model_root: CommaList = Field(default_factory=list, description="Directories /plan may read models from.")
     allow_hub_plan: bool = Field(
         False, description="Let /plan read Hub ids (config + shard headers: outbound requests to HF_ENDPOINT)."

@@ -29,7 +29,16 @@ log = logging.getLogger("service")
 SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 in Docker)"),
     ("--port", int, "port to listen on (default 8080)"),
-    ("--served-model-name", str, "name reported by /info and /v1/models (default: the directory's name)"),
+    (
+        "--served-model-name",
+        str,
+        "name reported by /info and /v1/models; more names after commas are aliases (default: the directory's name)",
+    ),
+    (
+        "--responses-store-size",
+        int,
+        "responses /v1/responses keeps for previous_response_id, least recently used dropped first (default 256)",
+    ),
     ("--max-concurrent-requests", int, "requests queued + running; more get 429 (default 128)"),
     ("--max-batch-size", int, "sequences decoded together per step (default 32)"),
     ("--max-input-tokens", int, "longest prompt in tokens (default min(1024, max-total-tokens - 1))"),
@@ -96,7 +105,20 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "--api-key",
         action="append",
         default=None,
-        help="accepted Bearer key, repeatable (or LOADMASTER_API_KEY=k1,k2); health stays open",
+        help="accepted key (Authorization: Bearer or x-api-key), repeatable (or LOADMASTER_API_KEY=k1,k2); health "
+        "stays open",
+    )
+    g.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        default=None,
+        help="answer requests whatever 'model' they name (default: 404 model_not_found for other names)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        default=None,
+        help="how the model writes tool calls (default: read from its chat template)",
     )
     g.add_argument(
         "--model-root",

@@ -35,11 +35,12 @@ def bearer_token(header: str | None) -> str | None:
     return token.strip()
 
 
-def check_api_key(header: str | None, keys: Iterable[str]) -> None:
-    """Raise :class:`AuthError` unless ``header`` is ``Bearer <one of keys>`` (case-sensitive, constant time)."""
-    token = bearer_token(header)
+def check_api_key(header: str | None, keys: Iterable[str], x_api_key: str | None = None) -> None:
+    """Raise :class:`AuthError` unless ``header`` is ``Bearer <one of keys>``, or (what Anthropic's clients send)
+    ``x_api_key`` is one of keys (case-sensitive, constant time)."""
+    token = bearer_token(header) or (x_api_key.strip() if x_api_key and x_api_key.strip() else None)
     if token is None:
-        raise AuthError("This server needs an API key: send 'Authorization: Bearer <key>'.")
+        raise AuthError("This server needs an API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
     given = token.encode()
     ok = False
     for key in keys:

@@ -32,18 +32,33 @@ from service.errors import (
     http_status,
     openai_status,
 )
-from service.http import access_log, chat_routes, openai_routes, plan_routes, request_body, tgi_routes, ui_routes
+from service.http import (
+    access_log,
+    chat_routes,
+    openai_routes,
+    plan_routes,
+    request_body,
+    tgi_routes,
+    ui_routes,
+)
 from service.http.admission import Runtime
+from service.http.agent_apis import messages_routes, responses_routes
+from service.http.agent_apis.response_store import ResponseStore
 from service.http.api_keys import check_api_key, is_open
 from service.http.metrics import Metrics
 from service.http.storage_metrics import StorageCollector
 from service.model.background_load import LoadedModel, Loader, ModelHost, load_model
 from service.model.memory_report import memory_gauges, memory_report, weight_bytes_by_device
 from service.schemas import openapi_document
+from service.schemas.anthropic_responses import anthropic_error_body
 from service.schemas.response_models import error_body, openai_error_body
 from service.settings import ServiceSettings
 
 log = logging.getLogger("service")
+
+
+#: The route answering in Anthropic's shapes (its errors too).
+ANTHROPIC_PATH = "/v1/messages"
 
 
 def _is_openai(path: str) -> bool:
@@ -58,7 +73,11 @@ def error_response(
     headers: dict[str, str] | None = None,
     code: str | None = None,
 ) -> JSONResponse:
-    """The one error envelope (or OpenAI's, under /v1, where validation errors are 400)."""
+    """The one error envelope (or OpenAI's, under /v1, where validation errors are 400; Anthropic's on
+    /v1/messages)."""
+    if path.startswith(ANTHROPIC_PATH):
+        status = openai_status(status, error_type)
+        return JSONResponse(anthropic_error_body(message, status), status_code=status, headers=headers)
     if _is_openai(path):
         status = openai_status(status, error_type)
         body = openai_error_body(message, error_type, code, status)
@@ -117,7 +136,7 @@ class GuardMiddleware:
         try:
             if self.settings.api_key and not is_open(scope.get("method", ""), path, headers.get("accept", "")):
                 try:
-                    check_api_key(headers.get("authorization"), self.settings.api_key)
+                    check_api_key(headers.get("authorization"), self.settings.api_key, headers.get("x-api-key"))
                 except ServiceError as exc:
                     log.info("request %s refused: %s", rid, exc)
                     await reply(
@@ -250,10 +269,13 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     )
     app.state.runtime = runtime
     app.state.settings = settings
+    app.state.response_store = ResponseStore(settings.responses_store_size)
     _install_error_handlers(app)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(chat_routes.router)
+    app.include_router(messages_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(plan_routes.router)
     app.include_router(ui_routes.router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)

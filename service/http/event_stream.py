@@ -31,6 +31,14 @@ def json_event(data: Any) -> ServerSentEvent:
     return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False), sep=SEPARATOR)
 
 
+def typed_event(data: dict[str, Any]) -> ServerSentEvent:
+    """One ``event: <type>`` + ``data: {json}`` event, as Anthropic's and the Responses API's streams frame them
+    (the event's name is its ``type``)."""
+    return ServerSentEvent(
+        data=json.dumps(data, separators=(",", ":"), ensure_ascii=False), event=data["type"], sep=SEPARATOR
+    )
+
+
 def text_event(text: str) -> ServerSentEvent:
     """One ``data: <text>`` event (OpenAI's closing ``[DONE]``)."""
     return ServerSentEvent(data=text, sep=SEPARATOR)

@@ -53,6 +53,10 @@ def openai_error(message: str, error_type: str, code: str | None = None, status:
     return openai_error_body(message, error_type, code, status)
 
 
+def _openai_error_of(message: str, error_type: str, status: int) -> dict[str, Any]:
+    return openai_error(message, error_type, status=status)
+
+
 def _final_text(final: FinishEvent) -> str:
     return final.text[: final.stop_at] if final.stop_at is not None else final.text
 
@@ -107,10 +111,14 @@ async def _start(request: Request, build, user: str | None, stream: bool) -> tup
 
 
 async def _finals_or_response(
-    streams: list[EngineStream], request: Request, rid: str
+    streams: list[EngineStream],
+    request: Request,
+    rid: str,
+    error_body: Callable[[str, str, int], dict[str, Any]] | None = None,
 ) -> tuple[list[FinishEvent], Response | None]:
     """Wait for every sequence of a non-streamed request. When there is nothing to build an answer on (the client
-    left, or a sequence failed), the second item is the response to send instead."""
+    left, or a sequence failed), the second item is the response to send instead: its body is ``error_body``'s
+    (message, error type, status), OpenAI's envelope unless the route has its own."""
     finals = await wait_all(streams, request)
     if finals is None:
         return [], Response(status_code=499)
@@ -118,7 +126,8 @@ async def _finals_or_response(
         if isinstance(final, ErrorEvent):
             log.error("request %s failed: %s", rid, final.message)
             status = openai_status(final.status_code, final.error_type)
-            return [], JSONResponse(openai_error(final.message, final.error_type), status_code=status)
+            body = (error_body or _openai_error_of)(final.message, final.error_type, status)
+            return [], JSONResponse(body, status_code=status)
     return [f for f in finals if isinstance(f, FinishEvent)], None
 
 

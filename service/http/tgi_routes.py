@@ -31,17 +31,25 @@ from service.schemas.openapi_responses import (
     streamed,
 )
 from service.schemas.response_models import (
+    DetokenizeAnswer,
     ErrorEnvelope,
     HealthResponse,
     InfoResponse,
     LoadState,
     TGIGenerateResponse,
     TGIStreamEvent,
+    TokenCount,
     TokenSpan,
     error_body,
 )
-from service.schemas.tgi_requests import TGIRequest, TokenizeRequest, validate_tgi
-from service.schemas.validation import refuse_unknown
+from service.schemas.tgi_requests import TGIRequest, validate_tgi
+from service.schemas.token_requests import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenized,
+    tokenize_shape,
+    vllm_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,17 +224,29 @@ async def compat_generate(request: Request, body: TGIRequest) -> Response:
 @router.post(
     "/tokenize",
     tags=["TGI"],
-    summary="Tokenize text: each token's id, text and character span",
-    response_model=list[TokenSpan],
+    summary="Tokenize text: each token's id, text and span (TGI's inputs), or vLLM's {tokens, count, max_model_len}",
+    response_model=list[TokenSpan] | TokenCount,
     responses=errors(401, *BODY_ERRORS, 503),
 )
-async def tokenize(request: Request, body: TokenizeRequest) -> list[dict[str, Any]]:
+async def tokenize(request: Request, body: TokenizeRequest) -> Any:
     runtime = runtime_of(request)
     _, validator, _ = runtime.require_ready()
-    refuse_unknown(body)
-    if not body.inputs:
-        raise RequestValidationError("inputs is empty; send the text to tokenize.")
-    return await off_loop(token_spans, validator.tokenizer, body.inputs, body.add_special_tokens)
+    if tokenize_shape(body) != "inputs":
+        return await off_loop(vllm_tokens, validator.tokenizer, body, validator.max_total_tokens)
+    add = True if body.add_special_tokens is None else body.add_special_tokens
+    return await off_loop(token_spans, validator.tokenizer, body.inputs, add)
+
+
+@router.post(
+    "/detokenize",
+    tags=["TGI"],
+    summary="Token ids to text (vLLM's shape)",
+    response_model=DetokenizeAnswer,
+    responses=errors(401, *BODY_ERRORS, 503),
+)
+async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, str]:
+    _, validator, _ = runtime_of(request).require_ready()
+    return await off_loop(detokenized, validator.tokenizer, validator.vocab_size, body)
 
 
 def token_spans(tokenizer: Any, text: str, add_special_tokens: bool) -> list[dict[str, Any]]:

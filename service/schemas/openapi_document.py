@@ -15,7 +15,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from service.schemas import anthropic_responses as ar
 from service.schemas import response_models as rm
+from service.schemas import responses_models as rs
 
 #: Models the document references by ``$ref`` from ``responses=`` tables.
 REFERENCED_MODELS: tuple[type, ...] = (
@@ -24,6 +26,9 @@ REFERENCED_MODELS: tuple[type, ...] = (
     rm.TGIStreamEvent,
     rm.CompletionChunk,
     rm.ChatCompletionChunk,
+    ar.AnthropicErrorEnvelope,
+    ar.AnthropicStreamEvent,
+    rs.ResponseStreamEvent,
 )
 
 _FASTAPI_422 = "#/components/schemas/HTTPValidationError"

@@ -60,10 +60,12 @@ def json_content(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def errors(*statuses: int, openai: bool = False, client_closed: bool = False) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for ``statuses``, each with the route's envelope (OpenAI's under ``/v1``), plus 499
-    when the route can notice that its client left."""
-    envelope = schema_ref(OpenAIErrorEnvelope if openai else ErrorEnvelope)
+def errors(
+    *statuses: int, openai: bool = False, client_closed: bool = False, envelope_model: type[BaseModel] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for ``statuses``, each with the route's envelope (OpenAI's under ``/v1``, or
+    ``envelope_model``: Anthropic's on ``/v1/messages``), plus 499 when the route can notice that its client left."""
+    envelope = schema_ref(envelope_model or (OpenAIErrorEnvelope if openai else ErrorEnvelope))
     out: dict[int | str, dict[str, Any]] = {}
     for status in sorted(set(statuses)):
         entry: dict[str, Any] = {"description": ERROR_MEANINGS[status], "content": json_content(envelope)}

@@ -141,6 +141,20 @@ class TGIStreamEvent(_Answer):
     top_tokens: list[TGIToken] | None
 
 
+class TokenCount(_Answer):
+    """vLLM's ``POST /tokenize`` answer (for ``prompt`` or ``messages``)."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int = Field(description="--max-total-tokens: the most tokens a sequence may hold here.")
+
+
+class DetokenizeAnswer(_Answer):
+    """``POST /detokenize``: the text of the token ids."""
+
+    prompt: str
+
+
 class TokenSpan(_Answer):
     """One token of ``POST /tokenize``: its id, and the span of the input it covers."""
 

@@ -79,15 +79,6 @@ class TGIRequest(BaseModel):
     stream: bool = False
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize``: the text, and whether to add the tokenizer's special tokens (as generation does)."""
-
-    model_config = request_model_config({"inputs": "Hello world"})
-
-    inputs: str
-    add_special_tokens: bool = True
-
-
 def validate_tgi(v: Validator, body: TGIRequest, request_id: str) -> list[GenerationRequest]:
     """One engine request per sequence: ``best_of`` of them (1 unless asked)."""
     p = body.parameters

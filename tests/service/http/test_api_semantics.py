@@ -227,3 +227,24 @@ def test_models_by_id_and_tokenize(oa, client: httpx.Client, reference) -> None:
     assert all("Hello there"[t["start"] : t["stop"]] == t["text"] for t in tokens)
     r = client.post("/tokenize", json={"inputs": "x", "parameters": {"truncate": 3}})
     assert r.status_code == 422 and "parameters" in r.json()["error"]
+
+
+def test_tokenize_in_vllms_shape_and_detokenize(client: httpx.Client, server) -> None:
+    """vLLM's {"prompt"} / {"messages"} beside TGI's {"inputs"}; /detokenize inverts it."""
+    tgi = client.post("/tokenize", json={"inputs": "Hello there"}).json()
+    r = client.post("/tokenize", json={"prompt": "Hello there"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == [t["id"] for t in tgi] and body["count"] == len(tgi)
+    assert body["max_model_len"] == server.settings.max_total_tokens
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    done = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == done["usage"]["prompt_tokens"]
+    text = client.post("/detokenize", json={"tokens": body["tokens"][1:]}).json()
+    assert text == {"prompt": "Hello there"}
+    for bad in ({"prompt": "a", "inputs": "b"}, {}, {"prompt": ""}):
+        r = client.post("/tokenize", json=bad)
+        assert r.status_code == 422 and ("exactly one" in r.text or "empty" in r.text), r.text
+    r = client.post("/detokenize", json={"tokens": [10**9]})
+    assert r.status_code == 422 and "outside the vocabulary" in r.text

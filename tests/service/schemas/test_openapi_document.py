@@ -11,18 +11,32 @@ import pytest
 from fastapi.responses import JSONResponse
 
 from service.http.app import create_app, error_response
+from service.schemas.anthropic_responses import AnthropicErrorEnvelope
 from service.schemas.response_models import ErrorEnvelope, OpenAIErrorEnvelope
 from service.settings import ServiceSettings
 
 ENVELOPE = "#/components/schemas/ErrorEnvelope"
 OPENAI_ENVELOPE = "#/components/schemas/OpenAIErrorEnvelope"
+ANTHROPIC_ENVELOPE = "#/components/schemas/AnthropicErrorEnvelope"
 #: The routes that stream (always, or with ``stream: true``), and the event each one's data holds.
 STREAMS = {
     ("post", "/generate_stream"): "TGIStreamEvent",
     ("post", "/"): "TGIStreamEvent",
     ("post", "/v1/completions"): "CompletionChunk",
     ("post", "/v1/chat/completions"): "ChatCompletionChunk",
+    ("post", "/v1/messages"): "AnthropicStreamEvent",
+    ("post", "/v1/responses"): "ResponseStreamEvent",
 }
+#: The streams that end with ``data: [DONE]`` (chat completions' and completions'; the typed-event streams of the
+#: Messages and Responses APIs end with their own last event).
+DONE_SENTINEL = {"/v1/completions", "/v1/chat/completions"}
+
+
+def envelope_of(path: str) -> str:
+    """The error envelope a path answers with: Anthropic's on /v1/messages, OpenAI's elsewhere under /v1."""
+    if path == "/v1/messages":
+        return ANTHROPIC_ENVELOPE
+    return OPENAI_ENVELOPE if path.startswith("/v1/") else ENVELOPE
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +62,7 @@ def test_every_route_documents_its_validation_error_with_the_envelope(document: 
         entry = op["responses"].get(status)
         assert entry is not None, f"{method.upper()} {path} documents no {status}"
         schema = entry["content"]["application/json"]["schema"]
-        assert schema == {"$ref": OPENAI_ENVELOPE if openai else ENVELOPE}, (method, path, schema)
+        assert schema == {"$ref": envelope_of(path)}, (method, path, schema)
         if openai:
             assert "422" not in op["responses"], f"{method.upper()} {path}: /v1 never answers 422"
 
@@ -62,7 +76,7 @@ def test_every_error_status_has_the_envelope_and_nothing_is_left_to_fastapi(docu
             if (method, path, status) == ("get", "/health/ready", "503"):
                 assert schema == {"$ref": "#/components/schemas/LoadState"}  # the progress, not an error
                 continue
-            assert schema["$ref"] in (ENVELOPE, OPENAI_ENVELOPE), (method, path, status)
+            assert schema["$ref"] == envelope_of(path), (method, path, status)
             if status in ("429", "503"):
                 assert "Retry-After" in entry["headers"], (method, path, status)
     assert "HTTPValidationError" not in document["components"]["schemas"]
@@ -86,8 +100,8 @@ def test_streaming_routes_list_their_events(document: dict[str, Any]) -> None:
         data = stream["itemSchema"]["properties"]["data"]
         text = json.dumps(data)
         assert f"#/components/schemas/{event}" in text, (path, data)
-        assert (OPENAI_ENVELOPE if path.startswith("/v1/") else ENVELOPE) in text  # a failure mid-stream
-        assert ("[DONE]" in text) == path.startswith("/v1/")
+        assert envelope_of(path) in text  # a failure mid-stream
+        assert ("[DONE]" in text) == (path in DONE_SENTINEL)
     streamed = {
         (m, p) for m, p, op in operations(document) if "text/event-stream" in op["responses"]["200"].get("content", {})
     }
@@ -113,12 +127,16 @@ def test_every_reference_resolves(document: dict[str, Any]) -> None:
     assert not missing
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/messages"])
 def test_the_envelope_models_are_what_the_server_sends(path: str) -> None:
     response = error_response(path, 422, "temperature must be > 0", "validation")
     assert isinstance(response, JSONResponse)
     body = json.loads(bytes(response.body))
-    if path.startswith("/v1/"):
+    if path == "/v1/messages":
+        assert response.status_code == 400
+        error = AnthropicErrorEnvelope.model_validate(body).error
+        assert (error.type, error.message) == ("invalid_request_error", "temperature must be > 0")
+    elif path.startswith("/v1/"):
         assert response.status_code == 400
         assert OpenAIErrorEnvelope.model_validate(body).error.message == "temperature must be > 0"
     else:
