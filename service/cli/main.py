@@ -93,6 +93,16 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "whole, or LOADMASTER_PREFIX_CACHE=false)",
     )
     g.add_argument(
+        "--speculate",
+        choices=("off", "ngram"),
+        default=None,
+        help="speculative decoding for greedy requests: ngram drafts by prompt lookup, verified in one forward "
+        "(default off; greedy output is unchanged)",
+    )
+    g.add_argument(
+        "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"
+    )
+    g.add_argument(
         "--api-key",
         action="append",
         default=None,

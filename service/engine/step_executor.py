@@ -27,6 +27,7 @@ from service.engine.prompt_logprobs import score_prompt_tokens
 from service.engine.requests import EngineMetrics, Sequence
 from service.engine.sampling import choose_batch
 from service.engine.scheduler import ScheduledRow
+from service.engine.speculation import Speculator, accepted
 from service.engine.token_output import ChosenToken, Failure, TokenOutput
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -51,8 +52,12 @@ class StepExecutor:
         *,
         record_forward: Callable[[list[ScheduledRow]], None],
         on_unrecoverable: Callable[[list[Sequence], ServiceError], None],
+        speculator: Speculator | None = None,
+        trim: Callable[[Sequence], None] | None = None,
     ):
         self.runner = runner
+        self.speculator = speculator or Speculator()
+        self._trim = trim or (lambda seq: None)
         self.metrics = metrics
         self._record_forward = record_forward
         self._on_unrecoverable = on_unrecoverable
@@ -74,13 +79,14 @@ class StepExecutor:
             return
         self._record_forward(rows)
         choosing: list[int] = []
+        verifying: list[int] = []
         for r, scheduled in enumerate(rows):
             seq, row = scheduled.seq, scheduled.row
             if not scheduled.prefill:
                 if seq.cancelled.is_set() or seq.done:
                     seq.done = True
                     continue
-                choosing.append(r)
+                (verifying if scheduled.drafts else choosing).append(r)
                 continue
             if row.every_logits:
                 prompt = seq.request.prompt_ids
@@ -90,10 +96,39 @@ class StepExecutor:
                 if seq.request.prompt_logprobs:
                     seq.set_prompt_logprobs(seq.prompt_scores)
                 choosing.append(r)
+        if verifying:
+            self._verify([rows[r] for r in verifying], [out.every[r] for r in verifying])
         if not choosing:
             return
         chosen = [rows[r] for r in choosing]
         self._choose(out.last[choosing] if len(choosing) < len(rows) else out.last, chosen)
+
+    def _verify(self, rows: list[ScheduledRow], logits: list[torch.Tensor]) -> None:
+        """Speculative rows (:mod:`service.engine.speculation`): each row's choice after each fed token, in one
+        batched pass over all of them (greedy rows without penalties: a choice depends on its logits alone), then
+        each row keeps its accepted drafts and the target's next token, recorded one by one so that an end of
+        sequence or the length limit stops it where plain decoding would; the slot's record is cut back to them."""
+        choosers = [s.seq.chooser for s, part in zip(rows, logits) for _ in range(part.shape[0])]
+        seqs = [s.seq for s in rows]
+        try:
+            choices = choose_batch(torch.cat(logits), choosers)
+        except Exception as exc:  # noqa: BLE001
+            self._step_failed(seqs, exc, "verify step")
+            return
+        at = 0
+        for scheduled, part in zip(rows, logits):
+            seq, drafts = scheduled.seq, scheduled.drafts
+            verdict = accepted(drafts, choices[at : at + part.shape[0]])
+            at += part.shape[0]
+            emitted = 0
+            for choice in verdict.choices:
+                self._chosen(seq, choice.token, choice.logprob)
+                emitted += 1
+                if seq.done:
+                    break
+            self.speculator.observe(seq, len(drafts), verdict.accepted, emitted)
+            self.metrics.speculated(len(drafts), verdict.accepted)
+            self._trim(seq)
 
     def _choose(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> None:
         """Choose the next token of each row of ``logits`` (one per item of ``rows``), in one batched pass; each

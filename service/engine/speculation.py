@@ -1,0 +1,191 @@
+"""Speculative decoding inside continuous batching: which rows draft, how many tokens, and what a verify pass keeps.
+
+A decode row normally feeds its last token and gets one new token per forward. A row that speculates feeds its last
+token followed by ``d`` drafted tokens (:mod:`service.engine.ngram_drafter`) and asks for the logits after each
+of them, in the same forward as every other row: one pass of the target (one read of its offloaded layers) checks
+all ``d`` drafts. Its greedy choice after each fed token is what decoding without speculation would have chosen
+there, as long as every draft before it was right; so the row keeps the longest prefix of drafts that equals the
+target's choices, plus the target's own token after that prefix (:func:`accepted`): 1 to ``d + 1`` tokens a pass,
+identical to plain greedy decoding.
+
+A rejected tail costs nothing to roll back. The KV pool holds no length per slot: a row's length is where its next
+row starts (prompt + generated - 1), and the mask hides everything beyond. The rejected drafts' keys stay in the
+slot past that length and are overwritten by the next tokens; only the scheduler's record of what the slot holds
+is cut back (:meth:`~service.engine.scheduler.Scheduler.trim`).
+
+Which rows speculate: greedy rows with no grammar, no penalties and no alternatives asked for. A sampled row would
+need the accept/resample rule to keep its distribution, a grammar or penalty row a chooser state advanced per draft,
+and a logprobs row alternatives per position; they decode one token a step, as without speculation, so their
+output never changes.
+
+Each row's draft length adapts to its acceptance (:class:`DraftLength`): it grows after a pass that accepted every
+draft and halves after one that accepted none, and at zero the row stops drafting for a while and then probes with
+one token. So a model or a text where drafts fail pays for few wasted positions.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+from typing import Literal
+
+from service.engine import ngram_drafter
+from service.engine.requests import Sequence
+from service.engine.sampling import Choice
+
+SpeculationMode = Literal["off", "ngram"]
+
+#: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
+DEFAULT_DRAFT_TOKENS = 4
+
+#: Decode steps a row whose draft length fell to zero waits before it probes again with one draft token.
+COOLDOWN_STEPS = 8
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since the engine started (``/info`` and ``/metrics`` read them). ``verify_passes`` are rows that fed
+    drafts; ``emitted`` the tokens those passes produced (accepted drafts plus the target's own token each)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_passes: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; None before any draft."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        """Tokens a verify pass produced on average; None before any."""
+        return self.emitted / self.verify_passes if self.verify_passes else None
+
+
+@dataclass
+class DraftLength:
+    """One row's draft length, adapted to its acceptance: it grows by one after a pass that accepted every draft,
+    halves after one that accepted none (shrinks to what was accepted plus one otherwise), and at zero rests
+    :data:`COOLDOWN_STEPS` decode steps before probing with one token."""
+
+    limit: int
+    length: int = 0
+    rest: int = 0
+
+    def __post_init__(self) -> None:
+        self.length = self.limit
+
+    def current(self) -> int:
+        """Draft tokens to propose this step (0: decode one token)."""
+        if self.length == 0:
+            self.rest -= 1
+            if self.rest <= 0:
+                self.length = min(1, self.limit)
+            return 0
+        return self.length
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if accepted == proposed:
+            self.length = min(self.limit, self.length + 1)
+        elif accepted == 0:
+            self.length //= 2
+        else:
+            self.length = min(self.length, accepted + 1)
+        if self.length == 0:
+            self.rest = COOLDOWN_STEPS
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a verify pass keeps of one row: ``tokens`` (the target's choices, in order: the accepted drafts, then
+    the target's own next token) and how many of them were drafts."""
+
+    choices: tuple[Choice, ...]
+    accepted: int
+
+
+def accepted(drafts: Tokens[int], choices: Tokens[Choice]) -> Verdict:
+    """The longest prefix of ``drafts`` equal to the target's greedy choices, plus the target's choice after it.
+    ``choices[i]`` is the target's choice after the row's last token and ``drafts[:i]`` (``len(drafts) + 1`` of
+    them)."""
+    if len(choices) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} choices, got {len(choices)}")
+    n = 0
+    while n < len(drafts) and choices[n].token == drafts[n]:
+        n += 1
+    return Verdict(tuple(choices[: n + 1]), n)
+
+
+def speculable(seq: Sequence) -> bool:
+    """Whether ``seq`` may decode with drafts without any change to its output (see the module docstring)."""
+    request = seq.request
+    params = request.params
+    return (
+        not params.sampling
+        and not params.penalised
+        and seq.chooser.constraint is None
+        and request.grammar is None
+        and request.top_n_tokens == 0
+    )
+
+
+@dataclass
+class Speculator:
+    """The engine's drafting policy: ``mode`` (``off`` or ``ngram``) and at most ``tokens`` drafts a row per pass.
+    Keeps each running sequence's :class:`DraftLength` and the engine's :class:`SpeculationStats`."""
+
+    mode: SpeculationMode = "off"
+    tokens: int = DEFAULT_DRAFT_TOKENS
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    _lengths: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "ngram"):
+            raise ValueError(f"unknown speculation mode {self.mode!r}; use 'off' or 'ngram'")
+        if self.tokens < 1:
+            raise ValueError(f"speculation needs at least one draft token a pass (got {self.tokens})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
+        target's own next token); empty for a row that does not speculate."""
+        if not self.enabled or room <= 0 or not speculable(seq):
+            return []
+        length = self._lengths.get(seq)
+        if length is None:
+            length = self._lengths[seq] = DraftLength(self.tokens)
+        want = min(length.current(), room)
+        if want <= 0:
+            return []
+        return ngram_drafter.propose(seq.request.prompt_ids + seq.generated, want)
+
+    def report(self) -> dict[str, int | float | None]:
+        """The counts and rates so far (``/info``)."""
+        with self._lock:
+            stats = SpeculationStats(**vars(self.stats))
+        return {
+            "proposed": stats.proposed,
+            "accepted": stats.accepted,
+            "verify_passes": stats.verify_passes,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_pass": stats.tokens_per_pass,
+        }
+
+    def observe(self, seq: Sequence, proposed: int, verdict_accepted: int, emitted: int) -> None:
+        """A verify pass of ``seq`` proposed ``proposed`` drafts, accepted ``verdict_accepted`` and produced
+        ``emitted`` tokens (fewer than accepted + 1 when the sequence ended inside them)."""
+        length = self._lengths.get(seq)
+        if length is not None:
+            length.observe(proposed, verdict_accepted)
+        with self._lock:
+            self.stats.proposed += proposed
+            self.stats.accepted += verdict_accepted
+            self.stats.verify_passes += 1
+            self.stats.emitted += emitted
