@@ -25,9 +25,9 @@ import torch
 from service.engine.isolation import is_out_of_memory, is_unrecoverable, isolate_failure
 from service.engine.prompt_logprobs import score_prompt_tokens
 from service.engine.requests import EngineMetrics, Sequence
-from service.engine.sampling import choose_batch
+from service.engine.sampling import choose_batch, target_distributions
 from service.engine.scheduler import ScheduledRow
-from service.engine.speculation import Speculator, accepted
+from service.engine.speculation import Speculator, Verdict, accepted, sampled
 from service.engine.token_output import ChosenToken, Failure, TokenOutput
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -104,31 +104,48 @@ class StepExecutor:
         self._choose(out.last[choosing] if len(choosing) < len(rows) else out.last, chosen)
 
     def _verify(self, rows: list[ScheduledRow], logits: list[torch.Tensor]) -> None:
-        """Speculative rows (:mod:`service.engine.speculation`): each row's choice after each fed token, in one
-        batched pass over all of them (greedy rows without penalties: a choice depends on its logits alone), then
-        each row keeps its accepted drafts and the target's next token, recorded one by one so that an end of
-        sequence or the length limit stops it where plain decoding would; the slot's record is cut back to them."""
-        choosers = [s.seq.chooser for s, part in zip(rows, logits) for _ in range(part.shape[0])]
+        """Speculative rows (:mod:`service.engine.speculation`): the greedy rows' choices after each fed token in one
+        batched pass (without penalties or grammar a choice depends on its logits alone), the sampled rows' by the
+        accept/resample rule; then each row keeps its accepted drafts and the target's next token, recorded one by
+        one so that an end of sequence or the length limit stops it where plain decoding would; the slot's record is
+        cut back to them."""
         seqs = [s.seq for s in rows]
         try:
-            choices = choose_batch(torch.cat(logits), choosers)
+            verdicts = self._verdicts(rows, logits)
         except Exception as exc:  # noqa: BLE001
             self._step_failed(seqs, exc, "verify step")
             return
-        at = 0
-        for scheduled, part in zip(rows, logits):
-            seq, drafts = scheduled.seq, scheduled.drafts
-            verdict = accepted(drafts, choices[at : at + part.shape[0]])
-            at += part.shape[0]
+        for scheduled, verdict in zip(rows, verdicts):
+            seq = scheduled.seq
             emitted = 0
             for choice in verdict.choices:
                 self._chosen(seq, choice.token, choice.logprob)
                 emitted += 1
                 if seq.done:
                     break
-            self.speculator.observe(seq, len(drafts), verdict.accepted, emitted)
-            self.metrics.speculated(len(drafts), verdict.accepted)
+            self.speculator.observe(seq, len(scheduled.drafts), verdict.accepted, emitted)
+            self.metrics.speculated(len(scheduled.drafts), verdict.accepted)
             self._trim(seq)
+
+    @staticmethod
+    def _verdicts(rows: list[ScheduledRow], logits: list[torch.Tensor]) -> list[Verdict]:
+        """Each speculative row's :class:`~service.engine.speculation.Verdict`, greedy rows batched in one pass."""
+        verdicts: list[Verdict | None] = [None] * len(rows)
+        greedy = [i for i, s in enumerate(rows) if not s.seq.chooser.params.sampling]
+        if greedy:
+            choosers = [rows[i].seq.chooser for i in greedy for _ in range(logits[i].shape[0])]
+            choices = choose_batch(torch.cat([logits[i] for i in greedy]), choosers)
+            at = 0
+            for i in greedy:
+                n = logits[i].shape[0]
+                verdicts[i] = accepted(rows[i].drafts, choices[at : at + n])
+                at += n
+        for i, scheduled in enumerate(rows):
+            if verdicts[i] is None:
+                chooser = scheduled.seq.chooser
+                logprobs, probs = target_distributions(logits[i], [chooser] * logits[i].shape[0])
+                verdicts[i] = sampled(scheduled.drafts, probs, logprobs, chooser.generator)
+        return verdicts  # type: ignore[return-value]
 
     def _choose(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> None:
         """Choose the next token of each row of ``logits`` (one per item of ``rows``), in one batched pass; each

@@ -316,7 +316,6 @@ def test_admission_waits_for_kv_budget_tokens(tiny_llama: Path) -> None:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(tiny_llama: Path, monkeypatch) -> None:
-    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     long_prompt = tok(" ".join(PROMPTS * 4))["input_ids"]
@@ -328,7 +327,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(tiny
         order.append("stream")
         stream_started.put(ev)
 
-    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8, prefill_chunk=8)
     engine.start()
     try:
         engine.submit(GenerationRequest(prompt_ids=tok("Hello")["input_ids"], max_new_tokens=60), stream_sink)
@@ -426,13 +425,12 @@ def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_an
     a layer on disk is read once per iteration, not once for the prefill and again for the decode step."""
     from loaders.load import load_model
 
-    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     device_map = {"": "cpu", "model.layers.1": "disk"}
     model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     reads = [0]
     model.model.layers[1].register_forward_pre_hook(lambda module, args: reads.__setitem__(0, reads[0] + 1))
-    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8, prefill_chunk=8)
     iterations: list[tuple[int, int, int]] = []  # (decoding, prefilling, layer reads) of each iteration
     step = engine._step
 
@@ -467,12 +465,11 @@ def test_an_iteration_reads_each_offloaded_layer_once_while_a_prompt_prefills_an
 def test_prompt_logprobs_come_from_the_chunked_prefill_itself(tiny_llama: Path, monkeypatch) -> None:
     """A prompt's own logprobs are scored from its prefill's logits, chunk after chunk (no second forward), and
     match plain transformers; such a prompt is prefilled whole even when the prefix cache holds it."""
-    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     prompt = tok(" ".join(PROMPTS * 2))["input_ids"]
     assert len(prompt) > 3 * 8
-    engine = Engine(model, tok, max_batch_size=2, max_queue=8)
+    engine = Engine(model, tok, max_batch_size=2, max_queue=8, prefill_chunk=8)
     calls = [0]
     model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
     engine.start()

@@ -29,9 +29,8 @@ def _scheduler(**kw) -> Scheduler:
     return Scheduler(None, **(args | kw))  # no prefix reuse: the KV pool itself is never touched
 
 
-def test_decode_rows_come_first_then_prompt_chunks_within_the_budget(tok, monkeypatch) -> None:
-    monkeypatch.setattr("service.engine.scheduler.PREFILL_CHUNK", 8)
-    s = _scheduler()
+def test_decode_rows_come_first_then_prompt_chunks_within_the_budget(tok) -> None:
+    s = _scheduler(prefill_chunk=8)
     short, long = _seq(tok, [1, 2, 3]), _seq(tok, list(range(1, 13)))
     for seq in (short, long):
         s.add(seq)

@@ -15,7 +15,7 @@ from service.engine.engine import Engine
 from service.engine.ngram_drafter import propose
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
-from service.engine.speculation import DraftLength, accepted
+from service.engine.speculation import DraftLength, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.
@@ -134,15 +134,85 @@ def test_stop_conditions_apply_to_each_accepted_token(tiny_llama: Path) -> None:
         assert len(ids) <= req.max_new_tokens
 
 
-def test_sampled_and_logprob_rows_do_not_speculate(tiny_llama: Path) -> None:
+def test_logprob_rows_do_not_speculate(tiny_llama: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    sampled = _requests(tok, 2, 16, params=SamplingParams(do_sample=True, temperature=0.8, seed=7))
     alts = _requests(tok, 2, 16, top_n_tokens=3)
-    plain, _ = _generate(model, tok, sampled + alts, "off", slots=4)
-    spec, engine = _generate(model, tok, sampled + alts, "ngram", slots=4)
-    assert spec == plain  # seeded sampling reproduces: these rows decode one token a step either way
+    penalised = _requests(tok, 2, 16, params=SamplingParams(repetition_penalty=1.3))
+    plain, _ = _generate(model, tok, alts + penalised, "off", slots=4)
+    spec, engine = _generate(model, tok, alts + penalised, "ngram", slots=4)
+    assert spec == plain
     assert engine.speculator.stats.proposed == 0
+
+
+def test_seeded_sampled_rows_speculate_and_reproduce_whatever_their_batch(tiny_llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    params = SamplingParams(temperature=0.3, top_k=3, seed=11)  # peaked: a random model's loops come through
+    seeded = _requests(tok, 3, 30, params=params)
+    alone, engine = _generate(model, tok, seeded, "ngram", slots=3)
+    assert engine.speculator.stats.accepted > 0
+    neighbours = _requests(tok, 5, 12)
+    together, _ = _generate(model, tok, neighbours + seeded, "ngram", slots=8)
+    assert together[len(neighbours) :] == alone
+
+
+def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """The p-value of Pearson's chi-square statistic (cells with no expectation left out)."""
+    keep = expected > 0
+    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_the_accept_resample_rule_keeps_the_target_distribution() -> None:
+    """Six tokens, drafts [2, 4]: the first emitted token follows p0, and the second, after an accepted 2, p1."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.tensor([[0.5, 1.0, 1.5, 0.0, -1.0, 0.2], [1.0, 0.0, 0.3, 0.3, 1.2, -0.5], [0.0] * 6])
+    probs = torch.softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    draws = 20000
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    for _ in range(draws):
+        verdict = sampled([2, 4], probs, logprobs, gen)
+        tokens = [c.token for c in verdict.choices]
+        first[tokens[0]] += 1
+        if tokens[0] == 2:
+            second[tokens[1]] += 1
+        assert abs(verdict.choices[0].logprob - float(logprobs[0, tokens[0]])) < 1e-6
+    assert _chi_square_p(first, probs[0] * draws) > 0.01
+    assert _chi_square_p(second, probs[1] * second.sum()) > 0.01
+
+
+def test_sampling_through_the_engine_has_the_same_distribution_with_and_without_drafts(tiny_llama: Path) -> None:
+    """A small vocabulary (top_k=4): the third generated token over many seeds, with and without ngram drafts, is
+    one distribution (a chi-square test of homogeneity, p > 0.01), and drafts were accepted."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok(PROMPTS[2])["input_ids"]
+    n = 400
+    counts = {}
+    for mode, offset in (("off", 0), ("ngram", 10_000)):
+        reqs = [
+            GenerationRequest(prompt_ids=prompt, max_new_tokens=4, params=SamplingParams(top_k=4, seed=offset + i))
+            for i in range(n)
+        ]
+        engine = Engine(model, tok, max_batch_size=16, max_queue=n, speculate=mode, speculate_tokens=3)
+        engine.start()
+        try:
+            counts[mode] = [ids[2] for ids in _tokens(engine, reqs)]
+        finally:
+            engine.stop()
+        if mode == "ngram":
+            assert engine.speculator.stats.accepted > 0
+    vocab = sorted(set(counts["off"]) | set(counts["ngram"]))
+    table = torch.tensor([[counts[m].count(t) for t in vocab] for m in ("off", "ngram")], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = len(vocab) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+    assert p > 0.01, (table, p)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
