@@ -174,14 +174,22 @@ def speculable(seq: Sequence) -> bool:
 
 
 @dataclass
+class _RowState:
+    """What the speculator keeps for one running sequence (dropped with it)."""
+
+    length: DraftLength
+    index: ngram_drafter.NgramIndex
+
+
+@dataclass
 class Speculator:
     """The engine's drafting policy: ``mode`` (``off`` or ``ngram``) and at most ``tokens`` drafts a row per pass.
-    Keeps each running sequence's :class:`DraftLength` and the engine's :class:`SpeculationStats`."""
+    Keeps each running sequence's :class:`DraftLength` and n-gram index, and the engine's :class:`SpeculationStats`."""
 
     mode: SpeculationMode = "off"
     tokens: int = DEFAULT_DRAFT_TOKENS
     stats: SpeculationStats = field(default_factory=SpeculationStats)
-    _lengths: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -199,13 +207,12 @@ class Speculator:
         target's own next token); empty for a row that does not speculate."""
         if not self.enabled or room <= 0 or not speculable(seq):
             return []
-        length = self._lengths.get(seq)
-        if length is None:
-            length = self._lengths[seq] = DraftLength(self.tokens)
-        want = min(length.current(), room)
-        if want <= 0:
-            return []
-        return ngram_drafter.propose(seq.request.prompt_ids + seq.generated, want)
+        state = self._rows.get(seq)
+        if state is None:
+            state = self._rows[seq] = _RowState(DraftLength(self.tokens), ngram_drafter.NgramIndex())
+        want = min(state.length.current(), room)
+        # the index follows every step, drafting or not, so a later lookup has nothing to catch up on
+        return state.index.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
 
     def report(self) -> dict[str, int | float | None]:
         """The counts and rates so far (``/info``)."""
@@ -222,9 +229,9 @@ class Speculator:
     def observe(self, seq: Sequence, proposed: int, verdict_accepted: int, emitted: int) -> None:
         """A verify pass of ``seq`` proposed ``proposed`` drafts, accepted ``verdict_accepted`` and produced
         ``emitted`` tokens (fewer than accepted + 1 when the sequence ended inside them)."""
-        length = self._lengths.get(seq)
-        if length is not None:
-            length.observe(proposed, verdict_accepted)
+        state = self._rows.get(seq)
+        if state is not None:
+            state.length.observe(proposed, verdict_accepted)
         with self._lock:
             self.stats.proposed += proposed
             self.stats.accepted += verdict_accepted

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine.engine import Engine
-from service.engine.ngram_drafter import propose
+from service.engine.ngram_drafter import NgramIndex, propose
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
 from service.engine.speculation import DraftLength, accepted, sampled
@@ -220,6 +220,25 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert propose([4, 5, 6, 4, 8], 3) == []  # no earlier "4 8", "8": nothing
     assert propose([4, 5, 6, 4], 3) == [5, 6, 4]
     assert propose([1, 2, 3], 0) == []
+
+
+def _scan(tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup by brute force: the latest earlier occurrence of the longest suffix (3..1 tokens)."""
+    for n in range(min(3, len(tokens) - 1), 0, -1):
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_the_incremental_index_proposes_what_a_full_scan_finds() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tokens = torch.randint(0, 5, (60,), generator=gen).tolist()
+        index = NgramIndex()
+        for end in range(1, len(tokens) + 1):  # the sequence grows a token at a time, as a decoding row's does
+            assert index.propose(tokens[:end], 3) == _scan(tokens[:end], 3)
 
 
 def test_the_longest_prefix_of_matching_drafts_is_accepted_plus_the_target_token() -> None:
