@@ -259,9 +259,15 @@ class Engine:
             self.peak_batch = max(self.peak_batch, plan.decodes)
             self.steps += 1
         started = time.perf_counter()
+        emitted = self.speculator.stats.emitted
         self.executor.execute(plan.rows)
+        elapsed = time.perf_counter() - started
         prompt_tokens = sum(len(r.row.tokens) for r in plan.rows if r.prefill)
-        self.scheduler.budget.observe(prompt_tokens, plan.decodes, time.perf_counter() - started)
+        self.scheduler.budget.observe(prompt_tokens, plan.decodes, elapsed)
+        if self.speculator.enabled and plan.decodes and not prompt_tokens:  # a pure decode step: what drafting costs
+            verified = sum(1 for r in plan.rows if r.drafts)
+            tokens = self.speculator.stats.emitted - emitted + plan.decodes - verified
+            self.speculator.gate.observe(plan.decodes, elapsed, tokens, drafted=verified > 0)
         while plan.deferred and plan.prefill_budget > 0:
             plan = self.scheduler.schedule_prefill(plan.prefill_budget)
             if not plan.rows:

@@ -166,6 +166,7 @@ class Scheduler:
         decoders = sorted(
             (s for s in self.running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
         )
+        self.speculator.begin_step(len(decoders))
         rows = [self._decode_row(s) for s in decoders]
         prompts = sum(1 for s in self.running if s.prefilling and not s.done)
         chunks = self.schedule_prefill(self.budget.tokens(self.prefill_chunk, decoders=len(rows), prompts=prompts))

@@ -173,6 +173,48 @@ def speculable(seq: Sequence) -> bool:
     )
 
 
+#: Weight of the newest step in the gate's moving averages.
+SMOOTHING = 0.2
+#: Steps the gate stays shut before it lets one drafting step through to measure again.
+PROBE_EVERY = 64
+
+
+@dataclass
+class StepGate:
+    """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
+    steps with drafts against those without, per count of decode rows (a step of 16 rows costs more than one of
+    1, whatever it drafts). While drafting steps cost more per token than plain ones, steps draft nothing, but for
+    one probe every :data:`PROBE_EVERY` steps. It gates greedy rows only: whether a sampled row drafts changes which
+    random numbers it draws, so that must not depend on timing (a seed would no longer give the same tokens); a
+    sampled row's drafting follows its own acceptance alone (:class:`DraftLength`). A small model whose plain step runs the native one-token decode
+    kernel and whose verify pass runs the model's full forward is where this shuts; a model read from disk, whose
+    step costs its weight reads whatever the row width, is where it stays open."""
+
+    #: False: always open (tests that must see drafts whatever the timing).
+    measure: bool = True
+    plain: dict[int, float] = field(default_factory=dict)  # decode rows -> seconds per token, steps without drafts
+    drafted: dict[int, float] = field(default_factory=dict)  # the same, steps with drafts
+    shut_steps: int = 0
+
+    def open(self, rows: int) -> bool:
+        plain, drafted = self.plain.get(rows), self.drafted.get(rows)
+        if not self.measure or plain is None or drafted is None or drafted <= plain:
+            return True
+        self.shut_steps += 1
+        if self.shut_steps >= PROBE_EVERY:
+            self.shut_steps = 0
+            return True
+        return False
+
+    def observe(self, rows: int, seconds: float, tokens: int, drafted: bool) -> None:
+        """A pure decode step of ``rows`` rows took ``seconds`` and emitted ``tokens`` tokens."""
+        if tokens <= 0:
+            return
+        table = self.drafted if drafted else self.plain
+        old, new = table.get(rows), seconds / tokens
+        table[rows] = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
 @dataclass
 class _RowState:
     """What the speculator keeps for one running sequence (dropped with it)."""
@@ -189,6 +231,8 @@ class Speculator:
     mode: SpeculationMode = "off"
     tokens: int = DEFAULT_DRAFT_TOKENS
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+    gate: StepGate = field(default_factory=StepGate)
+    _gate_open: bool = True
     _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -202,10 +246,17 @@ class Speculator:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    def begin_step(self, decode_rows: int) -> None:
+        """A step with ``decode_rows`` decode rows is being scheduled: whether its greedy rows draft
+        (:class:`StepGate`)."""
+        self._gate_open = self.gate.open(decode_rows) if self.enabled else False
+
     def drafts(self, seq: Sequence, room: int) -> list[int]:
         """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
         target's own next token); empty for a row that does not speculate."""
         if not self.enabled or room <= 0 or not speculable(seq):
+            return []
+        if not self._gate_open and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
             return []
         state = self._rows.get(seq)
         if state is None:

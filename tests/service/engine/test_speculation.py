@@ -15,7 +15,7 @@ from service.engine.engine import Engine
 from service.engine.ngram_drafter import NgramIndex, propose
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
-from service.engine.speculation import DraftLength, accepted, sampled
+from service.engine.speculation import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.
@@ -51,6 +51,7 @@ def _tokens(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
 
 def _generate(model, tok, requests, speculate: str, slots: int) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, tok, max_batch_size=slots, max_queue=64, speculate=speculate, speculate_tokens=4)
+    engine.speculator.gate.measure = False  # draft whatever the timing: the test is that drafts change nothing
     engine.start()
     try:
         return _tokens(engine, requests), engine
@@ -247,6 +248,19 @@ def test_the_longest_prefix_of_matching_drafts_is_accepted_plus_the_target_token
     assert verdict.accepted == 2 and [c.token for c in verdict.choices] == [5, 6, 9]
     verdict = accepted([5, 6, 9], choices)
     assert verdict.accepted == 3 and [c.token for c in verdict.choices] == [5, 6, 9, 1]
+
+
+def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes_again() -> None:
+    gate = StepGate()
+    assert gate.open(1)  # nothing measured yet
+    gate.observe(1, 0.010, 1, drafted=False)
+    gate.observe(1, 0.030, 2, drafted=True)  # 15 ms a token against 10
+    assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
+    assert gate.open(1)  # a probe
+    assert gate.open(4)  # another batch size is measured on its own
+    for _ in range(10):  # drafts start paying: 5 ms a token
+        gate.observe(1, 0.020, 4, drafted=True)
+    assert gate.drafted[1] < gate.plain[1] and gate.open(1)
 
 
 def test_the_draft_length_adapts_and_rests_after_failures() -> None:
