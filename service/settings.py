@@ -135,6 +135,12 @@ class ServiceSettings(BaseSettings):
     prefix_cache: bool = Field(
         True, description="Reuse the KV of prompt prefixes the cache's slots hold (false: prefill every prompt whole)."
     )
+    # Speculative decoding (service/engine/speculation.py).
+    speculate: Literal["off", "ngram"] = Field(
+        "off",
+        description="Draft tokens for greedy rows and verify them in one forward: ngram (prompt lookup) or off.",
+    )
+    speculate_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens a row proposes per verify pass.")
     max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")
     max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
     default_max_new_tokens: int = Field(100, ge=1)
@@ -178,6 +184,15 @@ class ServiceSettings(BaseSettings):
             raise ValueError(
                 "standin_device_runs (LOADMASTER_STANDIN_DEVICE_RUNS, test only) splits one process's layers; "
                 "unset it to serve with --pipeline"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_speculation(self) -> ServiceSettings:
+        if self.speculate != "off" and self.pipeline:
+            raise ValueError(
+                "--speculate does not apply to a --pipeline (its ranks run one token a row); serve without "
+                "--speculate, or serve one process"
             )
         return self
 

@@ -102,6 +102,15 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "whole, or LOADMASTER_PREFIX_CACHE=false)",
     )
     g.add_argument(
+        "--speculate",
+        default=None,
+        help="speculative decoding for greedy requests, off or ngram: ngram drafts by prompt lookup, verified in one forward "
+        "(default off; greedy output is unchanged)",
+    )
+    g.add_argument(
+        "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"
+    )
+    g.add_argument(
         "--api-key",
         action="append",
         default=None,

@@ -36,6 +36,7 @@ from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
+from service.engine.speculation import DEFAULT_DRAFT_TOKENS, SpeculationMode, Speculator
 from service.engine.step_executor import StepExecutor
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -68,7 +69,9 @@ class Engine:
     timing). ``threads`` sets and adapts the CPU thread count on the engine thread
     (:class:`~loaders.native.cpu_threads.ThreadGovernor`); None leaves torch's as it is. ``prefill_chunk`` is the
     most prompt tokens one step prefills: the step the plan budgeted activations for (the plan's
-    ``workload.prefill_chunk``; a tight box plans a smaller one).
+    ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has greedy rows draft up
+    to ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
+    (:mod:`service.engine.speculation`); greedy output stays the same token for token.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class Engine:
         prefix_cache: bool = True,
         threads: ThreadGovernor | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        speculate: SpeculationMode = "off",
+        speculate_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
         require_transformers()
         if not supports_slot_cache(model):
@@ -112,6 +117,8 @@ class Engine:
         self.runner, self.device_pipeline = make_runner(
             model, self.device, self.cache, micro_batches=micro_batches, standin_runs=standin_runs
         )
+        #: Speculative decoding's policy and counts (:mod:`service.engine.speculation`); mode ``off`` drafts nothing.
+        self.speculator = Speculator(speculate, speculate_tokens)
         self.scheduler = Scheduler(
             self.cache,
             slots=max_batch_size,
@@ -120,12 +127,15 @@ class Engine:
             kv_budget_tokens=self.kv_budget_tokens,
             prefix_cache=prefix_cache,
             prefill_chunk=prefill_chunk,
+            speculator=self.speculator,
         )
         self.executor = StepExecutor(
             self.runner,
             self.metrics,
             record_forward=self.scheduler.record_forward,
             on_unrecoverable=self._stop_for_good,
+            speculator=self.speculator,
+            trim=self.scheduler.trim,
         )
         self.threads = threads
         self._cv = threading.Condition()
@@ -249,9 +259,15 @@ class Engine:
             self.peak_batch = max(self.peak_batch, plan.decodes)
             self.steps += 1
         started = time.perf_counter()
+        emitted = self.speculator.stats.emitted
         self.executor.execute(plan.rows)
+        elapsed = time.perf_counter() - started
         prompt_tokens = sum(len(r.row.tokens) for r in plan.rows if r.prefill)
-        self.scheduler.budget.observe(prompt_tokens, plan.decodes, time.perf_counter() - started)
+        self.scheduler.budget.observe(prompt_tokens, plan.decodes, elapsed)
+        if self.speculator.enabled and plan.decodes and not prompt_tokens:  # a pure decode step: what drafting costs
+            verified = sum(1 for r in plan.rows if r.drafts)
+            tokens = self.speculator.stats.emitted - emitted + plan.decodes - verified
+            self.speculator.gate.observe(plan.decodes, elapsed, tokens, drafted=verified > 0)
         while plan.deferred and plan.prefill_budget > 0:
             plan = self.scheduler.schedule_prefill(plan.prefill_budget)
             if not plan.rows:

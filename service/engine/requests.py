@@ -106,6 +106,7 @@ class EngineMetrics(Protocol):
     def queued(self, seconds: float) -> None: ...
     def first_token(self, seconds: float) -> None: ...
     def tokens(self, prompt: int, generated: int) -> None: ...
+    def speculated(self, proposed: int, accepted: int) -> None: ...
 
 
 class NoMetrics:
@@ -121,6 +122,9 @@ class NoMetrics:
         pass
 
     def tokens(self, prompt: int, generated: int) -> None:
+        pass
+
+    def speculated(self, proposed: int, accepted: int) -> None:
         pass
 
 

@@ -210,6 +210,30 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
     return out
 
 
+def target_distributions(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sampled rows without penalties or grammar (speculative verification): each row's log-probabilities as
+    :func:`choose_batch` reports them (after logit bias and temperature) and the probabilities it samples from
+    (after top-k/top-p/typical/min-p, renormalised), both ``[B, V]``. The same steps as :func:`choose_batch`."""
+    if any(c.constraint is not None or c.params.penalised for c in choosers):
+        raise ValueError("target_distributions takes rows without grammar or penalties")
+    scores = logits.detach().to(torch.float32, copy=True)
+    _apply_logit_bias(scores, choosers)
+    temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
+    if any(t != 1.0 for t in temps):
+        scores = scores / torch.tensor(temps, dtype=torch.float32, device=scores.device).unsqueeze(1)
+    logprobs = torch.log_softmax(scores, dim=-1)
+    kept = _truncate(logprobs.clone(), [c.params for c in choosers])
+    return logprobs, torch.softmax(kept, dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs`` (``[V]``, not necessarily normalised) by inverse CDF with one uniform number from
+    ``generator``: the draw :func:`choose_batch` makes."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64).to(cdf.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+
+
 def _apply_logit_bias(scores: torch.Tensor, choosers: Sequence[TokenChooser]) -> None:
     """Add each row's ``logit_bias`` (in place); ids beyond the logits' width are ignored."""
     vocab = scores.shape[1]

@@ -30,6 +30,7 @@ from service.engine.model_runner import Row
 from service.engine.prefill_budget import PrefillBudget
 from service.engine.prefix_index import SlotContents, common_prefix
 from service.engine.requests import Sequence
+from service.engine.speculation import Speculator
 from service.errors import GenerationError, OverloadedError
 
 #: Shortest shared prefix worth holding a prompt back an iteration for (a whole identical prompt always is).
@@ -43,6 +44,8 @@ class ScheduledRow:
     seq: Sequence
     row: Row
     prefill: bool  # the row feeds prompt tokens (its sequence has chosen no token yet)
+    #: A decode row's drafted tokens, fed after its last token for the target to verify (speculative decoding).
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass
@@ -74,8 +77,10 @@ class Scheduler:
         kv_budget_tokens: int,
         prefix_cache: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
+        speculator: Speculator | None = None,
     ):
         self.cache = cache
+        self.speculator = speculator or Speculator()
         self.prefill_chunk = prefill_chunk  # the plan's step: it budgets activations for no wider a forward
         self.contents = SlotContents(slots)
         self.max_queue = max_queue
@@ -161,15 +166,28 @@ class Scheduler:
         decoders = sorted(
             (s for s in self.running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
         )
-        rows = [
-            ScheduledRow(s, Row(s.slot, len(s.request.prompt_ids) + len(s.generated) - 1, s.generated[-1:]), False)
-            for s in decoders
-        ]
+        self.speculator.begin_step(len(decoders))
+        rows = [self._decode_row(s) for s in decoders]
         prompts = sum(1 for s in self.running if s.prefilling and not s.done)
         chunks = self.schedule_prefill(self.budget.tokens(self.prefill_chunk, decoders=len(rows), prompts=prompts))
         chunks.rows[:0] = rows
         chunks.decodes = len(rows)
         return chunks
+
+    def _decode_row(self, seq: Sequence) -> ScheduledRow:
+        """``seq``'s decode row: its last token at its own position, followed by the tokens it drafts, if any
+        (:mod:`service.engine.speculation`), which then asks for the logits after every fed token. Drafts stay within
+        the request's max new tokens (the target's own token comes after them) and the slot's length."""
+        start = len(seq.request.prompt_ids) + len(seq.generated) - 1
+        room = min(seq.request.max_new_tokens - len(seq.generated) - 1, self.max_total_tokens - start - 1)
+        drafts = tuple(self.speculator.drafts(seq, room))
+        row = Row(seq.slot, start, [*seq.generated[-1:], *drafts], every_logits=bool(drafts))
+        return ScheduledRow(seq, row, False, drafts)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a verify pass: the slot holds the KV of the prompt and every generated token but the last; the
+        rejected drafts' keys past that are left to be overwritten (no cache length to change, nothing copied)."""
+        del self.contents.tokens[seq.slot][len(seq.request.prompt_ids) + len(seq.generated) - 1 :]
 
     def schedule_prefill(self, budget: int) -> SchedulerOutput:
         """The next prompt chunks, oldest sequence first, up to ``budget`` tokens in all (no decode rows: also the

@@ -25,8 +25,9 @@ import torch
 from service.engine.isolation import is_out_of_memory, is_unrecoverable, isolate_failure
 from service.engine.prompt_logprobs import score_prompt_tokens
 from service.engine.requests import EngineMetrics, Sequence
-from service.engine.sampling import choose_batch
+from service.engine.sampling import choose_batch, target_distributions
 from service.engine.scheduler import ScheduledRow
+from service.engine.speculation import Speculator, Verdict, accepted, sampled
 from service.engine.token_output import ChosenToken, Failure, TokenOutput
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -51,8 +52,12 @@ class StepExecutor:
         *,
         record_forward: Callable[[list[ScheduledRow]], None],
         on_unrecoverable: Callable[[list[Sequence], ServiceError], None],
+        speculator: Speculator | None = None,
+        trim: Callable[[Sequence], None] | None = None,
     ):
         self.runner = runner
+        self.speculator = speculator or Speculator()
+        self._trim = trim or (lambda seq: None)
         self.metrics = metrics
         self._record_forward = record_forward
         self._on_unrecoverable = on_unrecoverable
@@ -74,13 +79,14 @@ class StepExecutor:
             return
         self._record_forward(rows)
         choosing: list[int] = []
+        verifying: list[int] = []
         for r, scheduled in enumerate(rows):
             seq, row = scheduled.seq, scheduled.row
             if not scheduled.prefill:
                 if seq.cancelled.is_set() or seq.done:
                     seq.done = True
                     continue
-                choosing.append(r)
+                (verifying if scheduled.drafts else choosing).append(r)
                 continue
             if row.every_logits:
                 prompt = seq.request.prompt_ids
@@ -90,10 +96,56 @@ class StepExecutor:
                 if seq.request.prompt_logprobs:
                     seq.set_prompt_logprobs(seq.prompt_scores)
                 choosing.append(r)
+        if verifying:
+            self._verify([rows[r] for r in verifying], [out.every[r] for r in verifying])
         if not choosing:
             return
         chosen = [rows[r] for r in choosing]
         self._choose(out.last[choosing] if len(choosing) < len(rows) else out.last, chosen)
+
+    def _verify(self, rows: list[ScheduledRow], logits: list[torch.Tensor]) -> None:
+        """Speculative rows (:mod:`service.engine.speculation`): the greedy rows' choices after each fed token in one
+        batched pass (without penalties or grammar a choice depends on its logits alone), the sampled rows' by the
+        accept/resample rule; then each row keeps its accepted drafts and the target's next token, recorded one by
+        one so that an end of sequence or the length limit stops it where plain decoding would; the slot's record is
+        cut back to them."""
+        seqs = [s.seq for s in rows]
+        try:
+            verdicts = self._verdicts(rows, logits)
+        except Exception as exc:  # noqa: BLE001
+            self._step_failed(seqs, exc, "verify step")
+            return
+        for scheduled, verdict in zip(rows, verdicts):
+            seq = scheduled.seq
+            emitted = 0
+            for choice in verdict.choices:
+                self._chosen(seq, choice.token, choice.logprob)
+                emitted += 1
+                if seq.done:
+                    break
+            self.speculator.observe(seq, len(scheduled.drafts), verdict.accepted, emitted)
+            self.metrics.speculated(len(scheduled.drafts), verdict.accepted)
+            self._trim(seq)
+
+    @staticmethod
+    def _verdicts(rows: list[ScheduledRow], logits: list[torch.Tensor]) -> list[Verdict]:
+        """Each speculative row's :class:`~service.engine.speculation.Verdict`, greedy rows batched in one pass."""
+        verdicts: list[Verdict | None] = [None] * len(rows)
+        greedy = [i for i, s in enumerate(rows) if not s.seq.chooser.params.sampling]
+        if greedy:
+            choosers = [rows[i].seq.chooser for i in greedy for _ in range(logits[i].shape[0])]
+            choices = choose_batch(torch.cat([logits[i] for i in greedy]), choosers)
+            at = 0
+            for i in greedy:
+                n = logits[i].shape[0]
+                verdicts[i] = accepted(rows[i].drafts, choices[at : at + n])
+                at += n
+        for i, scheduled in enumerate(rows):
+            if verdicts[i] is None:
+                chooser = scheduled.seq.chooser
+                logprobs, probs = target_distributions(logits[i], [chooser] * logits[i].shape[0])
+                verdicts[i] = sampled(scheduled.drafts, probs, logprobs, chooser.generator)
+        return verdicts  # type: ignore[return-value]
 
     def _choose(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> None:
         """Choose the next token of each row of ``logits`` (one per item of ``rows``), in one batched pass; each

@@ -100,6 +100,8 @@ class Runtime:
             prefix_cache=s.prefix_cache,
             threads=self.threads,
             prefill_chunk=engine_prefill_chunk(loaded),
+            speculate=s.speculate,
+            speculate_tokens=s.speculate_tokens,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()

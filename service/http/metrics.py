@@ -107,6 +107,18 @@ class Metrics:
             "Most micro-batches one engine step is split into over the device runs (0: not in use).",
             registry=r,
         )
+        # speculative decoding (service/engine/speculation.py): acceptance = accepted / draft tokens
+        self._draft_tokens = Counter(
+            "loadmaster_speculative_draft_tokens", "Draft tokens proposed for verification.", registry=r
+        )
+        self._accepted_tokens = Counter(
+            "loadmaster_speculative_accepted_tokens",
+            "Draft tokens the target model's verify pass accepted.",
+            registry=r,
+        )
+        self._verify_passes = Counter(
+            "loadmaster_speculative_verify_passes", "Decode rows that fed drafts for verification.", registry=r
+        )
         self._lock = threading.Lock()
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of the last minute, for tokens/s
         self.memory_reader: MemoryReader | None = None
@@ -153,6 +165,12 @@ class Metrics:
             self.generated_total += generated
             self._recent.append((now, generated))
             self._recent = [(t, n) for t, n in self._recent if now - t <= 60.0]
+
+    def speculated(self, proposed: int, accepted: int) -> None:
+        """A verify pass of one row: ``proposed`` drafts fed, ``accepted`` of them kept."""
+        self._draft_tokens.inc(proposed)
+        self._accepted_tokens.inc(accepted)
+        self._verify_passes.inc()
 
     def tokens_per_second(self) -> float:
         now = time.monotonic()

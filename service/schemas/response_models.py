@@ -234,6 +234,18 @@ class DevicePipelineInfo(_Answer):
     standin: bool
 
 
+class SpeculationInfo(_Answer):
+    """Speculative decoding (``service.engine.speculation``): the mode, its limit and what it achieved so far."""
+
+    mode: str = Field(description="off or ngram (prompt lookup).")
+    draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")
+    proposed: int = 0
+    accepted: int = 0
+    verify_passes: int = 0
+    acceptance_rate: float | None = Field(None, description="Accepted over proposed draft tokens (none yet: null).")
+    tokens_per_pass: float | None = Field(None, description="Tokens a verify pass produced on average.")
+
+
 class InfoResponse(_Answer):
     """``GET /info``: the version, load state and limits; with the model loaded, what was loaded and how."""
 
@@ -258,6 +270,7 @@ class InfoResponse(_Answer):
     device_pipeline: DevicePipelineInfo | None = Field(
         None, description="Whether steps run in micro-batches over the GPUs of this host, over which runs, and why."
     )
+    speculation: SpeculationInfo | None = Field(None, description="Speculative decoding: mode and acceptance.")
 
 
 # -- /plan -------------------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ def test_every_flag_is_also_an_environment_variable(monkeypatch: pytest.MonkeyPa
         (["serve", "{model}", "--cpu-quantization", "int3"], {}, "cpu_quantization"),
         (["serve", "{model}", "--strategy", "fastest"], {}, "unknown strategy 'fastest'"),
         (["serve", "{model}", "--api-key", ""], {}, "API key is empty or blank"),
+        (["serve", "{model}", "--speculate", "eagle"], {}, "speculate"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], env: dict, mentions: str) -> None:
@@ -126,6 +127,8 @@ def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], en
         (["--gpus", "lots"], {}, "GPU declaration"),
         (["--log-level", "verbose"], {}, "log_level"),
         (["--api-key", "good", "--api-key", "  "], {}, "API key is empty or blank"),
+        (["--speculate", "ngram", "--pipeline"], {}, "--speculate does not apply to a --pipeline"),
+        (["--speculate-tokens", "0"], {}, "speculate_tokens"),
         ([], {"LOADMASTER_API_KEY": "a,,b"}, "API key is empty or blank"),
         ([], {"LOADMASTER_API_KEY": ""}, "API key is empty or blank"),
     ],

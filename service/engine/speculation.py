@@ -1,0 +1,290 @@
+"""Speculative decoding inside continuous batching: which rows draft, how many tokens, and what a verify pass keeps.
+
+A decode row normally feeds its last token and gets one new token per forward. A row that speculates feeds its last
+token followed by ``d`` drafted tokens (:mod:`service.engine.ngram_drafter`) and asks for the logits after each
+of them, in the same forward as every other row: one pass of the target (one read of its offloaded layers) checks
+all ``d`` drafts. Its greedy choice after each fed token is what decoding without speculation would have chosen
+there, as long as every draft before it was right; so the row keeps the longest prefix of drafts that equals the
+target's choices, plus the target's own token after that prefix (:func:`accepted`): 1 to ``d + 1`` tokens a pass,
+identical to plain greedy decoding.
+
+A rejected tail costs nothing to roll back. The KV pool holds no length per slot: a row's length is where its next
+row starts (prompt + generated - 1), and the mask hides everything beyond. The rejected drafts' keys stay in the
+slot past that length and are overwritten by the next tokens; only the scheduler's record of what the slot holds
+is cut back (:meth:`~service.engine.scheduler.Scheduler.trim`).
+
+A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft
+is a point mass, so draft ``x`` is accepted with the target's probability of ``x`` and, on rejection, the token is
+drawn from the target with ``x`` removed. Its random numbers all come from its own seeded generator, so a seed gives
+the same tokens on every run (not the same tokens as without speculation, which draws differently: the same
+distribution).
+
+Which rows speculate: greedy and sampled rows with no grammar, no penalties and no alternatives asked for. A grammar
+or penalty row would need its chooser's state advanced per draft, and a logprobs row alternatives per position;
+they decode one token a step, as without speculation, so their output never changes.
+
+Each row's draft length adapts to its acceptance (:class:`DraftLength`): it grows after a pass that accepted every
+draft and halves after one that accepted none, and at zero the row stops drafting for a while and then probes with
+one token. So a model or a text where drafts fail pays for few wasted positions.
+
+The row is verified on its logits as the forward returns them, so it meets the same numbers as plain decoding only
+as far as the runner gives a row the same logits whatever it is batched with: exactly in fp32 (to ~1e-6, tested
+token for token); in bf16 a verify row runs on the prompt path's kernels, not the one-token decode step, and a near
+tie may then fall the other way.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from service.engine import ngram_drafter
+from service.engine.requests import Sequence
+from service.engine.sampling import Choice, draw
+
+SpeculationMode = Literal["off", "ngram"]
+
+#: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
+DEFAULT_DRAFT_TOKENS = 4
+
+#: Decode steps a row whose draft length fell to zero waits before it probes again with one draft token.
+COOLDOWN_STEPS = 8
+
+
+@dataclass
+class SpeculationStats:
+    """Counts since the engine started (``/info`` and ``/metrics`` read them). ``verify_passes`` are rows that fed
+    drafts; ``emitted`` the tokens those passes produced (accepted drafts plus the target's own token each)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_passes: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed draft tokens; None before any draft."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        """Tokens a verify pass produced on average; None before any."""
+        return self.emitted / self.verify_passes if self.verify_passes else None
+
+
+@dataclass
+class DraftLength:
+    """One row's draft length, adapted to its acceptance: it grows by one after a pass that accepted every draft,
+    halves after one that accepted none (shrinks to what was accepted plus one otherwise), and at zero rests
+    :data:`COOLDOWN_STEPS` decode steps before probing with one token."""
+
+    limit: int
+    length: int = 0
+    rest: int = 0
+
+    def __post_init__(self) -> None:
+        self.length = self.limit
+
+    def current(self) -> int:
+        """Draft tokens to propose this step (0: decode one token)."""
+        if self.length == 0:
+            self.rest -= 1
+            if self.rest <= 0:
+                self.length = min(1, self.limit)
+            return 0
+        return self.length
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if accepted == proposed:
+            self.length = min(self.limit, self.length + 1)
+        elif accepted == 0:
+            self.length //= 2
+        else:
+            self.length = min(self.length, accepted + 1)
+        if self.length == 0:
+            self.rest = COOLDOWN_STEPS
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a verify pass keeps of one row: ``tokens`` (the target's choices, in order: the accepted drafts, then
+    the target's own next token) and how many of them were drafts."""
+
+    choices: tuple[Choice, ...]
+    accepted: int
+
+
+def accepted(drafts: Tokens[int], choices: Tokens[Choice]) -> Verdict:
+    """The longest prefix of ``drafts`` equal to the target's greedy choices, plus the target's choice after it.
+    ``choices[i]`` is the target's choice after the row's last token and ``drafts[:i]`` (``len(drafts) + 1`` of
+    them)."""
+    if len(choices) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} choices, got {len(choices)}")
+    n = 0
+    while n < len(drafts) and choices[n].token == drafts[n]:
+        n += 1
+    return Verdict(tuple(choices[: n + 1]), n)
+
+
+def sampled(
+    drafts: Tokens[int], probs: torch.Tensor, logprobs: torch.Tensor, generator: torch.Generator | None
+) -> Verdict:
+    """The standard accept/resample rule for a sampled row whose drafts are point masses (prompt lookup proposes
+    one token, with certainty): draft ``x`` at position ``i`` is accepted with probability ``p_i(x)``; on the first
+    rejection the token is drawn from ``p_i`` with ``x`` removed, renormalised, and the pass ends there; if every
+    draft is accepted, the target's next token is drawn from ``p_d``. Each emitted token is then distributed as
+    ``p_i`` given the tokens before it, exactly as without drafts. ``probs[i]`` / ``logprobs[i]`` are the target's
+    sampling distribution and reported log-probabilities after the row's last token and ``drafts[:i]``. Every random
+    number comes from the row's own ``generator``, in order, so a seed gives the same tokens on every run."""
+    out: list[Choice] = []
+    for i, x in enumerate(drafts):
+        p = probs[i]
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if u < float(p[x]):
+            out.append(Choice(int(x), float(logprobs[i, x])))
+            continue
+        rest = p.clone()
+        rest[x] = 0.0
+        if float(rest.sum()) <= 0.0:  # p(x) == 1 up to rounding: the draft is the only token left
+            out.append(Choice(int(x), float(logprobs[i, x])))
+            continue
+        token = draw(rest, generator)
+        out.append(Choice(token, float(logprobs[i, token])))
+        return Verdict(tuple(out), i)
+    token = draw(probs[len(drafts)], generator)
+    out.append(Choice(token, float(logprobs[len(drafts), token])))
+    return Verdict(tuple(out), len(drafts))
+
+
+def speculable(seq: Sequence) -> bool:
+    """Whether ``seq`` may decode with drafts without any change to its output (see the module docstring)."""
+    request = seq.request
+    params = request.params
+    return (
+        not params.penalised
+        and seq.chooser.constraint is None
+        and request.grammar is None
+        and request.top_n_tokens == 0
+    )
+
+
+#: Weight of the newest step in the gate's moving averages.
+SMOOTHING = 0.2
+#: Steps the gate stays shut before it lets one drafting step through to measure again.
+PROBE_EVERY = 64
+
+
+@dataclass
+class StepGate:
+    """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
+    steps with drafts against those without, per count of decode rows (a step of 16 rows costs more than one of
+    1, whatever it drafts). While drafting steps cost more per token than plain ones, steps draft nothing, but for
+    one probe every :data:`PROBE_EVERY` steps. It gates greedy rows only: whether a sampled row drafts changes which
+    random numbers it draws, so that must not depend on timing (a seed would no longer give the same tokens); a
+    sampled row's drafting follows its own acceptance alone (:class:`DraftLength`). A small model whose plain step runs the native one-token decode
+    kernel and whose verify pass runs the model's full forward is where this shuts; a model read from disk, whose
+    step costs its weight reads whatever the row width, is where it stays open."""
+
+    #: False: always open (tests that must see drafts whatever the timing).
+    measure: bool = True
+    plain: dict[int, float] = field(default_factory=dict)  # decode rows -> seconds per token, steps without drafts
+    drafted: dict[int, float] = field(default_factory=dict)  # the same, steps with drafts
+    shut_steps: int = 0
+
+    def open(self, rows: int) -> bool:
+        plain, drafted = self.plain.get(rows), self.drafted.get(rows)
+        if not self.measure or plain is None or drafted is None or drafted <= plain:
+            return True
+        self.shut_steps += 1
+        if self.shut_steps >= PROBE_EVERY:
+            self.shut_steps = 0
+            return True
+        return False
+
+    def observe(self, rows: int, seconds: float, tokens: int, drafted: bool) -> None:
+        """A pure decode step of ``rows`` rows took ``seconds`` and emitted ``tokens`` tokens."""
+        if tokens <= 0:
+            return
+        table = self.drafted if drafted else self.plain
+        old, new = table.get(rows), seconds / tokens
+        table[rows] = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+@dataclass
+class _RowState:
+    """What the speculator keeps for one running sequence (dropped with it)."""
+
+    length: DraftLength
+    index: ngram_drafter.NgramIndex
+
+
+@dataclass
+class Speculator:
+    """The engine's drafting policy: ``mode`` (``off`` or ``ngram``) and at most ``tokens`` drafts a row per pass.
+    Keeps each running sequence's :class:`DraftLength` and n-gram index, and the engine's :class:`SpeculationStats`."""
+
+    mode: SpeculationMode = "off"
+    tokens: int = DEFAULT_DRAFT_TOKENS
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    gate: StepGate = field(default_factory=StepGate)
+    _gate_open: bool = True
+    _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "ngram"):
+            raise ValueError(f"unknown speculation mode {self.mode!r}; use 'off' or 'ngram'")
+        if self.tokens < 1:
+            raise ValueError(f"speculation needs at least one draft token a pass (got {self.tokens})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def begin_step(self, decode_rows: int) -> None:
+        """A step with ``decode_rows`` decode rows is being scheduled: whether its greedy rows draft
+        (:class:`StepGate`)."""
+        self._gate_open = self.gate.open(decode_rows) if self.enabled else False
+
+    def drafts(self, seq: Sequence, room: int) -> list[int]:
+        """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
+        target's own next token); empty for a row that does not speculate."""
+        if not self.enabled or room <= 0 or not speculable(seq):
+            return []
+        if not self._gate_open and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
+            return []
+        state = self._rows.get(seq)
+        if state is None:
+            state = self._rows[seq] = _RowState(DraftLength(self.tokens), ngram_drafter.NgramIndex())
+        want = min(state.length.current(), room)
+        # the index follows every step, drafting or not, so a later lookup has nothing to catch up on
+        return state.index.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
+
+    def report(self) -> dict[str, int | float | None]:
+        """The counts and rates so far (``/info``)."""
+        with self._lock:
+            stats = SpeculationStats(**vars(self.stats))
+        return {
+            "proposed": stats.proposed,
+            "accepted": stats.accepted,
+            "verify_passes": stats.verify_passes,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_pass": stats.tokens_per_pass,
+        }
+
+    def observe(self, seq: Sequence, proposed: int, verdict_accepted: int, emitted: int) -> None:
+        """A verify pass of ``seq`` proposed ``proposed`` drafts, accepted ``verdict_accepted`` and produced
+        ``emitted`` tokens (fewer than accepted + 1 when the sequence ended inside them)."""
+        state = self._rows.get(seq)
+        if state is not None:
+            state.length.observe(proposed, verdict_accepted)
+        with self._lock:
+            self.stats.proposed += proposed
+            self.stats.accepted += verdict_accepted
+            self.stats.verify_passes += 1
+            self.stats.emitted += emitted

@@ -1,0 +1,51 @@
+"""``loadmaster serve --speculate ngram`` as a real process: greedy requests draft by prompt lookup, and /metrics and
+/info show the drafts the model accepted (issue 35)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.service.cli.test_cli_serve import REPO, _env, _wait_ready
+from tests.service.conftest import free_port
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+def test_a_server_with_ngram_speculation_reports_accepted_drafts(tiny_llama: Path, tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "service.cli", "serve", str(tiny_llama), "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*argv, "--speculate", "ngram", "--speculate-tokens", "3"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    try:
+        _wait_ready(url, proc, log, timeout=120, poll=0.1)
+        body = {"inputs": "one two three one two three one two three", "parameters": {"max_new_tokens": 40}}
+        r = httpx.post(url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(url + "/metrics").text
+        proposed = _metric(metrics, "loadmaster_speculative_draft_tokens_total")
+        accepted = _metric(metrics, "loadmaster_speculative_accepted_tokens_total")
+        assert _metric(metrics, "loadmaster_speculative_verify_passes_total") > 0
+        assert 0 < accepted <= proposed
+        info = httpx.get(url + "/info").json()["speculation"]
+        assert info["mode"] == "ngram" and info["draft_tokens"] == 3
+        assert info["accepted"] == accepted and info["acceptance_rate"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
