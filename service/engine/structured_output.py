@@ -138,7 +138,8 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self._info: Any = None
-        self._lock = threading.Lock()
+        self._info_lock = threading.Lock()  # held while the tokenizer's tables are built (a dispatcher's doing)
+        self._lock = threading.Lock()  # the cache and the grammars being compiled: held for moments only
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._pending: dict[str, PendingGrammar] = {}
         self.cache_size = cache_size
@@ -155,7 +156,7 @@ class GrammarCompiler:
         self.pool.timeout = seconds
 
     def _tokenizer_info(self) -> Any:
-        with self._lock:
+        with self._info_lock:
             if self._info is None:
                 import xgrammar
 

@@ -182,7 +182,10 @@ def test_a_grammar_flood_gets_429_at_once_and_plain_requests_stay_fast(strict: L
     flood_s = time.perf_counter() - started
     codes = sorted(code for code, _ in results)
     assert codes.count(429) == flood - 3 and codes.count(400) == 3, codes
-    assert max(s for code, s in results if code == 429) < 1.0, results
+    # each refusal still reads, parses and validates its ~150 kB body, eight at once on two cores, while the first
+    # grammar's compiler process starts: bounded generously (they took up to 20 s behind the worker pool before)
+    assert max(s for code, s in results if code == 429) < 2.5, results
+    print(f"flood {flood_s:.2f}s, plain {plain_s:.3f}s, 429s after {sorted(s for c, s in results if c == 429)}")
     assert plain_s < min(2.0, flood_s / 2), f"a plain request took {plain_s:.2f}s during a {flood_s:.1f}s flood"
 
 
