@@ -148,6 +148,13 @@ class ServiceSettings(BaseSettings):
     grammar_timeout: float = Field(
         10.0, gt=0, description="Seconds compiling one request's response_format / grammar may take (422 beyond)."
     )
+    grammar_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Grammar compiler processes (default: 1 up to 3 CPUs, else a quarter of the CPUs, at most 4).",
+    )
+    grammar_queue: int = Field(8, ge=0, description="Grammars that may wait for a compiler; more get 429 at once.")
+    grammar_cache: int = Field(256, ge=0, description="Compiled grammars kept by schema hash (a repeat costs nothing).")
 
     # Limits of /plan: what one anonymous request may make the planner build and search.
     plan_max_layers: int = Field(1024, ge=1, description="Most layers (num_hidden_layers and the like) /plan takes.")

@@ -33,7 +33,9 @@ class GenerationRequest:
     request_id: str = "-"
     top_n_tokens: int = 0  # alternatives to report with each token (TGI top_n_tokens, OpenAI top_logprobs)
     prompt_logprobs: bool = False  # report the prompt tokens' logprobs (TGI decoder_input_details, OpenAI echo)
-    grammar: Any = None  # a service.engine.structured_output.CompiledGrammar the output must follow, or None
+    #: A service.engine.structured_output.CompiledGrammar the output must follow, or None (a PendingGrammar between
+    #: validation and the route's await of its compilation; never one in the engine).
+    grammar: Any = None
     ignore_eos: bool = False  # generate max_new_tokens whatever is chosen (fixed-length greedy runs, as in vLLM)
     stop_token_ids: frozenset[int] = frozenset()  # more tokens that end the sequence (vLLM's stop_token_ids)
     skip_special_tokens: bool = True  # leave special tokens' text out of the output (vLLM's default)

@@ -21,6 +21,7 @@ from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.cpu_share import CpuShare, cpu_share
 from service.engine.engine import Engine, eos_ids
 from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
+from service.engine.structured_output import resolve_grammars
 from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics
@@ -83,7 +84,11 @@ class Runtime:
             vocab_size=_logits_width(loaded.model, loaded.tokenizer),
             stop_ids=eos_ids(loaded.model, loaded.tokenizer),
             grammar_timeout=s.grammar_timeout,
+            grammar_workers=s.grammar_workers or grammar_workers(self.cpu_share.affinity, self.cpu_share.quota),
+            grammar_queue=s.grammar_queue,
+            grammar_cache=s.grammar_cache,
         )
+        self.validator.grammars.on_lookup = self.metrics.grammar_lookup
         share = self.cpu_share
         # below the ceiling the count follows the CPU the engine really gets, unless --threads fixed it
         self.threads = ThreadGovernor(share.threads, adaptive=share.requested is None, reason=share.reason)
@@ -138,6 +143,8 @@ class Runtime:
             self.weights_watch.stop()
         if self.engine is not None:
             self.engine.stop()
+        if self.validator is not None:
+            self.validator.grammars.close()
 
     def end_grace_period(self) -> None:
         """The grace period after SIGTERM is over: end every open request now, each with a ``not_ready`` error
@@ -392,6 +399,22 @@ def runtime_of(request: Request) -> Runtime:
 
 def request_id_of(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
+
+
+def grammar_workers(affinity: int, quota: float | None) -> int:
+    """The default count of grammar compiler processes: 1 on up to 3 CPUs (one compilation may take a core; the
+    engine needs the rest), else a quarter of the CPUs, at most 4."""
+    cpus = min(affinity, int(quota)) if quota else affinity
+    return max(1, min(4, cpus // 4))
+
+
+async def validated(build: Callable[..., Any], *args: Any) -> Any:
+    """``build(*args)`` (validation) on a worker thread, then its requests' grammars awaited here, on the loop: a
+    compilation never holds a worker thread. ``build`` returns the requests, or a pair (requests, extra)."""
+    built = await off_loop(build, *args)
+    gens, extra = built if isinstance(built, tuple) else (built, None)
+    gens = await resolve_grammars(gens)
+    return (gens, extra) if isinstance(built, tuple) else gens
 
 
 def _capped(max_total_tokens: int, positions: int | None) -> int:

@@ -83,6 +83,12 @@ class Metrics:
             "Generated tokens of completed requests and of streams cancelled by their client.",
             registry=r,
         )
+        self._grammar_lookups = Counter(
+            "loadmaster_grammar_lookups",
+            "Grammars requests asked for, by result: hit (the compiled-grammar cache, or one being compiled) or miss.",
+            ["result"],
+            registry=r,
+        )
         self._rejected = Counter("loadmaster_rejected_requests", "Requests refused with 429 (overload).", registry=r)
         self._cancelled = Counter(
             "loadmaster_cancelled_requests", "Generation requests whose client left before the end (499).", registry=r
@@ -129,6 +135,9 @@ class Metrics:
     def request_done(self, route: str, status: int, seconds: float) -> None:
         self._requests.labels(route=route, status=str(status)).inc()
         self._request_duration.labels(route=route).observe(seconds)
+
+    def grammar_lookup(self, result: str) -> None:
+        self._grammar_lookups.labels(result=result).inc()
 
     def request_rejected(self) -> None:
         self._rejected.inc()

@@ -24,10 +24,10 @@ from service.http import access_log
 from service.http.admission import (
     EngineStream,
     merged_events,
-    off_loop,
     open_streams,
     request_id_of,
     runtime_of,
+    validated,
     wait_all,
 )
 from service.http.event_stream import event_stream, json_event, text_event
@@ -100,7 +100,7 @@ async def _start(request: Request, build, user: str | None, stream: bool) -> tup
     ``build`` returned beside the requests (when it returns a pair)."""
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
-    built = await off_loop(build, validator, request_id_of(request))
+    built = await validated(build, validator, request_id_of(request))
     gens, extra = built if isinstance(built, tuple) else (built, None)
     if user:
         log.info("request %s: user %r", request_id_of(request), user)

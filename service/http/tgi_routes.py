@@ -16,7 +16,15 @@ from sse_starlette import ServerSentEvent
 
 from service.engine.requests import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
-from service.http.admission import EngineStream, off_loop, open_streams, request_id_of, runtime_of, wait_all
+from service.http.admission import (
+    EngineStream,
+    off_loop,
+    open_streams,
+    request_id_of,
+    runtime_of,
+    validated,
+    wait_all,
+)
 from service.http.event_stream import event_stream, json_event
 from service.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.model.background_load import engine_slots
@@ -110,7 +118,7 @@ async def _start(request: Request, body: TGIRequest, stream: bool) -> list[Engin
     runtime = runtime_of(request)
     engine, validator, _ = runtime.require_ready()
     _check_tgi(body, stream)
-    gens = await off_loop(validate_tgi, validator, body, request_id_of(request))
+    gens = await validated(validate_tgi, validator, body, request_id_of(request))
     return open_streams(runtime, engine, gens, stream)
 
 

@@ -136,14 +136,14 @@ def _response_format(v: Validator, fmt: dict[str, Any] | None) -> Any:
         return None
     if kind in ("json", "json_object") and fmt.get("value") is not None:
         field = "response_format.value"
-        return v.grammars.compile(GrammarSpec("json_schema", schema_text(fmt["value"], field), field))
+        return v.grammars.request(GrammarSpec("json_schema", schema_text(fmt["value"], field), field))
     if kind == "regex":
         value = fmt.get("value")
         if not isinstance(value, str) or not value:
             raise RequestValidationError("response_format.value must be a non-empty regex string.")
-        return v.grammars.compile(GrammarSpec("regex", value, "response_format.value"))
+        return v.grammars.request(GrammarSpec("regex", value, "response_format.value"))
     if kind == "json_object":
-        return v.grammars.compile(GrammarSpec("json_object", field="response_format"))
+        return v.grammars.request(GrammarSpec("json_object", field="response_format"))
     if kind == "json_schema":
         inner = fmt.get("json_schema")
         if not isinstance(inner, dict) or "schema" not in inner:
@@ -151,7 +151,7 @@ def _response_format(v: Validator, fmt: dict[str, Any] | None) -> Any:
                 'response_format.json_schema must be {"name": ..., "schema": {<JSON schema>}}; the schema is missing.'
             )
         field = "response_format.json_schema.schema"
-        return v.grammars.compile(GrammarSpec("json_schema", schema_text(inner["schema"], field), field))
+        return v.grammars.request(GrammarSpec("json_schema", schema_text(inner["schema"], field), field))
     raise RequestValidationError(
         f"response_format.type must be 'text', 'json_object', 'json_schema' or 'regex' (got {kind!r})."
     )
@@ -331,7 +331,7 @@ def prepare_chat(
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, template, tool_parser)
     if tools is not None and tools.grammar is not None and body.response_format not in (None, {"type": "text"}):
         raise RequestValidationError("response_format cannot be combined with a required or named tool_choice.")
-    grammar = v.grammars.compile(tools.grammar) if tools is not None and tools.grammar else None
+    grammar = v.grammars.request(tools.grammar) if tools is not None and tools.grammar else None
     grammar = grammar or _response_format(v, body.response_format)
     prompt = render_chat(v.tokenizer, body.messages, tools.tools if tools else None, _template_kwargs(body))
     ids = v.tokenize(prompt, add_special_tokens=False)

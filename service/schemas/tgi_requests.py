@@ -145,4 +145,4 @@ def _tgi_grammar(v: Validator, grammar: Any) -> Any:
         spec = GrammarSpec("regex", value, "parameters.grammar.value")
     else:
         raise RequestValidationError(f"parameters.grammar.type must be 'json' or 'regex' (got {kind!r}).")
-    return v.grammars.compile(spec)
+    return v.grammars.request(spec)

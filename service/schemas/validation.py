@@ -102,13 +102,24 @@ class Validator:
         vocab_size: int | None = None,
         stop_ids: Iterable[int] = (),
         grammar_timeout: float = 10.0,
+        grammar_workers: int = 1,
+        grammar_queue: int = 8,
+        grammar_cache: int = 256,
     ):
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
         self.max_total_tokens = max_total_tokens
         self.default_max_new_tokens = default_max_new_tokens
         self.vocab_size = int(vocab_size or len(tokenizer))
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, stop_ids, timeout=grammar_timeout)
+        self.grammars = GrammarCompiler(
+            tokenizer,
+            self.vocab_size,
+            stop_ids,
+            timeout=grammar_timeout,
+            workers=grammar_workers,
+            waiting=grammar_queue,
+            cache_size=grammar_cache,
+        )
 
     # -- prompts and limits -------------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
