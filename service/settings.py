@@ -135,7 +135,7 @@ class ServiceSettings(BaseSettings):
     prefix_cache: bool = Field(
         True, description="Reuse the KV of prompt prefixes the cache's slots hold (false: prefill every prompt whole)."
     )
-    # Speculative decoding (service/engine/speculation.py).
+    # Speculative decoding (service/engine/speculation/verification.py).
     speculate: Literal["off", "ngram"] = Field(
         "off",
         description="Draft tokens for greedy rows and verify them in one forward: ngram (prompt lookup) or off.",

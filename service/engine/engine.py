@@ -36,7 +36,7 @@ from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
-from service.engine.speculation import DEFAULT_DRAFT_TOKENS, SpeculationMode, Speculator
+from service.engine.speculation.verification import DEFAULT_DRAFT_TOKENS, SpeculationMode, Speculator
 from service.engine.step_executor import StepExecutor
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -71,7 +71,7 @@ class Engine:
     most prompt tokens one step prefills: the step the plan budgeted activations for (the plan's
     ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has greedy rows draft up
     to ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
-    (:mod:`service.engine.speculation`); greedy output stays the same token for token.
+    (:mod:`service.engine.speculation.verification`); greedy output stays the same token for token.
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class Engine:
         self.runner, self.device_pipeline = make_runner(
             model, self.device, self.cache, micro_batches=micro_batches, standin_runs=standin_runs
         )
-        #: Speculative decoding's policy and counts (:mod:`service.engine.speculation`); mode ``off`` drafts nothing.
+        #: Speculative decoding's policy and counts (:mod:`service.engine.speculation.verification`); mode ``off`` drafts nothing.
         self.speculator = Speculator(speculate, speculate_tokens)
         self.scheduler = Scheduler(
             self.cache,

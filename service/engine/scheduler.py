@@ -30,7 +30,7 @@ from service.engine.model_runner import Row
 from service.engine.prefill_budget import PrefillBudget
 from service.engine.prefix_index import SlotContents, common_prefix
 from service.engine.requests import Sequence
-from service.engine.speculation import Speculator
+from service.engine.speculation.verification import Speculator
 from service.errors import GenerationError, OverloadedError
 
 #: Shortest shared prefix worth holding a prompt back an iteration for (a whole identical prompt always is).
@@ -176,7 +176,7 @@ class Scheduler:
 
     def _decode_row(self, seq: Sequence) -> ScheduledRow:
         """``seq``'s decode row: its last token at its own position, followed by the tokens it drafts, if any
-        (:mod:`service.engine.speculation`), which then asks for the logits after every fed token. Drafts stay within
+        (:mod:`service.engine.speculation.verification`), which then asks for the logits after every fed token. Drafts stay within
         the request's max new tokens (the target's own token comes after them) and the slot's length."""
         start = len(seq.request.prompt_ids) + len(seq.generated) - 1
         room = min(seq.request.max_new_tokens - len(seq.generated) - 1, self.max_total_tokens - start - 1)

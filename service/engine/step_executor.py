@@ -27,7 +27,7 @@ from service.engine.prompt_logprobs import score_prompt_tokens
 from service.engine.requests import EngineMetrics, Sequence
 from service.engine.sampling import choose_batch, target_distributions
 from service.engine.scheduler import ScheduledRow
-from service.engine.speculation import Speculator, Verdict, accepted, sampled
+from service.engine.speculation.verification import Speculator, Verdict, accepted, sampled
 from service.engine.token_output import ChosenToken, Failure, TokenOutput
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -104,7 +104,7 @@ class StepExecutor:
         self._choose(out.last[choosing] if len(choosing) < len(rows) else out.last, chosen)
 
     def _verify(self, rows: list[ScheduledRow], logits: list[torch.Tensor]) -> None:
-        """Speculative rows (:mod:`service.engine.speculation`): the greedy rows' choices after each fed token in one
+        """Speculative rows (:mod:`service.engine.speculation.verification`): the greedy rows' choices after each fed token in one
         batched pass (without penalties or grammar a choice depends on its logits alone), the sampled rows' by the
         accept/resample rule; then each row keeps its accepted drafts and the target's next token, recorded one by
         one so that an end of sequence or the length limit stops it where plain decoding would; the slot's record is
@@ -129,7 +129,7 @@ class StepExecutor:
 
     @staticmethod
     def _verdicts(rows: list[ScheduledRow], logits: list[torch.Tensor]) -> list[Verdict]:
-        """Each speculative row's :class:`~service.engine.speculation.Verdict`, greedy rows batched in one pass."""
+        """Each speculative row's :class:`~service.engine.speculation.verification.Verdict`, greedy rows batched in one pass."""
         verdicts: list[Verdict | None] = [None] * len(rows)
         greedy = [i for i, s in enumerate(rows) if not s.seq.chooser.params.sampling]
         if greedy:

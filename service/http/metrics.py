@@ -113,7 +113,7 @@ class Metrics:
             "Most micro-batches one engine step is split into over the device runs (0: not in use).",
             registry=r,
         )
-        # speculative decoding (service/engine/speculation.py): acceptance = accepted / draft tokens
+        # speculative decoding (service/engine/speculation/verification.py): acceptance = accepted / draft tokens
         self._draft_tokens = Counter(
             "loadmaster_speculative_draft_tokens", "Draft tokens proposed for verification.", registry=r
         )

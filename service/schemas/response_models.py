@@ -235,7 +235,7 @@ class DevicePipelineInfo(_Answer):
 
 
 class SpeculationInfo(_Answer):
-    """Speculative decoding (``service.engine.speculation``): the mode, its limit and what it achieved so far."""
+    """Speculative decoding (``service.engine.speculation.verification``): the mode, its limit and what it achieved so far."""
 
     mode: str = Field(description="off or ngram (prompt lookup).")
     draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")

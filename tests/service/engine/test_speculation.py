@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine.engine import Engine
-from service.engine.ngram_drafter import NgramIndex, propose
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
-from service.engine.speculation import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
+from service.engine.speculation.ngram_drafter import NgramIndex, propose
+from service.engine.speculation.verification import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.

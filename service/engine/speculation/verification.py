@@ -1,7 +1,7 @@
 """Speculative decoding inside continuous batching: which rows draft, how many tokens, and what a verify pass keeps.
 
 A decode row normally feeds its last token and gets one new token per forward. A row that speculates feeds its last
-token followed by ``d`` drafted tokens (:mod:`service.engine.ngram_drafter`) and asks for the logits after each
+token followed by ``d`` drafted tokens (:mod:`service.engine.speculation.ngram_drafter`) and asks for the logits after each
 of them, in the same forward as every other row: one pass of the target (one read of its offloaded layers) checks
 all ``d`` drafts. Its greedy choice after each fed token is what decoding without speculation would have chosen
 there, as long as every draft before it was right; so the row keeps the longest prefix of drafts that equals the
@@ -43,9 +43,9 @@ from typing import Literal
 
 import torch
 
-from service.engine import ngram_drafter
 from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
+from service.engine.speculation import ngram_drafter
 
 SpeculationMode = Literal["off", "ngram"]
 

@@ -1,0 +1,2 @@
+"""Speculative decoding: drafts (:mod:`.ngram_drafter`) and their verification inside continuous batching
+(:mod:`.verification`)."""
