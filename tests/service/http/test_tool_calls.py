@@ -13,29 +13,12 @@ import pytest
 
 from tests.models import chat_model_dir
 from tests.service.conftest import LiveServer, settings_for
+from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
 
 openai = pytest.importorskip("openai")
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]},
-    },
-}
+WEATHER = {"type": "function", "function": WEATHER_TOOL}
+TIME = {"type": "function", "function": TIME_TOOL}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

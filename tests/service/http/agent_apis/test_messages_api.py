@@ -14,24 +14,21 @@ import pytest
 
 from tests.models import chat_model_dir
 from tests.service.conftest import LiveServer, settings_for
+from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
 
 anthropic = pytest.importorskip("anthropic")
 
 KEY = "sk-test-messages"
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
-TIME = {
-    "name": "get_time",
-    "input_schema": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]},
-}
+
+
+def _anthropic(tool: dict) -> dict:
+    """A function tool in Anthropic's shape: its parameters are the ``input_schema``."""
+    shaped = {k: v for k, v in tool.items() if k != "parameters"}
+    return shaped | {"input_schema": tool["parameters"]}
+
+
+WEATHER = _anthropic(WEATHER_TOOL)
+TIME = _anthropic(TIME_TOOL)
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
