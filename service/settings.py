@@ -138,7 +138,7 @@ class ServiceSettings(BaseSettings):
     # Speculative decoding (service/engine/speculation/verification.py).
     speculate: Literal["off", "ngram"] = Field(
         "off",
-        description="Draft tokens for greedy rows and verify them in one forward: ngram (prompt lookup) or off.",
+        description="Draft tokens and verify them in one forward: ngram (prompt lookup) or off.",
     )
     speculate_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens a row proposes per verify pass.")
     max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")

@@ -5,14 +5,20 @@ torch's CPU ops and the kernels of :mod:`loaders.native` share one OpenMP runtim
 they never fight: the ceiling comes from :func:`planner.hardware.cpu_share.cpu_share` (affinity mask, cgroup quota,
 ``--threads``).
 
-Below that ceiling the count follows the CPU this process actually gets. Every parallel region ends in a barrier,
-so a team of N threads moves at the pace of its slowest member: when a neighbour's busy loop takes one of our
-cores, the thread that shares it runs in the scheduler's time slices and every region of every layer waits for it.
-Measured on the 100M fp32 Llama on 2 cores with one busy neighbour, a 64-token request took 16x longer on two
-threads than on one. The :class:`ThreadGovernor` watches the kernel's own account of it: the time this process's
-threads spent runnable but waiting for a CPU (``/proc/self/task/*/schedstat``, the run-queue delay) against the
-time they ran. Past :data:`WAIT_LIMIT` it drops a thread; after a quiet hold it tries one more again and keeps it
-only if the wait stays low, holding twice as long after each failed try (up to :data:`MAX_HOLD_S`).
+Below that ceiling the count follows the speed this process actually gets. Every parallel region ends in a
+barrier, so a team of N threads moves at the pace of its slowest member: when a neighbour's busy loop takes one of
+our cores, the thread that shares it runs in the scheduler's time slices and every region of every layer waits for
+it. Measured on the 100M fp32 Llama on 2 cores with one busy neighbour, a 64-token request took 16x longer on two
+threads than on one. But a neighbour that only takes part of a core (a benchmark client reading 16 streams) leaves
+two threads faster than one, though they wait for a CPU just as often. So waiting is only the trigger, and speed
+decides:
+
+- The :class:`ThreadGovernor` watches the kernel's account of contention: the time this process's threads spent
+  runnable but waiting for a CPU (``/proc/self/task/*/schedstat``, the run-queue delay) against the time they ran.
+- Past :data:`WAIT_LIMIT` it tries one thread fewer for a few decode steps, and keeps it only when those steps run
+  faster than the same-width steps just before (:class:`StepClock`); otherwise it goes back and waits twice as long
+  before it tries again (up to :data:`MAX_HOLD_S`).
+- At a lower count it tries one more after a hold, kept on the same test.
 
 It runs on the engine thread and sets the count there: torch reads its thread count per thread (OpenMP's
 ``nthreads-var`` is a per-thread setting), so a call from another thread would not reach the engine's pool.
@@ -21,21 +27,30 @@ It runs on the engine thread and sets the count there: torch reads its thread co
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-#: Run-queue wait per second of run time above which the team is too big for the CPU it gets. Two threads beside
-#: one busy loop on two cores wait about 0.5 s per second run; a quiet server's stay under 0.1.
+#: Run-queue wait per second of run time above which fewer threads may be faster. Two threads beside one busy loop
+#: on two cores wait about 0.5 s per second run; a quiet server's stay under 0.1.
 WAIT_LIMIT = 0.25
-#: Seconds of engine time one measurement spans.
+#: Seconds of engine time one contention measurement spans.
 WINDOW_S = 0.5
-#: Seconds at a lower count before one more thread is tried, and the most that doubles to after failed tries.
+#: Seconds after a change (or a failed try) before the next try, and the most that doubles to after failed tries.
 HOLD_S = 5.0
 MAX_HOLD_S = 60.0
 #: Run time a window must hold to be judged (an idle engine's windows say nothing about contention).
 MIN_BUSY_S = 0.1
+#: Comparable decode steps a try runs before it is judged, and the longest it may wait for them.
+TRIAL_STEPS = 6
+TRIAL_MAX_S = 3.0
+#: A try is kept only when its steps take at most this share of the time of the same-width steps before it.
+KEEP_BELOW = 0.95
+#: Comparable steps remembered at the current count, the baseline a try is measured against.
+BASELINE_STEPS = 64
 
 
 def read_schedstat(task_dir: str = "/proc/self/task") -> tuple[float, float] | None:
@@ -58,6 +73,39 @@ def read_schedstat(task_dir: str = "/proc/self/task") -> tuple[float, float] | N
     return ran / 1e9, waited / 1e9
 
 
+def width_bucket(rows: int) -> int:
+    """Decode steps of similar width cost alike: 1, 2, 3-4, 5-8, ... rows share a bucket."""
+    return max(rows - 1, 0).bit_length()
+
+
+@dataclass
+class StepClock:
+    """Seconds of pure decode steps by width bucket: the steps at the current count (the baseline) and those of a
+    running try. A try is judged on the median ratio of its steps to the baseline's median at the same width, so a
+    batch that grows or shrinks during the try does not decide it."""
+
+    baseline: deque = field(default_factory=lambda: deque(maxlen=BASELINE_STEPS))  # (bucket, seconds)
+    trial: list[tuple[int, float]] = field(default_factory=list)
+
+    def add(self, rows: int, seconds: float, trying: bool) -> None:
+        (self.trial if trying else self.baseline).append((width_bucket(rows), seconds))
+
+    def matched(self) -> list[float]:
+        """Each try step's seconds over the baseline's median at its width; steps of a width the baseline lacks are
+        left out."""
+        by_bucket: dict[int, list[float]] = {}
+        for bucket, seconds in self.baseline:
+            by_bucket.setdefault(bucket, []).append(seconds)
+        medians = {b: statistics.median(s) for b, s in by_bucket.items()}
+        return [s / medians[b] for b, s in self.trial if medians.get(b)]
+
+    def restart(self) -> None:
+        """The count changed for good: the try's steps become the baseline."""
+        self.baseline.clear()
+        self.baseline.extend(self.trial)
+        self.trial.clear()
+
+
 @dataclass
 class _Window:
     started: float
@@ -65,11 +113,18 @@ class _Window:
     waited: float
 
 
+@dataclass
+class _Trial:
+    threads: int  # the count being tried
+    previous: int  # the count to go back to
+    started: float
+
+
 class ThreadGovernor:
-    """The engine thread's thread count: ``ceiling`` to start with, fewer while the CPU is contended.
+    """The engine thread's thread count: ``ceiling`` to start with, fewer while fewer measure faster.
 
     ``adaptive=False`` (``--threads`` given) keeps the ceiling. ``set_threads``, ``clock`` and ``sample`` are
-    injectable so tests can drive it with fake contention."""
+    injectable so tests can drive it with fake contention and fake step times."""
 
     def __init__(
         self,
@@ -89,10 +144,12 @@ class ThreadGovernor:
         self._clock = clock
         self._sample = sample
         self._window: _Window | None = None
+        self._steps = StepClock()
+        self._trial: _Trial | None = None
         self._hold_s = HOLD_S
         self._hold_until = 0.0
-        self._probing = False
         self.last_wait_ratio: float | None = None
+        self.last_trial: dict[str, Any] | None = None
         self.changes = 0
 
     def start(self) -> None:
@@ -100,11 +157,21 @@ class ThreadGovernor:
         self._set(self.current)
         self._window = self._open()
 
+    def decode_step(self, rows: int, seconds: float) -> None:
+        """A pure decode step (no prompt tokens, no drafts) of ``rows`` rows took ``seconds``: the steps a try is
+        timed on."""
+        if self.adaptive and rows > 0:
+            self._steps.add(rows, seconds, trying=self._trial is not None)
+
     def after_step(self) -> None:
-        """Called after each engine step: closes a window every :data:`WINDOW_S` and adapts the count."""
+        """Called after each engine step: judges a running try, or closes a contention window every
+        :data:`WINDOW_S` and starts one."""
         if not self.adaptive or self._window is None:
             return
         now = self._clock()
+        if self._trial is not None:
+            self._judge_trial(now)
+            return
         if now - self._window.started < WINDOW_S:
             return
         sample = self._sample()
@@ -116,29 +183,51 @@ class ThreadGovernor:
         if ran < MIN_BUSY_S:
             return
         self.last_wait_ratio = waited / ran
-        self._decide(now, self.last_wait_ratio)
+        self._maybe_try(now, self.last_wait_ratio)
 
-    def _decide(self, now: float, ratio: float) -> None:
-        if self._probing:  # the window just measured ran one thread more than before
-            self._probing = False
-            if ratio > WAIT_LIMIT:
-                self._hold_s = min(self._hold_s * 2, MAX_HOLD_S)
-                self._change(self.current - 1, now)
-            else:
-                self._hold_s = HOLD_S
+    def _maybe_try(self, now: float, ratio: float) -> None:
+        if now < self._hold_until:
             return
         if ratio > WAIT_LIMIT and self.current > 1:
-            self._change(self.current - 1, now)
-        elif ratio < WAIT_LIMIT / 2 and self.current < self.ceiling and now >= self._hold_until:
-            self._probing = True
-            self._change(self.current + 1, now)
+            self._begin_trial(self.current - 1, now)
+        elif self.current < self.ceiling:
+            self._begin_trial(self.current + 1, now)
 
-    def _change(self, threads: int, now: float) -> None:
-        self.current = threads
-        self.changes += 1
+    def _begin_trial(self, threads: int, now: float) -> None:
+        self._trial = _Trial(threads, self.current, now)
+        self._steps.trial.clear()
+        self._apply(threads)
+
+    def _judge_trial(self, now: float) -> None:
+        trial = self._trial
+        assert trial is not None
+        ratios = self._steps.matched()
+        if len(ratios) < TRIAL_STEPS and now - trial.started < TRIAL_MAX_S:
+            return
+        ratio = statistics.median(ratios) if ratios else None
+        kept = ratio is not None and ratio <= KEEP_BELOW
+        self.last_trial = {
+            "from": trial.previous,
+            "to": trial.threads,
+            "steps": len(ratios),
+            "time_ratio": None if ratio is None else round(ratio, 3),
+            "kept": kept,
+        }
+        self._trial = None
+        if kept:
+            self.changes += 1
+            self._hold_s = HOLD_S
+            self._steps.restart()
+        else:
+            self._hold_s = min(self._hold_s * 2, MAX_HOLD_S)
+            self._steps.trial.clear()
+            self._apply(trial.previous)
         self._hold_until = now + self._hold_s
-        self._set(threads)
         self._window = self._open()
+
+    def _apply(self, threads: int) -> None:
+        self.current = threads
+        self._set(threads)
 
     def _open(self) -> _Window:
         sample = self._sample() or (0.0, 0.0)
@@ -150,6 +239,8 @@ class ThreadGovernor:
             "ceiling": self.ceiling,
             "adaptive": self.adaptive,
             "wait_ratio": None if self.last_wait_ratio is None else round(self.last_wait_ratio, 3),
+            "trying": self._trial is not None,
+            "last_trial": self.last_trial,
             "changes": self.changes,
             "reason": self.reason,
         }

@@ -107,8 +107,9 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     g.add_argument(
         "--speculate",
         default=None,
-        help="speculative decoding for greedy requests, off or ngram: ngram drafts by prompt lookup, verified in one forward "
-        "(default off; greedy output is unchanged)",
+        choices=["off", "ngram"],
+        help="speculative decoding: ngram drafts by prompt lookup and verifies the drafts in one forward (default "
+        "off; greedy output is unchanged, sampled output keeps its distribution)",
     )
     g.add_argument(
         "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"

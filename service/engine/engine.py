@@ -69,9 +69,10 @@ class Engine:
     timing). ``threads`` sets and adapts the CPU thread count on the engine thread
     (:class:`~loaders.native.cpu_threads.ThreadGovernor`); None leaves torch's as it is. ``prefill_chunk`` is the
     most prompt tokens one step prefills: the step the plan budgeted activations for (the plan's
-    ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has greedy rows draft up
-    to ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
-    (:mod:`service.engine.speculation.verification`); greedy output stays the same token for token.
+    ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has rows draft up to
+    ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
+    (:mod:`service.engine.speculation.verification`); greedy output stays the same token for token, sampled output
+    keeps its distribution.
     """
 
     def __init__(
@@ -264,8 +265,10 @@ class Engine:
         elapsed = time.perf_counter() - started
         prompt_tokens = sum(len(r.row.tokens) for r in plan.rows if r.prefill)
         self.scheduler.budget.observe(prompt_tokens, plan.decodes, elapsed)
+        verified = sum(1 for r in plan.rows if r.drafts)
+        if self.threads is not None and plan.decodes and not prompt_tokens and not verified:
+            self.threads.decode_step(plan.decodes, elapsed)
         if self.speculator.enabled and plan.decodes and not prompt_tokens:  # a pure decode step: what drafting costs
-            verified = sum(1 for r in plan.rows if r.drafts)
             tokens = self.speculator.stats.emitted - emitted + plan.decodes - verified
             self.speculator.gate.observe(plan.decodes, elapsed, tokens, drafted=verified > 0)
         while plan.deferred and plan.prefill_budget > 0:

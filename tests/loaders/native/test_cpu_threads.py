@@ -1,5 +1,6 @@
-"""The thread governor from fake contention: it drops a thread while the process's threads wait for a CPU, tries
-one more after a hold, keeps it only where the wait stays low, and backs off after each failed try."""
+"""The thread governor from fake contention and fake step times: contention makes it try one thread fewer, and
+speed decides. A try is kept only when its decode steps run faster than the same-width steps before it; a failed
+try goes back and doubles the hold before the next; a try at a lower count tries one more after a hold."""
 
 from __future__ import annotations
 
@@ -9,23 +10,31 @@ import threading
 import pytest
 
 from loaders.native import cpu_threads
-from loaders.native.cpu_threads import HOLD_S, MAX_HOLD_S, WAIT_LIMIT, WINDOW_S, ThreadGovernor, read_schedstat
+from loaders.native.cpu_threads import (
+    HOLD_S,
+    MAX_HOLD_S,
+    TRIAL_MAX_S,
+    WAIT_LIMIT,
+    WINDOW_S,
+    StepClock,
+    ThreadGovernor,
+    read_schedstat,
+    width_bucket,
+)
 
 
 class FakeCpu:
-    """A clock and a schedstat whose run-queue wait per second run the test sets."""
+    """A clock, a schedstat whose run-queue wait per second run the test sets, and decode steps whose seconds
+    depend on the thread count the governor last set (``step_s``) and on the batch width."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.ran = 0.0
         self.waited = 0.0
         self.wait_ratio = 0.0
+        self.step_s = {1: 0.02, 2: 0.012, 4: 0.008}  # a quiet machine: more threads, faster steps
+        self.rows = 1
         self.set_to: list[int] = []
-
-    def advance(self, seconds: float = WINDOW_S) -> None:
-        self.now += seconds
-        self.ran += seconds
-        self.waited += seconds * self.wait_ratio
 
     def governor(self, ceiling: int = 2, adaptive: bool = True) -> ThreadGovernor:
         g = ThreadGovernor(
@@ -38,64 +47,100 @@ class FakeCpu:
         g.start()
         return g
 
-
-def _steps(cpu: FakeCpu, g: ThreadGovernor, seconds: float) -> None:
-    for _ in range(round(seconds / WINDOW_S)):
-        cpu.advance()
-        g.after_step()
+    def run(self, g: ThreadGovernor, seconds: float, decode: bool = True) -> None:
+        """Steps for ``seconds`` of fake time: decode steps, or (``decode=False``) prefill steps of 0.1 s, which
+        time no try."""
+        end = self.now + seconds
+        while self.now < end:
+            step = self.step_s[self.set_to[-1]] * (1 + self.rows / 64) if decode else 0.1
+            self.now += step
+            self.ran += step
+            self.waited += step * self.wait_ratio
+            if decode:
+                g.decode_step(self.rows, step)
+            g.after_step()
 
 
 def test_a_quiet_cpu_keeps_the_ceiling() -> None:
     cpu = FakeCpu()
     g = cpu.governor(4)
-    _steps(cpu, g, 30)
-    assert g.current == 4 and cpu.set_to == [4] and g.changes == 0
+    cpu.run(g, 30)
+    assert g.current == 4 and cpu.set_to == [4] and g.changes == 0 and g.last_trial is None
 
 
-def test_contention_drops_a_thread_and_a_failed_try_doubles_the_hold() -> None:
+def test_a_busy_neighbour_drops_a_thread_and_a_failed_try_doubles_the_hold() -> None:
     cpu = FakeCpu()
     g = cpu.governor(2)
-    cpu.wait_ratio = 0.5  # two threads beside a busy loop on two cores
-    _steps(cpu, g, WINDOW_S)
-    assert g.current == 1 and cpu.set_to == [2, 1]
+    cpu.wait_ratio, cpu.step_s[2] = 0.5, 0.3  # two threads beside a busy loop on two cores: 15x slower steps
+    cpu.run(g, 2 * WINDOW_S)
+    assert g.current == 1 and cpu.set_to == [2, 1] and g.last_trial["kept"] and g.last_trial["to"] == 1
     cpu.wait_ratio = 0.0  # one thread beside it: no wait
-    _steps(cpu, g, HOLD_S - WINDOW_S)
-    assert g.current == 1, "held before trying again"
-    _steps(cpu, g, WINDOW_S)
-    assert g.current == 2  # the try
-    cpu.wait_ratio = 0.5  # the neighbour is still there
-    _steps(cpu, g, WINDOW_S)
-    assert g.current == 1 and g.to_dict()["wait_ratio"] == 0.5
-    cpu.wait_ratio = 0.0
-    _steps(cpu, g, 2 * HOLD_S - WINDOW_S)
-    assert g.current == 1, "the hold doubled after the failed try"
-    _steps(cpu, g, WINDOW_S)
-    assert g.current == 2
-    _steps(cpu, g, 20)
-    assert g.current == 2, "the neighbour left: the try holds"
+    cpu.run(g, HOLD_S - 2 * WINDOW_S)
+    assert cpu.set_to == [2, 1], "held before trying again"
+    cpu.run(g, 2 * WINDOW_S + TRIAL_MAX_S)
+    assert cpu.set_to == [2, 1, 2, 1], "a try of one more, and back"
+    assert not g.last_trial["kept"] and g.last_trial["time_ratio"] > 10 and g.changes == 1
+    cpu.run(g, 2 * HOLD_S - TRIAL_MAX_S - WINDOW_S)
+    assert cpu.set_to == [2, 1, 2, 1], "the hold doubled after the failed try"
+    cpu.step_s[2] = 0.012  # the neighbour left
+    cpu.run(g, 2 * TRIAL_MAX_S)
+    assert g.current == 2 and g.last_trial["kept"] and g.changes == 2
+    cpu.run(g, 20)
+    assert g.current == 2 and cpu.set_to == [2, 1, 2, 1, 2], "the try holds"
 
 
-def test_the_hold_stops_doubling_at_its_maximum() -> None:
+def test_waiting_threads_that_are_still_faster_are_kept() -> None:
+    """A neighbour that takes part of a core (a benchmark client): the threads wait for a CPU, yet two still run
+    faster than one, so every try of one goes back, less and less often."""
     cpu = FakeCpu()
     g = cpu.governor(2)
-    for _ in range(10):
-        cpu.wait_ratio = 0.6
-        _steps(cpu, g, WINDOW_S)  # a drop, or a failed try
-        cpu.wait_ratio = 0.0
-        _steps(cpu, g, MAX_HOLD_S + WINDOW_S)
-        assert g.current == 2  # tried again within the longest hold
-    assert g.changes == 20
+    cpu.wait_ratio = 0.4
+    cpu.run(g, 2 * WINDOW_S)
+    assert cpu.set_to == [2, 1, 2], "contention: a try of one, and back"
+    assert not g.last_trial["kept"] and g.last_trial["time_ratio"] > 1 and g.changes == 0
+    tries = []
+    for _ in range(12):
+        before = len(cpu.set_to)
+        cpu.run(g, MAX_HOLD_S)
+        tries.append((len(cpu.set_to) - before) // 2)
+    assert g.current == 2 and g.changes == 0
+    assert tries[-1] == 1, "the hold stopped doubling at its maximum: a try every MAX_HOLD_S"
+    assert sum(tries) < 20
+
+
+def test_a_try_without_comparable_steps_goes_back() -> None:
+    """Only pure decode steps time a try: one that sees none in TRIAL_MAX_S keeps the count it had."""
+    cpu = FakeCpu()
+    g = cpu.governor(2)
+    cpu.wait_ratio = 0.5
+    cpu.run(g, 2 * WINDOW_S, decode=False)
+    assert cpu.set_to == [2, 1]
+    cpu.run(g, TRIAL_MAX_S, decode=False)
+    assert g.current == 2 and g.last_trial == {"from": 2, "to": 1, "steps": 0, "time_ratio": None, "kept": False}
+
+
+def test_a_try_is_judged_at_equal_width() -> None:
+    """Wider steps cost more: a batch that grows during a try compares with the wide steps before it."""
+    clock = StepClock()
+    for rows, seconds in [(1, 0.010), (1, 0.010), (16, 0.030), (16, 0.030)]:
+        clock.add(rows, seconds, trying=False)
+    for rows, seconds in [(16, 0.027), (15, 0.027), (9, 0.027), (1, 0.009)]:
+        clock.add(rows, seconds, trying=True)
+    assert width_bucket(1) == 0 and width_bucket(9) == width_bucket(16) == 4 and width_bucket(8) == 3
+    assert clock.matched() == pytest.approx([0.9, 0.9, 0.9, 0.9])  # not 2.7: the 16-row steps match their own
+    clock.restart()
+    assert len(clock.baseline) == 4 and not clock.trial
 
 
 def test_fixed_threads_and_a_missing_schedstat_never_change() -> None:
     cpu = FakeCpu()
     g = cpu.governor(2, adaptive=False)
-    cpu.wait_ratio = 1.0
-    _steps(cpu, g, 10)
+    cpu.wait_ratio, cpu.step_s[2] = 1.0, 1.0
+    cpu.run(g, 10)
     assert g.current == 2 and cpu.set_to == [2]
     g = ThreadGovernor(2, set_threads=cpu.set_to.append, clock=lambda: cpu.now, sample=lambda: None)
     g.start()
-    _steps(cpu, g, 10)
+    cpu.run(g, 10)
     assert g.current == 2 and not g.adaptive
 
 

@@ -262,7 +262,8 @@ def test_element_steps_round_as_transformers_modules(native_path, dtype):
 
 def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path):
     """An AWQ checkpoint (4-bit with a zero point per group) decodes on ``linear_q4z`` as the model's forward does."""
-    pytest.importorskip("compressed_tensors")
+    import compressed_tensors  # noqa: F401
+
     from tests.quant_checkpoints import write_quantized
 
     write_quantized(tiny_llama_dir(), tmp_path / "awq", "awq", group=64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+import compressed_tensors  # noqa: F401  (a test dependency: missing, the module fails rather than skips)
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,8 +23,6 @@ from planner.placement.inputs import make_workload
 from planner.placement.sizing import block_bytes
 from tests.models import tiny_llama_dir
 from tests.quant_checkpoints import write_quantized
-
-pytest.importorskip("compressed_tensors")
 
 CASES = {
     "gptq4-sym": ("gptq", dict(bits=4, group=64, sym=True, act_order=False)),

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.service.conftest import LiveServer, settings_for
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture()

@@ -63,7 +63,8 @@ def test_each_configured_key_is_accepted(keyed: LiveServer, key: str) -> None:
 
 
 def test_openai_client_with_key(keyed: LiveServer) -> None:
-    openai = pytest.importorskip("openai")
+    import openai
+
     good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="second", max_retries=0)
     assert good.models.list().data[0].id == "tiny-gpt2"
     bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0)

@@ -7,12 +7,11 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
+import text_generation
 import torch
 from transformers import AutoModelForCausalLM
-
-openai = pytest.importorskip("openai")
-text_generation = pytest.importorskip("text_generation")
 
 SCHEMA = {
     "type": "object",

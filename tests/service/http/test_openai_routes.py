@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
-
-openai = pytest.importorskip("openai")
 
 
 @pytest.fixture()

@@ -9,13 +9,12 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from tests.models import chat_model_dir
 from tests.service.conftest import LiveServer, settings_for
 from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
-
-openai = pytest.importorskip("openai")
 
 WEATHER = {"type": "function", "function": WEATHER_TOOL}
 TIME = {"type": "function", "function": TIME_TOOL}
@@ -118,7 +117,7 @@ def test_tools_empty_null_and_none_choice_are_consistent(server) -> None:
 
 
 def test_langchain_bind_tools_and_structured_output(qwen3) -> None:
-    lc = pytest.importorskip("langchain_openai")
+    import langchain_openai as lc
     from pydantic import BaseModel, Field
 
     llm = lc.ChatOpenAI(base_url=qwen3.url + "/v1", api_key="unused", model="qwen3-tiny", max_tokens=150, max_retries=0)

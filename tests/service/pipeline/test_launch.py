@@ -20,14 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import text_generation
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.service.conftest import free_port
-
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
@@ -15,8 +16,6 @@ import pytest
 from tests.models import chat_model_dir
 from tests.service.conftest import LiveServer, settings_for
 from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
-
-anthropic = pytest.importorskip("anthropic")
 
 KEY = "sk-test-messages"
 

@@ -9,13 +9,12 @@ from collections.abc import Iterator
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from tests.models import chat_model_dir
 from tests.service.conftest import LiveServer, settings_for
 from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
-
-openai = pytest.importorskip("openai")
 
 WEATHER = {"type": "function"} | WEATHER_TOOL
 TIME = {"type": "function"} | TIME_TOOL
