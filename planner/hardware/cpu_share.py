@@ -45,8 +45,19 @@ class CpuShare:
     bound: str
     reason: str
 
+    @property
+    def usable_cpus(self) -> int:
+        """The CPUs this process may keep busy at once: the affinity mask, capped by the quota rounded down (at
+        least 1). What sizes any pool of the process's own (threads, grammar compilers)."""
+        return usable_cpus(self.affinity, self.quota)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def usable_cpus(affinity: int, quota: float | None) -> int:
+    """``affinity`` CPUs capped by a ``quota`` in CPUs, rounded down, at least 1."""
+    return min(affinity, max(1, math.floor(quota))) if quota else affinity
 
 
 def _cpu_cgroup_dirs(paths: HostPaths) -> list[tuple[str, str]]:
@@ -141,8 +152,8 @@ def cpu_share(requested: int | None = None, *, paths: HostPaths = HOST, affinity
     quota = read_cpu_quota(paths)
     q_cpus, q_source = (quota.cpus, quota.source) if quota else (None, None)
     if requested:
-        over = min(cpus, math.floor(q_cpus)) if q_cpus else cpus
-        note = f"; more than the {max(over, 1)} CPU(s) this process may use" if requested > max(over, 1) else ""
+        over = usable_cpus(cpus, q_cpus)
+        note = f"; more than the {over} CPU(s) this process may use" if requested > over else ""
         return CpuShare(
             requested, cpus, q_cpus, q_source, requested, "threads", f"--threads {requested} as given{note}"
         )

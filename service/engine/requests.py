@@ -84,6 +84,11 @@ class FinishEvent:
     stop_at: int | None = None
     prefill: list[PrefillToken] = field(default_factory=list)  # only when the request asked for prompt_logprobs
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """How likely the whole sequence was: the sum of its tokens' logprobs (``best_of`` keeps the highest)."""
+        return sum(t.logprob for t in self.tokens)
+
 
 @dataclass
 class ErrorEvent:

@@ -171,27 +171,14 @@ def choose_batch(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> list
     A row's ``logprob`` is the log-probability of its token under the distribution after the grammar mask,
     penalties and temperature, before top-k/top-p/typical truncation (alternatives are from the same distribution).
     """
-    rows, vocab = logits.shape
-    dev = logits.device
-    in_place = any(c.constraint is not None or c.params.penalised or c.params.logit_bias for c in choosers)
-    scores = logits.detach().to(torch.float32, copy=in_place)  # masks and penalties write into it
-    _apply_logit_bias(scores, choosers)
-    _apply_constraints(scores, choosers)
-    _apply_penalties(scores, choosers)
-    temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
-    if any(t != 1.0 for t in temps):
-        scores = scores / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
-    logprobs = torch.log_softmax(scores, dim=-1)
+    vocab = logits.shape[1]
+    logprobs = _scored_logprobs(logits, choosers)
     tokens = logprobs.argmax(dim=-1)
     sampled = [r for r, c in enumerate(choosers) if c.params.sampling]
     if sampled:
-        idx = torch.tensor(sampled, dtype=torch.long, device=dev)
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         kept = _truncate(logprobs.index_select(0, idx), [choosers[r].params for r in sampled])
-        cdf = torch.softmax(kept, dim=-1).double().cumsum(dim=-1)
-        draws = torch.cat([torch.rand(1, generator=choosers[r].generator, dtype=torch.float64) for r in sampled])
-        draws = draws.to(dev) * cdf[:, -1]
-        picks = torch.searchsorted(cdf, draws.unsqueeze(1), right=True).squeeze(1)
-        tokens[idx] = picks.clamp(max=vocab - 1)
+        tokens[idx] = draw_rows(torch.softmax(kept, dim=-1), [choosers[r].generator for r in sampled])
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_k = max((c.top_n for c in choosers), default=0)
     top_ids: list[list[int]] = []
@@ -216,22 +203,37 @@ def target_distributions(logits: torch.Tensor, choosers: Sequence[TokenChooser])
     (after top-k/top-p/typical/min-p, renormalised), both ``[B, V]``. The same steps as :func:`choose_batch`."""
     if any(c.constraint is not None or c.params.penalised for c in choosers):
         raise ValueError("target_distributions takes rows without grammar or penalties")
-    scores = logits.detach().to(torch.float32, copy=True)
-    _apply_logit_bias(scores, choosers)
-    temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
-    if any(t != 1.0 for t in temps):
-        scores = scores / torch.tensor(temps, dtype=torch.float32, device=scores.device).unsqueeze(1)
-    logprobs = torch.log_softmax(scores, dim=-1)
+    logprobs = _scored_logprobs(logits, choosers)
     kept = _truncate(logprobs.clone(), [c.params for c in choosers])
     return logprobs, torch.softmax(kept, dim=-1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from ``probs`` (``[V]``, not necessarily normalised) by inverse CDF with one uniform number from
-    ``generator``: the draw :func:`choose_batch` makes."""
+    """One token from ``probs`` (``[V]``, not necessarily normalised): :func:`draw_rows` for one row."""
+    return int(draw_rows(probs.unsqueeze(0), [generator])[0])
+
+
+def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` (``[R, V]``, rows not necessarily normalised) by inverse CDF, with one
+    uniform number from each row's own generator, so a seeded row draws the same whatever it is batched with."""
     cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(1, generator=generator, dtype=torch.float64).to(cdf.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+    draws = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
+    picks = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return picks.clamp(max=probs.shape[-1] - 1)
+
+
+def _scored_logprobs(logits: torch.Tensor, choosers: Sequence[TokenChooser]) -> torch.Tensor:
+    """Each row's log-probabilities after its logit bias, grammar mask, penalties and temperature (``[B, V]``,
+    float32): what a row's ``logprob`` reports, and what top-k/top-p/typical/min-p then truncate to sample."""
+    in_place = any(c.constraint is not None or c.params.penalised or c.params.logit_bias for c in choosers)
+    scores = logits.detach().to(torch.float32, copy=in_place)  # masks and penalties write into it
+    _apply_logit_bias(scores, choosers)
+    _apply_constraints(scores, choosers)
+    _apply_penalties(scores, choosers)
+    temps = [c.params.temperature if c.params.sampling and c.params.temperature else 1.0 for c in choosers]
+    if any(t != 1.0 for t in temps):
+        scores = scores / torch.tensor(temps, dtype=torch.float32, device=scores.device).unsqueeze(1)
+    return torch.log_softmax(scores, dim=-1)
 
 
 def _apply_logit_bias(scores: torch.Tensor, choosers: Sequence[TokenChooser]) -> None:

@@ -84,7 +84,7 @@ class Runtime:
             vocab_size=_logits_width(loaded.model, loaded.tokenizer),
             stop_ids=eos_ids(loaded.model, loaded.tokenizer),
             grammar_timeout=s.grammar_timeout,
-            grammar_workers=s.grammar_workers or grammar_workers(self.cpu_share.affinity, self.cpu_share.quota),
+            grammar_workers=s.grammar_workers or grammar_workers(self.cpu_share.usable_cpus),
             grammar_queue=s.grammar_queue,
             grammar_cache=s.grammar_cache,
         )
@@ -401,10 +401,9 @@ def request_id_of(request: Request) -> str:
     return str(request.scope.get("state", {}).get("request_id") or getattr(request.state, "request_id", "-"))
 
 
-def grammar_workers(affinity: int, quota: float | None) -> int:
-    """The default count of grammar compiler processes: 1 on up to 3 CPUs (one compilation may take a core; the
-    engine needs the rest), else a quarter of the CPUs, at most 4."""
-    cpus = min(affinity, int(quota)) if quota else affinity
+def grammar_workers(cpus: int) -> int:
+    """The default count of grammar compiler processes on ``cpus`` usable CPUs: 1 on up to 7 (one compilation may
+    take a core; the engine needs the rest), else a quarter of them, at most 4."""
     return max(1, min(4, cpus // 4))
 
 

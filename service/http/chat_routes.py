@@ -16,15 +16,15 @@ from fastapi.responses import JSONResponse, Response
 
 from service.engine.requests import FinishEvent, TokenEvent
 from service.http.admission import request_id_of, runtime_of
-from service.http.openai_routes import (
-    _V1_ERRORS,
+from service.http.v1_common import (
     FINISH,
-    _check_model,
-    _final_text,
-    _finals_or_response,
-    _start,
-    _stream_response,
-    _usage,
+    V1_ERRORS,
+    check_model,
+    final_text,
+    finals_or_response,
+    start_request,
+    stream_response,
+    usage_of,
 )
 from service.schemas.openai_requests import ChatCompletionRequest, ChatShape, prepare_chat
 from service.schemas.openapi_responses import GENERATION_ERRORS, errors, streamed
@@ -54,7 +54,7 @@ def _message(final: FinishEvent, shape: ChatShape) -> tuple[dict[str, Any], str]
     """A choice's message and finish reason."""
     tools = shape.tools
     reasoning, content, calls = read_whole(
-        _final_text(final),
+        final_text(final),
         shape.prompt_text,
         shape.thinks,
         tools.fmt if tools else None,
@@ -103,13 +103,13 @@ def _delta(reader: OutputReader, text: str, finish: str | None) -> tuple[dict[st
             OpenAIErrorEnvelope,
             done_sentinel=True,
         ),
-        **errors(*_V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+        **errors(*V1_ERRORS, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
     },
 )
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    name = _check_model(request, body.model)
+    name = check_model(request, body.model)
     parser = runtime_of(request).settings.tool_call_parser
-    streams, _, shape = await _start(
+    streams, _, shape = await start_request(
         request, lambda v, rid: prepare_chat(v, body, rid, parser), body.user, bool(body.stream)
     )
     rid = request_id_of(request)
@@ -136,9 +136,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             first = chunk(i, "", None, None) or {}
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             firsts.append(first)
-        return _stream_response(request, streams, rid, chunk, firsts, body.stream_options, body.logprobs, len(streams))
+        return stream_response(request, streams, rid, chunk, firsts, body.stream_options, body.logprobs, len(streams))
 
-    finals, early = await _finals_or_response(streams, request, rid)
+    finals, early = await finals_or_response(streams, request, rid)
     if early is not None:
         return early
     choices = []
@@ -153,6 +153,6 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             "created": created,
             "model": name,
             "choices": choices,
-            "usage": _usage(finals, len(finals)),
+            "usage": usage_of(finals, len(finals)),
         }
     )

@@ -94,11 +94,6 @@ def _sequence_details(final: FinishEvent, body: TGIRequest) -> dict[str, Any]:
     return out
 
 
-def cumulative_logprob(final: FinishEvent) -> float:
-    """How likely a whole sequence was: the sum of its tokens' logprobs (``best_of`` keeps the highest)."""
-    return sum(t.logprob for t in final.tokens)
-
-
 def _check_tgi(body: TGIRequest, stream: bool) -> None:
     """What TGI itself refuses per route, so that nothing asked for is silently dropped."""
     p = body.parameters
@@ -141,7 +136,7 @@ async def generate(request: Request, body: TGIRequest) -> Response:
             log.error("request %s failed: %s", request_id_of(request), final.message)
             return JSONResponse(_error_body(final), status_code=final.status_code)
     done = [f for f in finals if isinstance(f, FinishEvent)]
-    best = max(range(len(done)), key=lambda i: cumulative_logprob(done[i]))
+    best = max(range(len(done)), key=lambda i: done[i].cumulative_logprob)
     final = done[best]
     prefix = body.inputs if body.parameters.return_full_text else ""
     out: dict[str, Any] = {"generated_text": prefix + final.text}

@@ -30,7 +30,7 @@ from service.http.agent_apis.output_blocks import (
     whole_blocks,
 )
 from service.http.event_stream import event_stream, typed_event
-from service.http.openai_routes import _V1_ERRORS, _check_model, _finals_or_response, _start
+from service.http.v1_common import V1_ERRORS, check_model, finals_or_response, start_request
 from service.schemas.anthropic_requests import MessagesRequest, as_chat_request
 from service.schemas.anthropic_responses import (
     AnthropicErrorEnvelope,
@@ -117,14 +117,14 @@ def _stream(request: Request, stream: Any, shape: ChatShape, head: dict[str, Any
     response_model=AnthropicMessageResponse,
     responses={
         **streamed("The message, or (stream: true) Anthropic's events.", AnthropicStreamEvent, AnthropicErrorEnvelope),
-        **errors(*_V1_ERRORS, 404, *GENERATION_ERRORS, 500, client_closed=True, envelope_model=AnthropicErrorEnvelope),
+        **errors(*V1_ERRORS, 404, *GENERATION_ERRORS, 500, client_closed=True, envelope_model=AnthropicErrorEnvelope),
     },
 )
 async def messages(request: Request, body: MessagesRequest) -> Response:
-    name = _check_model(request, body.model)
+    name = check_model(request, body.model)
     chat = as_chat_request(body)
     parser = runtime_of(request).settings.tool_call_parser
-    streams, _, shape = await _start(
+    streams, _, shape = await start_request(
         request, lambda v, rid: prepare_chat(v, chat, rid, parser), chat.user, bool(body.stream)
     )
     head = {
@@ -137,7 +137,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     }
     if body.stream:
         return _stream(request, streams[0], shape, head)
-    finals, early = await _finals_or_response(
+    finals, early = await finals_or_response(
         streams, request, request_id_of(request), lambda message, _, status: anthropic_error_body(message, status)
     )
     if early is not None:

@@ -26,7 +26,7 @@ from service.http.admission import request_id_of, runtime_of
 from service.http.agent_apis.output_blocks import Block, BlockEvent, OutputBlocks, sequence_pieces, whole_blocks
 from service.http.agent_apis.response_store import ResponseStore
 from service.http.event_stream import event_stream, typed_event
-from service.http.openai_routes import _V1_ERRORS, _check_model, _finals_or_response, _start, openai_error
+from service.http.v1_common import V1_ERRORS, check_model, finals_or_response, openai_error, start_request
 from service.schemas.openai_requests import ChatShape, prepare_chat
 from service.schemas.openapi_responses import GENERATION_ERRORS, errors, streamed
 from service.schemas.response_models import OpenAIErrorEnvelope
@@ -213,22 +213,22 @@ def _stream(request: Request, stream: Any, shape: ChatShape, answer: _Draft, ite
     response_model=ResponseObject,
     responses={
         **streamed("The response, or (stream: true) its events.", ResponseStreamEvent, OpenAIErrorEnvelope),
-        **errors(*_V1_ERRORS, 404, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
+        **errors(*V1_ERRORS, 404, *GENERATION_ERRORS, 500, openai=True, client_closed=True),
     },
 )
 async def responses(request: Request, body: ResponsesRequest) -> Response:
-    name = _check_model(request, body.model)
+    name = check_model(request, body.model)
     items = store_of(request).conversation(body.previous_response_id) if body.previous_response_id else []
     items = items + input_items(body)
     chat = as_chat_request(body, items)
     parser = runtime_of(request).settings.tool_call_parser
-    streams, _, shape = await _start(
+    streams, _, shape = await start_request(
         request, lambda v, rid: prepare_chat(v, chat, rid, parser), body.user, bool(body.stream)
     )
     answer = _Draft(body=body, model=name)
     if body.stream:
         return _stream(request, streams[0], shape, answer, items)
-    finals, early = await _finals_or_response(streams, request, request_id_of(request))
+    finals, early = await finals_or_response(streams, request, request_id_of(request))
     if early is not None:
         return early
     blocks, _ = whole_blocks(finals[0], shape)
