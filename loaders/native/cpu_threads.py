@@ -31,7 +31,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Run-queue wait per second of run time above which fewer threads may be faster. Two threads beside one busy loop
@@ -114,6 +114,18 @@ class _Window:
 
 
 @dataclass
+class ThreadTry:
+    """A finished try: the count it left and the one it tried, the comparable steps it was judged on, the median
+    of their time over the same-width steps before it (None: no comparable step), and whether it was kept."""
+
+    from_threads: int
+    to_threads: int
+    steps: int
+    time_ratio: float | None
+    kept: bool
+
+
+@dataclass
 class _Trial:
     threads: int  # the count being tried
     previous: int  # the count to go back to
@@ -149,7 +161,7 @@ class ThreadGovernor:
         self._hold_s = HOLD_S
         self._hold_until = 0.0
         self.last_wait_ratio: float | None = None
-        self.last_trial: dict[str, Any] | None = None
+        self.last_trial: ThreadTry | None = None
         self.changes = 0
 
     def start(self) -> None:
@@ -206,13 +218,9 @@ class ThreadGovernor:
             return
         ratio = statistics.median(ratios) if ratios else None
         kept = ratio is not None and ratio <= KEEP_BELOW
-        self.last_trial = {
-            "from": trial.previous,
-            "to": trial.threads,
-            "steps": len(ratios),
-            "time_ratio": None if ratio is None else round(ratio, 3),
-            "kept": kept,
-        }
+        self.last_trial = ThreadTry(
+            trial.previous, trial.threads, len(ratios), None if ratio is None else round(ratio, 3), kept
+        )
         self._trial = None
         if kept:
             self.changes += 1
@@ -240,7 +248,7 @@ class ThreadGovernor:
             "adaptive": self.adaptive,
             "wait_ratio": None if self.last_wait_ratio is None else round(self.last_wait_ratio, 3),
             "trying": self._trial is not None,
-            "last_trial": self.last_trial,
+            "last_trial": None if self.last_trial is None else asdict(self.last_trial),
             "changes": self.changes,
             "reason": self.reason,
         }

@@ -203,6 +203,18 @@ class KernelReport(_Answer):
     kernels: dict[str, KernelState | None]
 
 
+class ThreadTryInfo(_Answer):
+    """A try of one thread more or fewer (``loaders.native.cpu_threads.ThreadTry``)."""
+
+    from_threads: int
+    to_threads: int
+    steps: int = Field(description="Pure decode steps the try was judged on.")
+    time_ratio: float | None = Field(
+        description="Median time of the try's steps over the same-width steps before it; None: no comparable step."
+    )
+    kept: bool
+
+
 class CpuThreadsInfo(_Answer):
     """The CPU threads torch and the native kernels run on, and why (``planner.hardware.cpu_share``,
     ``loaders.native.cpu_threads``)."""
@@ -218,6 +230,8 @@ class CpuThreadsInfo(_Answer):
     wait_ratio: float | None = Field(
         None, description="Last measured run-queue wait of the process's threads per second they ran."
     )
+    trying: bool = Field(False, description="Whether a try of another count is running now.")
+    last_trial: ThreadTryInfo | None = Field(None, description="The last finished try of another count.")
     changes: int = Field(0, description="Times the count changed since the engine started.")
     prefill_tokens: int | None = Field(None, description="The engine's prefill budget per step now.")
 

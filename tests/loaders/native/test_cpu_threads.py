@@ -18,6 +18,7 @@ from loaders.native.cpu_threads import (
     WINDOW_S,
     StepClock,
     ThreadGovernor,
+    ThreadTry,
     read_schedstat,
     width_bucket,
 )
@@ -73,18 +74,18 @@ def test_a_busy_neighbour_drops_a_thread_and_a_failed_try_doubles_the_hold() -> 
     g = cpu.governor(2)
     cpu.wait_ratio, cpu.step_s[2] = 0.5, 0.3  # two threads beside a busy loop on two cores: 15x slower steps
     cpu.run(g, 2 * WINDOW_S)
-    assert g.current == 1 and cpu.set_to == [2, 1] and g.last_trial["kept"] and g.last_trial["to"] == 1
+    assert g.current == 1 and cpu.set_to == [2, 1] and g.last_trial.kept and g.last_trial.to_threads == 1
     cpu.wait_ratio = 0.0  # one thread beside it: no wait
     cpu.run(g, HOLD_S - 2 * WINDOW_S)
     assert cpu.set_to == [2, 1], "held before trying again"
     cpu.run(g, 2 * WINDOW_S + TRIAL_MAX_S)
     assert cpu.set_to == [2, 1, 2, 1], "a try of one more, and back"
-    assert not g.last_trial["kept"] and g.last_trial["time_ratio"] > 10 and g.changes == 1
+    assert not g.last_trial.kept and g.last_trial.time_ratio > 10 and g.changes == 1
     cpu.run(g, 2 * HOLD_S - TRIAL_MAX_S - WINDOW_S)
     assert cpu.set_to == [2, 1, 2, 1], "the hold doubled after the failed try"
     cpu.step_s[2] = 0.012  # the neighbour left
     cpu.run(g, 2 * TRIAL_MAX_S)
-    assert g.current == 2 and g.last_trial["kept"] and g.changes == 2
+    assert g.current == 2 and g.last_trial.kept and g.changes == 2
     cpu.run(g, 20)
     assert g.current == 2 and cpu.set_to == [2, 1, 2, 1, 2], "the try holds"
 
@@ -97,7 +98,7 @@ def test_waiting_threads_that_are_still_faster_are_kept() -> None:
     cpu.wait_ratio = 0.4
     cpu.run(g, 2 * WINDOW_S)
     assert cpu.set_to == [2, 1, 2], "contention: a try of one, and back"
-    assert not g.last_trial["kept"] and g.last_trial["time_ratio"] > 1 and g.changes == 0
+    assert not g.last_trial.kept and g.last_trial.time_ratio > 1 and g.changes == 0
     tries = []
     for _ in range(12):
         before = len(cpu.set_to)
@@ -116,7 +117,7 @@ def test_a_try_without_comparable_steps_goes_back() -> None:
     cpu.run(g, 2 * WINDOW_S, decode=False)
     assert cpu.set_to == [2, 1]
     cpu.run(g, TRIAL_MAX_S, decode=False)
-    assert g.current == 2 and g.last_trial == {"from": 2, "to": 1, "steps": 0, "time_ratio": None, "kept": False}
+    assert g.current == 2 and g.last_trial == ThreadTry(2, 1, 0, None, False)
 
 
 def test_a_try_is_judged_at_equal_width() -> None:

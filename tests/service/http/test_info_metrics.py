@@ -36,6 +36,8 @@ def test_info_reports_model_plan_device_map_memory_limits(client: httpx.Client, 
     assert 1 <= threads["threads"] <= threads["ceiling"] <= threads["affinity"]
     assert threads["bound"] in ("affinity", "quota") and threads["adaptive"] and threads["reason"]
     assert threads["prefill_tokens"] >= 1
+    assert threads["trying"] in (True, False)  # the governor's try state, through /info's response model
+    assert threads["last_trial"] is None or set(threads["last_trial"]) >= {"from_threads", "to_threads", "kept"}
     assert (info["load_stats"]["native_linears"] > 0) == fp32.available
 
 
