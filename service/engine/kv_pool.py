@@ -5,9 +5,12 @@ write with the device and dtype the layer computes in (so a layer on GPU 0, the 
 cache where it runs). A sequence holds one slot from admission to its end: joining writes its prompt's KV into
 its slot, leaving frees the slot, and nothing else moves; no cache is concatenated or re-indexed between steps.
 
-The capacity (tokens per slot) grows by doubling when a longer sequence needs it, up to ``max_len``, so memory
-follows the longest sequence actually served rather than the longest allowed; growth copies the cache, which
-happens at most log2(max_len) times in a server's life.
+The storage grows in both dimensions by doubling: its capacity (tokens per slot) when a longer sequence needs it,
+up to ``max_len``, and the slots it holds when a higher slot is first used, up to ``slots``. So memory follows the
+longest sequence and the concurrency actually served rather than the most allowed; growth copies the cache, which
+happens at most log2(max_len) + log2(slots) times between two resets. The scheduler keeps slots × capacity within
+the plan's KV budget (:meth:`SlotKVCache.storage_tokens`): a box whose plan holds two sequences of the full context
+can run sixteen short ones at once, and drops the storage (:meth:`SlotKVCache.reset`) when idle to seat a longer one.
 
 A forward does not bind the cache itself: it gets a :class:`BoundSlotCache`, a light transformers ``Cache`` that
 shares the storage and holds its own binding (which slots take part and where each row's new tokens go), made by
@@ -74,8 +77,9 @@ class SlotKVCache:
     def __init__(self, slots: int, max_len: int):
         if slots < 1 or max_len < 1:
             raise ValueError(f"a KV cache needs at least one slot and one token per slot (got {slots}, {max_len})")
-        self.slots = slots
+        self.slots = slots  # the most the storage may hold
         self.max_len = max_len
+        self.allocated = 0  # slots the storage holds now
         self.capacity = 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -84,7 +88,7 @@ class SlotKVCache:
     def bound(self, slots: list[int], starts: list[int], width: int, span: int) -> BoundSlotCache:
         """A view for one forward: row ``b`` writes ``width`` tokens into slot ``slots[b]`` from ``starts[b]``
         (rows shorter than ``width`` are padded; their padding lands past their length and is overwritten later)."""
-        self._grow(max(starts) + width)
+        self._grow(max(slots) + 1, max(starts) + width)
         lo = slots[0]
         consecutive = slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
         binding = BatchedBinding(
@@ -98,7 +102,8 @@ class SlotKVCache:
 
     def bound_packed(self, binding: PackedBinding) -> BoundSlotCache:
         """A view for one forward in the packed layout (see :class:`PackedBinding`)."""
-        self._grow(int(binding.write_positions.max()) + 1)
+        used = max(int(binding.write_slots.max()), int(binding.read_slots.max()) if binding.read_slots.numel() else 0)
+        self._grow(used + 1, int(binding.write_positions.max()) + 1)
         return BoundSlotCache(self, binding)
 
     @torch.inference_mode()
@@ -106,6 +111,7 @@ class SlotKVCache:
         """Copy positions ``[start, end)`` of slot ``source`` into slot ``target`` on every layer (prefix reuse)."""
         if end <= start:
             return
+        self._grow(max(source, target) + 1, end)
         for store in (self.keys, self.values):
             for t in store.values():
                 t[target, :, start:end].copy_(t[source, :, start:end])
@@ -113,26 +119,52 @@ class SlotKVCache:
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
 
-    def _grow(self, need: int) -> None:
-        if need > self.max_len:
-            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
+    def storage_tokens(self, slots: int, length: int) -> int:
+        """Token positions (per layer, keys and values each) the storage would hold once grown to seat slots
+        ``0..slots-1`` with ``length`` positions each: what the scheduler keeps within the plan's KV budget."""
+        return self._slots_for(slots) * self._capacity_for(length)
+
+    def reset(self) -> None:
+        """Drop the storage (no sequence holds a slot): the next forward starts it again at the shape it needs."""
+        self.keys.clear()
+        self.values.clear()
+        self.allocated = self.capacity = 0
+
+    def _slots_for(self, need: int) -> int:
+        if need <= self.allocated:
+            return self.allocated
+        slots = max(1, self.allocated)
+        while slots < need:
+            slots *= 2
+        return min(slots, self.slots)
+
+    def _capacity_for(self, need: int) -> int:
         if need <= self.capacity:
-            return
+            return self.capacity
         capacity = max(MIN_CAPACITY, self.capacity)
         while capacity < need:
             capacity *= 2
-        capacity = min(capacity, self.max_len)
+        return min(capacity, self.max_len)
+
+    def _grow(self, slots: int, need: int) -> None:
+        if need > self.max_len:
+            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_len} per sequence")
+        if slots > self.slots:
+            raise ValueError(f"a row uses slot {slots - 1}; the cache has {self.slots} slots")
+        allocated, capacity = self._slots_for(slots), self._capacity_for(need)
+        if (allocated, capacity) == (self.allocated, self.capacity):
+            return
         for store in (self.keys, self.values):
             for layer, old in store.items():
-                new = old.new_zeros(old.shape[:2] + (capacity, old.shape[3]))
-                new[:, :, : old.shape[2]].copy_(old)
+                new = old.new_zeros((allocated, old.shape[1], capacity, old.shape[3]))
+                new[: old.shape[0], :, : old.shape[2]].copy_(old)
                 store[layer] = new
-        self.capacity = capacity
+        self.allocated, self.capacity = allocated, capacity
 
     def _layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer ``layer_idx``'s keys and values storage, made on its first write where and as the layer computes."""
         if layer_idx not in self.keys:
-            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
+            shape = (self.allocated, key_states.shape[1], self.capacity, key_states.shape[3])
             self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
             self.keys[layer_idx] = key_states.new_zeros(shape)
         return self.keys[layer_idx], self.values[layer_idx]

@@ -38,9 +38,9 @@ class SlotContents:
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self.free: set[int] = set(range(slots))
 
-    def take(self, prompt: Sequence[int], usable: int) -> tuple[int, int]:
-        """Take a free slot for ``prompt``; returns the slot and how many of the prompt's tokens it already holds
-        (at most ``usable``). The free slot with the longest common prefix wins; with none, the lowest slot."""
+    def choose(self, prompt: Sequence[int], usable: int) -> tuple[int, int]:
+        """The free slot :meth:`take` would give ``prompt``, and how many of its tokens that slot already holds (at
+        most ``usable``): the free slot with the longest common prefix; with none, the lowest slot."""
         if not self.free:
             raise RuntimeError("no free KV cache slot; admission should have waited")
         best, reused = min(self.free), 0
@@ -48,9 +48,19 @@ class SlotContents:
             n = min(common_prefix(prompt, self.tokens[slot]), usable)
             if n > reused:
                 best, reused = slot, n
+        return best, reused
+
+    def take(self, prompt: Sequence[int], usable: int) -> tuple[int, int]:
+        """Take the slot :meth:`choose` names; returns it and the prompt tokens it already holds."""
+        best, reused = self.choose(prompt, usable)
         self.free.discard(best)
         del self.tokens[best][reused:]
         return best, reused
+
+    def forget(self) -> None:
+        """Every slot's tokens are gone (the storage was dropped): no slot holds a prefix any more."""
+        for held in self.tokens:
+            held.clear()
 
     def release(self, slot: int) -> None:
         """Free ``slot``; its tokens stay as a cached prefix until the slot is taken again."""

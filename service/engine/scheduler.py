@@ -5,8 +5,9 @@ It owns the queue of waiting sequences, the running ones and what each slot of t
 decides, once per engine iteration:
 
 1. admission: waiting requests move into free slots, first come first served, while the KV budget (tokens: prompt
-   + max new tokens of every admitted sequence) has room; a free slot that still holds the prompt's prefix is
-   preferred (:mod:`service.engine.prefix_index`);
+   + max new tokens of every admitted sequence) has room and the storage, laid out as slots × the longest of them,
+   stays within it; a free slot that still holds the prompt's prefix is preferred
+   (:mod:`service.engine.prefix_index`);
 2. the iteration's rows: a decode row for every running sequence (one token, at its own position) and up to
    the step's prefill budget of prompt tokens in all, oldest sequence first. The budget
    (:mod:`service.engine.prefill_budget`) is :data:`PREFILL_CHUNK` for a wave of prompts, so a burst is prefilled
@@ -143,9 +144,15 @@ class Scheduler:
                 continue
             if reserved + seq.reserved > self.kv_budget_tokens:
                 break
-            self.waiting.popleft()
             prompt = seq.request.prompt_ids
             usable = len(prompt) - 1 if self._may_reuse(seq) else 0
+            if not self._storage_holds(seq, self.contents.choose(prompt, usable)[0]):
+                if self.running:
+                    break  # first come first served: it waits for the running sequences to end
+                self.cache.reset()  # idle, but shaped for other sequences: start the storage again
+                self.contents.forget()
+                usable = 0
+            self.waiting.popleft()
             seq.slot, seq.prefilled = self.contents.take(prompt, usable)
             self.reused_tokens += seq.prefilled
             self._admissions += 1
@@ -154,6 +161,13 @@ class Scheduler:
             self.running.append(seq)
             newcomers.append(seq)
         return newcomers
+
+    def _storage_holds(self, seq: Sequence, slot: int) -> bool:
+        """Whether the KV storage, grown to seat ``seq`` in ``slot`` beside the running sequences at their longest
+        (prompt + max new tokens each), stays within the KV budget: slots × capacity, as the storage is laid out."""
+        slots = max([s.slot for s in self.running] + [slot]) + 1
+        length = min(max(s.reserved for s in [*self.running, seq]), self.max_total_tokens)
+        return self.cache.storage_tokens(slots, length) <= self.kv_budget_tokens
 
     def schedule(self) -> SchedulerOutput:
         """The iteration's forward: a decode row (one token) for every running sequence that has chosen a token,

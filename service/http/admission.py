@@ -25,7 +25,13 @@ from service.engine.structured_output import resolve_grammars
 from service.errors import NotReadyError, OverloadedError
 from service.http import access_log
 from service.http.metrics import Metrics
-from service.model.background_load import LoadedModel, ModelHost, engine_prefill_chunk, engine_slots
+from service.model.background_load import (
+    LoadedModel,
+    ModelHost,
+    engine_prefill_chunk,
+    engine_slots,
+    running_sequences,
+)
 from service.model.positions import loaded_position_limit, served_positions
 from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
@@ -95,7 +101,8 @@ class Runtime:
         engine = Engine(
             loaded.model,
             loaded.tokenizer,
-            max_batch_size=engine_slots(s, loaded),
+            max_batch_size=running_sequences(s, loaded),  # the KV budget below holds the plan's slots
+            kv_budget_tokens=engine_slots(s, loaded) * max_total,
             max_queue=s.max_concurrent_requests,
             max_total_tokens=max_total,
             metrics=self.metrics,

@@ -27,7 +27,7 @@ from service.http.admission import (
 )
 from service.http.event_stream import event_stream, json_event
 from service.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.model.background_load import engine_slots
+from service.model.background_load import engine_slots, running_sequences
 from service.model.memory_report import memory_report
 from service.schemas.openapi_responses import (
     BODY_ERRORS,
@@ -341,7 +341,10 @@ async def info(request: Request) -> dict[str, Any]:
     }
     if loaded is None:
         return out
-    out["limits"]["max_batch_size"] = engine_slots(s, loaded)  # the KV slots its plan budgets (reason in the plan)
+    slots = engine_slots(s, loaded)  # the KV slots of the full context its plan budgets (reason in the plan)
+    out["limits"]["max_batch_size"] = slots
+    out["limits"]["kv_pool_tokens"] = slots * runtime.max_total_tokens
+    out["limits"]["max_running_sequences"] = running_sequences(s, loaded)
     model = loaded.model
     out.update(
         {

@@ -244,6 +244,13 @@ def engine_slots(settings: ServiceSettings, loaded: LoadedModel) -> int:
     return max(1, min(settings.max_batch_size, loaded.plan.workload.batch_size))
 
 
+def running_sequences(settings: ServiceSettings, loaded: LoadedModel) -> int:
+    """Sequences the engine may decode at once: ``--max-batch-size``, though its KV pool holds only
+    :func:`engine_slots` sequences of the full context (the scheduler seats more while they are shorter). A
+    pipeline keeps the plan's slots: its ranks set up caches of one shape."""
+    return engine_slots(settings, loaded) if settings.pipeline else settings.max_batch_size
+
+
 def engine_prefill_chunk(loaded: LoadedModel) -> int:
     """The most prompt tokens one engine step prefills: the step its plan budgeted activations for."""
     chunk = loaded.plan.workload.prefill_chunk if loaded.plan is not None else None

@@ -186,7 +186,17 @@ class LoadState(_Answer):
 
 class ServerLimits(_Answer):
     max_concurrent_requests: int
-    max_batch_size: int
+    max_batch_size: int = Field(
+        description="Sequences of the full context (max_total_tokens) the KV pool holds at once: the plan's slots."
+    )
+    max_running_sequences: int | None = Field(
+        None,
+        description="Sequences decoded at once when they are shorter: up to --max-batch-size, while slots x the "
+        "longest running sequence stays within kv_pool_tokens.",
+    )
+    kv_pool_tokens: int | None = Field(
+        None, description="The KV pool the plan budgets, in tokens: max_batch_size x max_total_tokens."
+    )
     max_input_tokens: int
     max_total_tokens: int
     default_max_new_tokens: int

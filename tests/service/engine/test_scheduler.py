@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from service.engine.kv_pool import SlotKVCache
 from service.engine.requests import GenerationRequest, Sequence
 from service.engine.scheduler import Scheduler, SchedulerOutput
 from service.errors import GenerationError, OverloadedError
@@ -26,7 +27,9 @@ def tok(tiny_llama: Path):
 
 def _scheduler(**kw) -> Scheduler:
     args = dict(slots=2, max_queue=4, max_total_tokens=64, kv_budget_tokens=128, prefix_cache=False)
-    return Scheduler(None, **(args | kw))  # no prefix reuse: the KV pool itself is never touched
+    args |= kw
+    # no model and no prefix reuse: the pool's storage is never made, only its shape is asked
+    return Scheduler(SlotKVCache(args["slots"], args["max_total_tokens"]), **args)
 
 
 def test_decode_rows_come_first_then_prompt_chunks_within_the_budget(tok) -> None:
@@ -69,6 +72,31 @@ def test_admission_stops_at_the_kv_budget_and_the_queue_at_its_bound(tok) -> Non
     a.done = True
     s.release()
     assert s.admit() == [b] and s.running == [b]
+
+
+def test_short_sequences_run_beyond_the_plans_slots_and_a_long_one_waits_for_an_idle_pool(tok) -> None:
+    """A KV budget of two full-context sequences (2 x 256 tokens) seats 8 short ones at once: the storage,
+    8 slots x 64 positions, stays within it. A full-context request then waits until the pool is idle, and the
+    storage starts again at its shape (1 slot x 256), forgetting the short ones' prefixes."""
+    s = _scheduler(slots=16, max_total_tokens=256, kv_budget_tokens=2 * 256, max_queue=16)
+    short = [_seq(tok, [1, 2, 3 + i], new=20) for i in range(8)]
+    long = _seq(tok, list(range(1, 200)), new=50)
+    for seq in [*short, long]:
+        s.add(seq)
+    assert s.admit() == short and [q.slot for q in short] == list(range(8))
+    assert s.cache.storage_tokens(8, 23) == 8 * 64 <= s.kv_budget_tokens
+    s.cache._grow(8, 23)  # what the first forward's binding does
+    s.contents.tokens[0] = [1, 2, 3]
+    assert s.admit() == [], "16 slots x 256 would not fit: it waits"
+    for q in short[:7]:
+        q.done = True
+    s.release()
+    assert s.admit() == [], "first come first served: one short sequence still runs"
+    short[7].done = True
+    s.release()
+    assert s.admit() == [long] and long.slot == 0 and long.prefilled == 0
+    assert (s.cache.allocated, s.cache.capacity) == (0, 0) and s.contents.tokens[0] == []
+    assert s.cache.storage_tokens(1, 249) == 256
 
 
 # -- the prefill budget: a wave together, a long prompt beside streams in steps that keep their latency ------------
