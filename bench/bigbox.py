@@ -17,7 +17,7 @@ Method:
 
 - **Disk.** The checkpoint's own shards are read once with ``O_DIRECT`` (page cache bypassed), best of
   ``--repeat``; where ``O_DIRECT`` is refused, a buffered read after ``POSIX_FADV_DONTNEED``
-  (:func:`bench.common.disk_read_bandwidth`). The **ideal** for a box: that rate ÷ (checkpoint bytes − (box −
+  (:func:`loaders.checkpoint.disk_rate.cold_read_rate`). The **ideal** for a box: that rate ÷ (checkpoint bytes − (box −
   1 GiB)) tokens/s, 1 GiB being the process, KV cache and activations; the rest of the weights resident, the
   remainder read from disk once per token. A checkpoint that fits in box − 1 GiB is "resident" (no disk ideal).
 - **Cold cache.** Before each contender: ``sync; echo 3 > /proc/sys/vm/drop_caches``, or where that is refused
@@ -27,7 +27,7 @@ Method:
   greedy, ``--new-tokens`` tokens; decode tokens/s = (n − 1) ÷ (time of the last token − time of the first). Then
   ``--clients`` threads at once, each one greedy request of ``--new-tokens`` on its own prompt
   (:func:`bench.serve.run_clients`): aggregate tokens/s = tokens generated ÷ wall time. ``GET /info`` gives the
-  plan's predicted decode tokens/s (``plan.prediction.decode_tokens_per_s``), ``GET /metrics`` the storage bytes
+  plan's predicted decode tokens/s of one stream (``plan.prediction.lone_decode_tokens_per_s``), ``GET /metrics`` the storage bytes
   read per token and the resident/streamed weights per device.
 - **accelerate.** In a fresh process in the same box: ``AutoModelForCausalLM.from_pretrained(MODEL,
   device_map="auto", offload_folder=TMP, dtype=float32)``, then greedy ``generate`` of the same prompt, timed per
@@ -59,8 +59,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULT_PREFIX, ROOT, disk_read_bandwidth, drop_cache, emit, machine, print_table, write_json
+from bench.common import RESULT_PREFIX, ROOT, drop_cache, emit, machine, print_table, write_json
 from bench.memory_box import MemoryBox, cgroup_unavailable, make_box
+from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate
 from planner.hardware.units import format_bytes, parse_size
 
 GiB = 1 << 30
@@ -69,13 +70,6 @@ PEERS = ("accelerate", "llamacpp")
 
 
 # -- results -------------------------------------------------------------------------------------------------------
-@dataclass
-class DiskRate:
-    """The checkpoint's own shards read from the device: bytes/s, and how they were read."""
-
-    bytes_per_s: float
-    method: str
-    bytes_read: int
 
 
 @dataclass
@@ -148,39 +142,11 @@ def cold_cache(model: Path) -> str:
         return "fadvise"
 
 
-def direct_read(files: list[Path], chunk: int = 16 << 20) -> tuple[int, float]:
-    """Read ``files`` whole with ``O_DIRECT`` into one page-aligned buffer: (bytes, seconds)."""
-    import mmap
-
-    buf = mmap.mmap(-1, chunk)  # anonymous maps are page-aligned, as O_DIRECT wants
-    done = 0
-    t = time.perf_counter()
-    try:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
-            try:
-                offset = 0
-                while n := os.preadv(fd, [buf], offset):
-                    offset += n
-                    done += n
-            finally:
-                os.close(fd)
-    finally:
-        buf.close()
-    return done, time.perf_counter() - t
-
-
 def disk_rate(model: Path, repeats: int) -> DiskRate:
-    """The device's read rate of the checkpoint's shards, best of ``repeats``; buffered-cold where no O_DIRECT."""
+    """The device's read rate of the checkpoint's shards, whole, best of ``repeats`` (the server's own probe reads
+    the first 256 MiB of its disk tier the same way)."""
     files = shards(model)
-    try:
-        reads = [direct_read(files) for _ in range(max(1, repeats))]
-        done, seconds = min(reads, key=lambda r: r[1])
-        return DiskRate(done / seconds, "O_DIRECT", done)
-    except OSError:  # a file system without O_DIRECT (tmpfs, some overlays)
-        largest = max(files, key=lambda f: f.stat().st_size)
-        rate = disk_read_bandwidth(largest, limit=largest.stat().st_size, repeats=max(1, repeats))
-        return DiskRate(rate, "buffered after POSIX_FADV_DONTNEED", largest.stat().st_size)
+    return max((cold_read_rate(files) for _ in range(max(1, repeats))), key=lambda r: r.bytes_per_s)
 
 
 def ideal_tok_s(rate: float, checkpoint: int, box: int) -> float | None:
@@ -250,9 +216,11 @@ def clients_rate(url: str, clients: int, new_tokens: int) -> float:
 
 
 def predicted_rate(info: dict[str, Any]) -> float | None:
-    """The plan's predicted decode tokens/s from ``GET /info``."""
+    """The plan's predicted decode tokens/s of one stream alone from ``GET /info`` (the plan's own figure is for its
+    whole batch of slots)."""
     plan = info.get("plan") or (info.get("model") or {}).get("plan") or {}
-    return (plan.get("prediction") or {}).get("decode_tokens_per_s")
+    prediction = plan.get("prediction") or {}
+    return prediction.get("lone_decode_tokens_per_s") or prediction.get("decode_tokens_per_s")
 
 
 def storage_metrics(url: str) -> tuple[float | None, dict[str, int]]:

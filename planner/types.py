@@ -235,9 +235,11 @@ class Prediction:
     """What the cost model predicts for a plan, and the model it used (stated, so it can be argued with)."""
 
     load_seconds: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # at the workload's batch
     seconds_per_token_by_device: dict[str, float]
     cost_model: str
+    #: One stream alone on the same placement (what a lone user sees); None in plans saved before it existed.
+    lone_decode_tokens_per_s: float | None = None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from planner.model.moe import unquantized_experts_warning
 from planner.placement.cost_model import compute_dtype, predict
 from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
-from planner.placement.solve import Solution
+from planner.placement.solve import Solution, lone_speed, make_problem
 from planner.placement.strategies import Loads, Problem, compute_loads
 from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
 
@@ -90,6 +90,11 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     problem, assignment, names = placed.problem, placed.assignment, placed.names
     placement = dict(zip(names, assignment))
     prediction = predict(problem, assignment, placed.loads, workload.batch_size, compute_dtype(workload))
+    lone = prediction.decode_tokens_per_s
+    if workload.batch_size > 1:
+        lone_problem = make_problem(skeleton, problem.hardware, replace(workload, batch_size=1))
+        lone = round(lone_speed(solution, lone_problem, compute_dtype(workload)), 4)
+    prediction = replace(prediction, lone_decode_tokens_per_s=lone)
     offloaded = sum(it.weight for it, s in zip(problem.items, placed.streamed) if s)
     device_map = _device_map(skeleton, problem, placement)
     cpu_compute = [names[i] for i in placed.on_host]

@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.placement.cost_model import compute_dtype, predict
+from planner.placement.cost_model import compute_dtype
 from planner.placement.inputs import PlanInputs, ResolvedInputs, resolve_inputs
-from planner.placement.solve import Solution, make_problem, solve
-from planner.placement.strategies import Problem, compute_loads
+from planner.placement.solve import Solution, lone_speed, make_problem, solve
 from planner.types import PREFILL_CHUNK, Workload
 
 #: Slots beyond one, or a step beyond the smallest, may cost a lone stream at most this fraction of its predicted
@@ -40,16 +39,6 @@ class StepChoice:
 
     prefill_chunk: int
     reason: str
-
-
-def lone_speed(solution: Solution, lone_problem: Problem, dtype: str | None) -> float:
-    """Predicted tokens/s of one stream alone on ``solution``'s placement (made for more slots or a larger step):
-    the weights stay where that placement put them, the memory it reserved stays taken, only one sequence reads."""
-    assignment = solution.fill.assignment
-    assert assignment is not None, "a fitting solution has an assignment"
-    loads = solution.fill.loads or compute_loads(solution.problem, assignment)
-    lone = replace(lone_problem, excluded=solution.problem.excluded)
-    return predict(lone, assignment, loads, 1, dtype).decode_tokens_per_s
 
 
 def _all_resident(solution: Solution, resolved: ResolvedInputs) -> bool:

@@ -98,6 +98,16 @@ def computed_companions(skeleton: Skeleton) -> dict[int, int]:
     return {i: first for i, b in enumerate(skeleton.blocks) if i > first and is_computed_block(b)}
 
 
+def lone_speed(solution: Solution, lone_problem: Problem, dtype: str | None) -> float:
+    """Predicted tokens/s of one stream alone on ``solution``'s placement (made for more slots or a larger step):
+    the weights stay where that placement put them, the memory it reserved stays taken, only one sequence reads."""
+    assignment = solution.fill.assignment
+    assert assignment is not None, "a fitting solution has an assignment"
+    loads = solution.fill.loads or compute_loads(solution.problem, assignment)
+    lone = replace(lone_problem, excluded=solution.problem.excluded)
+    return predict(lone, assignment, loads, 1, dtype).decode_tokens_per_s
+
+
 def make_problem(
     skeleton: Skeleton, hardware: Hardware, workload: Workload, pinned: Mapping[int, DeviceId] | None = None
 ) -> Problem:

@@ -154,7 +154,12 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"offloaded: {format_bytes(plan.offloaded_bytes)}",
-        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s (batch {w.batch_size})",
+        f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s (batch {w.batch_size})"
+        + (
+            f", {p.lone_decode_tokens_per_s:.3g} for one stream alone"
+            if w.batch_size > 1 and p.lone_decode_tokens_per_s
+            else ""
+        ),
         f"cost model: {p.cost_model}",
         "",
         "device map:",

@@ -21,6 +21,7 @@ from planner.placement.served_shape import choose_slots, choose_step
 from planner.types import PREFILL_CHUNK, Plan
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
+from service.model.storage_rate import with_disk_rate
 from service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
@@ -186,10 +187,11 @@ def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, li
 
         inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # measured once: every choice below sees it
+    inputs, disk_reason = with_disk_rate(inputs, path)
     # the step for the slots the server is told, else for the floor of one sequence (the slots follow the step)
     step = choose_step(path, inputs if settings.batch_size is not None else replace(inputs, batch_size=1))
     inputs = replace(inputs, prefill_chunk=step.prefill_chunk)
-    reasons = [step.reason]
+    reasons = [step.reason] if disk_reason is None else [disk_reason, step.reason]
     if settings.batch_size is None:
         slots = choose_slots(path, inputs, settings.max_batch_size)
         inputs = replace(inputs, batch_size=slots.batch_size)

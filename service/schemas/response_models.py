@@ -323,9 +323,10 @@ class PlanBudget(_Answer):
 
 class PlanPrediction(_Answer):
     load_seconds: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float = Field(description="Decode tokens/s of the workload's batch, all rows together.")
     seconds_per_token_by_device: dict[str, float]
     cost_model: str
+    lone_decode_tokens_per_s: float | None = Field(None, description="One stream alone on the same placement.")
 
 
 class WhatIfAnswer(_Answer):

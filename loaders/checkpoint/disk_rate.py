@@ -1,0 +1,82 @@
+"""How fast this machine reads a checkpoint's own files from storage, cold: the rate the disk tier streams at.
+
+A plan that leaves weights on disk decodes at about the storage's read rate divided by the bytes each token
+streams, so its prediction is only as true as that rate. ``loadmaster env --calibrate`` records one for the
+machine; without it the cost model would assume a generic NVMe figure (2 GB/s), which a virtual disk may not
+reach by half. So a server that plans a disk tier and has no calibrated rate measures one here, on the shards it
+will stream, before it plans.
+
+The read uses ``O_DIRECT`` into a page-aligned buffer: it measures the device, not the page cache, and leaves no
+pages behind to evict the resident weights it is about to load. Where a file system refuses ``O_DIRECT`` (tmpfs,
+some overlays) the pages are dropped with ``POSIX_FADV_DONTNEED`` first and read buffered.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Bytes one read asks for: large enough that the device, not the call, sets the pace.
+CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class DiskRate:
+    """A measured read: bytes per second, how it was read, and how much."""
+
+    bytes_per_s: float
+    method: str
+    bytes_read: int
+    seconds: float
+
+
+def cold_read_rate(files: Sequence[Path], limit: int | None = None) -> DiskRate:
+    """Read ``files`` in order (at most ``limit`` bytes in all; None: every byte) and time it."""
+    try:
+        done, seconds = _direct_read(files, limit)
+        method = "O_DIRECT"
+    except OSError:  # a file system without O_DIRECT
+        done, seconds = _buffered_cold_read(files, limit)
+        method = "buffered after POSIX_FADV_DONTNEED"
+    return DiskRate(done / seconds if seconds > 0 else 0.0, method, done, seconds)
+
+
+def _direct_read(files: Sequence[Path], limit: int | None) -> tuple[int, float]:
+    buf = mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned, as O_DIRECT wants
+    done = 0
+    started = time.perf_counter()
+    try:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                offset = 0
+                while (limit is None or done < limit) and (n := os.preadv(fd, [buf], offset)):
+                    offset += n
+                    done += n
+            finally:
+                os.close(fd)
+            if limit is not None and done >= limit:
+                break
+    finally:
+        buf.close()
+    return done, time.perf_counter() - started
+
+
+def _buffered_cold_read(files: Sequence[Path], limit: int | None) -> tuple[int, float]:
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    done = 0
+    started = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            while (limit is None or done < limit) and (n := f.readinto(view)):
+                done += n
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        if limit is not None and done >= limit:
+            break
+    return done, time.perf_counter() - started

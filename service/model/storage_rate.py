@@ -1,0 +1,61 @@
+"""The disk tier's read rate a server plans with when the machine has no calibration: measured on the shards.
+
+The cost model predicts a disk-bound decode as the disk's read rate over the bytes each token streams. Its built-in
+rate is a generic NVMe figure; ``loadmaster env --calibrate`` replaces it with this machine's. A server that would
+stream weights from disk and has neither a calibration nor ``--bandwidth disk=`` reads the first
+:data:`PROBE_BYTES` of its last shards (a sequential plan puts the last layers on disk) with ``O_DIRECT``
+(:func:`loaders.checkpoint.disk_rate.cold_read_rate`) and plans with that rate: about 0.2 s of its start, and the
+prediction in ``/info`` then speaks of this disk. Measured once per process and checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate
+from planner.hardware.calibration import load_calibration
+from planner.placement.inputs import PlanInputs
+
+log = logging.getLogger(__name__)
+
+#: Bytes the probe reads: enough for a virtual disk's rate to settle, little enough to cost a fraction of a second.
+PROBE_BYTES = 256 << 20
+
+
+def with_disk_rate(inputs: PlanInputs, path: Path) -> tuple[PlanInputs, str | None]:
+    """``inputs`` (with ``resolved_hardware``) whose disk device reads at the rate measured on ``path``'s shards,
+    and the reason to give; unchanged (None) where the rate is known or no weight can go to disk."""
+    hardware = inputs.resolved_hardware
+    if hardware is None or (inputs.bandwidths or {}).get("disk") or load_calibration() is not None:
+        return inputs, None
+    disk = next((d for d in hardware.devices if d.id == "disk"), None)
+    shards = sorted(path.glob("*.safetensors"))
+    memory = sum(d.capacity for d in hardware.devices if d.id != "disk")
+    if disk is None or not shards or sum(f.stat().st_size for f in shards) <= memory:
+        return inputs, None
+    rate = _probe(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in reversed(shards)))
+    if rate.bytes_per_s <= 0:
+        return inputs, None
+    devices = tuple(
+        replace(d, bandwidth=rate.bytes_per_s, link_bandwidth=rate.bytes_per_s) if d.id == "disk" else d
+        for d in hardware.devices
+    )
+    hardware = replace(hardware, devices=devices, storage_bandwidth=rate.bytes_per_s)
+    why = (
+        f"disk read at {rate.bytes_per_s / 1e9:.2f} GB/s, measured on the checkpoint's shards ({rate.method}, "
+        f"{rate.bytes_read >> 20} MiB in {rate.seconds:.2f} s): no calibration of this machine "
+        "(loadmaster env --calibrate records one)"
+    )
+    log.info("disk tier: %s", why)
+    bandwidths = {**(inputs.bandwidths or {}), "disk": rate.bytes_per_s}
+    return replace(inputs, resolved_hardware=hardware, bandwidths=bandwidths), why
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(files: tuple[tuple[str, int, int], ...]) -> DiskRate:
+    """The measured rate, once per set of shards (their size and mtime in the key: a rewritten file is measured
+    again)."""
+    return cold_read_rate([Path(name) for name, _, _ in files], PROBE_BYTES)

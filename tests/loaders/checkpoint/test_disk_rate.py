@@ -1,0 +1,50 @@
+"""The disk tier's rate, measured on real files: a cold read of at most the asked bytes, and a server's plan inputs
+that take it only where weights can go to disk and no rate is known (the suite runs with the calibration off)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loaders.checkpoint.disk_rate import CHUNK, cold_read_rate
+from planner.placement.inputs import PlanInputs
+from service.model.storage_rate import PROBE_BYTES, with_disk_rate
+
+MiB = 1 << 20
+
+
+def _shards(folder: Path, sizes_mib: list[int]) -> list[Path]:
+    files = []
+    for i, size in enumerate(sizes_mib):
+        f = folder / f"model-{i + 1:05d}-of-{len(sizes_mib):05d}.safetensors"
+        f.write_bytes(os.urandom(size * MiB))
+        files.append(f)
+    return files
+
+
+def test_a_cold_read_reads_what_it_is_asked_and_times_it(tmp_path: Path) -> None:
+    files = _shards(tmp_path, [24, 24])
+    whole = cold_read_rate(files)
+    assert whole.bytes_read == 48 * MiB and whole.seconds > 0 and whole.bytes_per_s > 0
+    assert whole.method in ("O_DIRECT", "buffered after POSIX_FADV_DONTNEED")
+    part = cold_read_rate(files, limit=CHUNK)
+    assert part.bytes_read == CHUNK
+
+
+def test_a_server_plans_with_the_measured_rate_only_where_weights_go_to_disk(tmp_path: Path) -> None:
+    _shards(tmp_path, [40, 40])
+    small = PlanInputs(max_memory={"cpu": "32MiB", "disk": "1GiB"})
+    inputs, why = with_disk_rate(PlanInputs(**{**vars(small), "resolved_hardware": small.hardware()}), tmp_path)
+    disk = next(d for d in inputs.resolved_hardware.devices if d.id == "disk")
+    assert why is not None and "measured on the checkpoint's shards" in why and "env --calibrate" in why
+    assert disk.bandwidth == disk.link_bandwidth == inputs.bandwidths["disk"] > 0
+    assert disk.bandwidth != small.hardware().devices[-1].bandwidth
+    assert f"{min(80 * MiB, PROBE_BYTES) >> 20} MiB" in why
+
+    roomy = PlanInputs(max_memory={"cpu": "1GiB", "disk": "1GiB"})
+    same, why = with_disk_rate(PlanInputs(**{**vars(roomy), "resolved_hardware": roomy.hardware()}), tmp_path)
+    assert why is None and same.bandwidths is None, "everything fits in memory: no disk tier to measure"
+
+    told = PlanInputs(max_memory={"cpu": "32MiB", "disk": "1GiB"}, bandwidths={"disk": 5e8})
+    same, why = with_disk_rate(PlanInputs(**{**vars(told), "resolved_hardware": told.hardware()}), tmp_path)
+    assert why is None and same.bandwidths == {"disk": 5e8}, "--bandwidth disk= is the user's: not measured over"
