@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 
 from planner.hardware.devices import device_label, gpu_range_label, is_gpu
 from planner.hardware.units import format_bytes
+from planner.placement.cost_model import compute_dtype
 from planner.placement.inputs import ResolvedInputs, Strategy
-from planner.placement.solve import Solution, fallbacks, fits
+from planner.placement.solve import Solution, fallbacks, fits, lone_speed, make_problem, solve
 from planner.placement.strategies import Problem, compute_loads, sequential
 from planner.types import DeviceId, Hardware, Skeleton, Workload
 
@@ -27,6 +28,26 @@ class Shortfall:
 
 def _feasible(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy) -> bool:
     return fits(ResolvedInputs(skeleton, hardware, workload, strategy))
+
+
+def _lone_speed(skeleton: Skeleton, hardware: Hardware, workload: Workload, strategy: Strategy) -> str:
+    """`` (one stream: N tokens/s)``: the predicted decode of one stream on the plan the change would give, so the
+    options can be weighed; empty where that plan does not fit after all."""
+    solution = solve(ResolvedInputs(skeleton, hardware, workload, strategy))
+    if not solution.fits:
+        return ""
+    lone = make_problem(skeleton, hardware, replace(workload, batch_size=1))
+    return f" (one stream: {lone_speed(solution, lone, compute_dtype(workload)):.3g} tokens/s)"
+
+
+def _more_cpu_memory(hardware: Hardware, extra: int) -> Hardware | None:
+    """``hardware`` with ``extra`` bytes more of CPU RAM; None without a CPU device."""
+    if not any(d.id == "cpu" for d in hardware.devices):
+        return None
+    return replace(
+        hardware,
+        devices=tuple(replace(d, capacity=d.capacity + extra) if d.id == "cpu" else d for d in hardware.devices),
+    )
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
@@ -115,12 +136,15 @@ def _quantization_option(skeleton: Skeleton, hardware: Hardware, workload: Workl
     for bnb, native in (("int8", "int8"), ("nf4", "int4")):
         if cpu_only:
             dtype = workload.dtype if workload.dtype in ("float32", "bfloat16") else "bfloat16"
-            if _feasible(skeleton, hardware, replace(workload, cpu_quantization=native, dtype=dtype), strategy):
-                return f"quantize to {native} on the CPU's native kernels (--cpu-quantization {native})"
+            changed = replace(workload, cpu_quantization=native, dtype=dtype)
+            if _feasible(skeleton, hardware, changed, strategy):
+                speed = _lone_speed(skeleton, hardware, changed, strategy)
+                return f"quantize to {native} on the CPU's native kernels (--cpu-quantization {native}){speed}"
             continue
         dtype = workload.dtype if workload.dtype != "float32" else "float16"
-        if _feasible(skeleton, hardware, replace(workload, quantization=bnb, dtype=dtype), strategy):
-            return f"quantize to {bnb} (--quantization {bnb})"
+        changed = replace(workload, quantization=bnb, dtype=dtype)
+        if _feasible(skeleton, hardware, changed, strategy):
+            return f"quantize to {bnb} (--quantization {bnb}){_lone_speed(skeleton, hardware, changed, strategy)}"
     return None
 
 
@@ -146,11 +170,15 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
         )
     if not advise:
         return " ".join(lines)
-    options = [f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM or an offload folder for disk"]
+    more = _more_cpu_memory(hardware, missing)
+    speed = _lone_speed(skeleton, more, workload, strategy) if more is not None else ""
+    options = [
+        f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM{speed} or an offload folder for disk"
+    ]
     if workload.dtype == "float32":
         w = replace(workload, dtype="bfloat16")
         if _feasible(skeleton, hardware, w, strategy):
-            options.append("run in bf16 (--dtype bf16)")
+            options.append(f"run in bf16 (--dtype bf16){_lone_speed(skeleton, hardware, w, strategy)}")
     if workload.quantization is None and workload.cpu_quantization is None:
         option = _quantization_option(skeleton, hardware, workload, strategy)
         if option:
@@ -160,7 +188,8 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
             1, workload.context - 1, lambda c: _feasible(skeleton, hardware, replace(workload, context=c), strategy)
         )
         if c:
-            options.append(f"a context of at most {c} tokens (--context {c})")
+            speed = _lone_speed(skeleton, hardware, replace(workload, context=c), strategy)
+            options.append(f"a context of at most {c} tokens (--context {c}){speed}")
     if workload.batch_size > 1:
         b = _largest(
             1,
@@ -168,6 +197,7 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
             lambda b: _feasible(skeleton, hardware, replace(workload, batch_size=b), strategy),
         )
         if b:
-            options.append(f"a batch of at most {b} (--batch-size {b})")
+            speed = _lone_speed(skeleton, hardware, replace(workload, batch_size=b), strategy)
+            options.append(f"a batch of at most {b} (--batch-size {b}){speed}")
     lines.append("Any one of these would fit: " + "; ".join(options) + ".")
     return " ".join(lines)

@@ -11,15 +11,12 @@ prediction in ``/info`` then speaks of this disk. Measured once per process and 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import replace
 from pathlib import Path
 
 from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate
 from planner.hardware.calibration import load_calibration
 from planner.placement.inputs import PlanInputs
-
-log = logging.getLogger(__name__)
 
 #: Bytes the probe reads: enough for a virtual disk's rate to settle, little enough to cost a fraction of a second.
 PROBE_BYTES = 256 << 20
@@ -49,7 +46,6 @@ def with_disk_rate(inputs: PlanInputs, path: Path) -> tuple[PlanInputs, str | No
         f"{rate.bytes_read >> 20} MiB in {rate.seconds:.2f} s): no calibration of this machine "
         "(loadmaster env --calibrate records one)"
     )
-    log.info("disk tier: %s", why)
     bandwidths = {**(inputs.bandwidths or {}), "disk": rate.bytes_per_s}
     return replace(inputs, resolved_hardware=hardware, bandwidths=bandwidths), why
 
