@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from loaders.checkpoint.device_order import entry_of, ordered_entries
+from loaders.checkpoint.device_order import entry_of, module_for_entry, ordered_entries
 from loaders.checkpoint.placement import PlacedModel
 from loaders.native.attention import use_native_attention
 from loaders.native.linear import use_native_linears
@@ -28,6 +28,7 @@ from loaders.native.packed_formats import repack_packed_linears
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
 from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.run.readahead import DiskReadahead, merge_ranges
+from loaders.run.streaming import host_lookup_modules
 from planner.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,12 @@ def apply_execution(
         )
         return Execution(native_cpu_modules(model))
     by_entry: dict[str, list] = OrderedDict()
+    lookups = {id(m) for m in host_lookup_modules(model, device_map)}
     for name, rng in placed.disk_ranges.items():
-        by_entry.setdefault(entry_of(name, device_map), []).append(rng)
+        entry = entry_of(name, device_map)
+        if id(module_for_entry(model, entry)) in lookups:
+            continue  # an embedding on disk: a lookup faults in the rows it reads, no more; never read ahead whole
+        by_entry.setdefault(entry, []).append(rng)
     if by_entry:
         blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
         readahead = DiskReadahead(placed.reader, blocks)

@@ -467,7 +467,8 @@ def alignment_modules(model: torch.nn.Module, key: str, keys: list[str]) -> list
 
 
 def host_lookup_modules(model: torch.nn.Module, device_map: Mapping[str, DeviceId]) -> list[torch.nn.Module]:
-    """Embeddings placed on ``cpu`` or ``disk`` while GPUs compute, other than the output head: they run on the host.
+    """Embeddings placed on ``cpu`` or ``disk``, other than the output head: while GPUs compute they run on the host
+    (and without GPUs, one on ``disk`` is never read ahead whole, :mod:`loaders.run.execution`).
 
     A lookup reads one row per token, and that is how the planner costs an offloaded embedding (its
     ``sequential+embeddings_on_cpu`` candidate against a resident GPU copy). Streaming the table instead copied all

@@ -156,15 +156,35 @@ def _hops(assignment: list[DeviceId], skeleton: Skeleton) -> int:
     return sum(1 for a, b in zip(order, order[1:]) if a != b)
 
 
-def _embedding_pins(skeleton: Skeleton, problem: Problem) -> dict[int, DeviceId]:
-    """Input embeddings on the CPU: decode reads one row of them per sequence, so offloading them first costs
-    almost nothing and frees their whole size for layers on the GPUs."""
+def _embedding_pins(skeleton: Skeleton, problem: Problem, device: DeviceId) -> dict[int, DeviceId]:
+    """Input embeddings on ``device``, the next tier down: decode reads one row of them per sequence, so offloading
+    them first costs almost nothing and frees their whole size for layers on the faster tier (``cpu`` under GPUs;
+    ``disk`` under the CPU, where the rows are read from the shard's map and nothing else of the table)."""
     pins: dict[int, DeviceId] = {}
     tied = set(problem.follows) | set(problem.follows.values())
     for i, b in enumerate(skeleton.blocks):
         if b.is_embedding and not b.is_head and i not in tied:
-            pins[i] = "cpu"
+            pins[i] = device
     return pins
+
+
+def _embedding_candidates(
+    skeleton: Skeleton, problem: Problem, seq: FillResult
+) -> list[tuple[str, Problem, FillResult]]:
+    """The embeddings-first offload candidates: to the CPU when layers spill off the GPUs, to disk when layers
+    spill off the CPU of a host without GPUs."""
+    spilled = seq.assignment is not None and not all(map(is_gpu, seq.assignment))
+    if problem.gpus and problem.hardware.get("cpu") and spilled:
+        tier: DeviceId = "cpu"
+    elif not problem.gpus and problem.hardware.get("disk") and seq.assignment and "disk" in seq.assignment:
+        tier = "disk"
+    else:
+        return []
+    pins = _embedding_pins(skeleton, problem, tier)
+    if not pins:
+        return []
+    pinned_problem = replace(problem, pinned={**problem.pinned, **pins})
+    return [(f"sequential+embeddings_on_{tier}", pinned_problem, sequential(pinned_problem))]
 
 
 def _solve_custom(inputs: ResolvedInputs, device_map: Mapping[str, DeviceId]) -> Solution:
@@ -185,16 +205,13 @@ def _solve_custom(inputs: ResolvedInputs, device_map: Mapping[str, DeviceId]) ->
 
 
 def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
-    """Score sequential, balanced and (when layers spill off the GPUs) embeddings-first offload by predicted
+    """Score sequential, balanced and (when layers spill to a slower tier) embeddings-first offload by predicted
     tokens/s; among those within 1% of the best, the least peak GPU use, then the fewest hops."""
     tried: list[tuple[str, Problem, FillResult]] = [
         (name, problem, STRATEGIES[name](problem)) for name in ("sequential", "balanced")
     ]  # on ties sequential wins: fewer hops for the same headroom
     seq = tried[0][2]
-    if problem.gpus and problem.hardware.get("cpu") and seq.assignment and not all(map(is_gpu, seq.assignment)):
-        pinned_problem = replace(problem, pinned=_embedding_pins(skeleton, problem))
-        if pinned_problem.pinned:
-            tried.append(("sequential+embeddings_on_cpu", pinned_problem, sequential(pinned_problem)))
+    tried += _embedding_candidates(skeleton, problem, seq)
     if (
         problem.gpus
         and problem.hardware.get("cpu")

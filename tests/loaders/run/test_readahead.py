@@ -79,3 +79,17 @@ def test_readahead_advises_only_cold_blocks_and_results_do_not_change(tiny_llama
         cold = model(ids).logits
     assert advised, "cold disk blocks were not advised"
     assert torch.equal(first, warm) and torch.equal(first, cold)
+
+
+def test_an_embedding_on_disk_is_looked_up_not_read_ahead(tiny_llama, tmp_path):
+    """The planner puts an input embedding on disk first (one row a token). A lookup faults in its rows from the
+    shard's map; the readahead must not read the whole table ahead on every step. Logits equal the resident load."""
+    path = copy_checkpoint(tiny_llama, tmp_path / "model")
+    dm = {"model.embed_tokens": "disk", "model.layers.3": "disk", "": "cpu"}
+    model = loaders.load_model(path, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
+    entries = [key for key, _ in model._loadmaster_readahead.blocks]
+    assert entries == ["model.layers.3"], entries
+    reference = loaders.load_model(path, device_map={"": "cpu"}, show_progress=False)
+    ids = torch.arange(1, 10).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -139,6 +139,21 @@ def test_auto_explains_its_choice_and_offloads_embeddings_first_when_memory_is_s
     assert p.prediction.decode_tokens_per_s > seq.prediction.decode_tokens_per_s
 
 
+def test_without_gpus_the_embedding_goes_to_disk_before_any_layer():
+    """A lookup reads one row a token: on disk it costs almost nothing per token, and its memory holds more layers
+    resident. The plan predicts it faster than embeddings first in memory, and says so."""
+    big_vocab = llama_like(layers=8, hidden=128, intermediate=344, vocab=8192)
+    box = {"cpu": 10 * MiB, "disk": "1GiB"}
+    p = plan(big_vocab, max_memory=box, dtype="fp32", context=64)
+    seq = plan(big_vocab, max_memory=box, dtype="fp32", context=64, strategy="sequential")
+    assert p.strategy == "auto:sequential+embeddings_on_disk", p.reasons[0]
+    assert p.placement["model.embed_tokens"] == "disk" and seq.placement["model.embed_tokens"] == "cpu"
+    resident = [n for n, d in p.placement.items() if d == "cpu" and ".layers." in n]
+    assert len(resident) > len([n for n, d in seq.placement.items() if d == "cpu" and ".layers." in n])
+    assert p.prediction.decode_tokens_per_s > seq.prediction.decode_tokens_per_s
+    assert "embeddings_on_disk" in p.reasons[0]
+
+
 def test_tied_head_follows_the_embedding():
     tied = llama_like(layers=6, hidden=128, intermediate=344, vocab=2048, tied=True)
     p = plan(
