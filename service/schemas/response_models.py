@@ -203,6 +203,19 @@ class KernelReport(_Answer):
     kernels: dict[str, KernelState | None]
 
 
+class ThreadTrialInfo(_Answer):
+    """A judged trial of one thread fewer (``loaders.native.cpu_threads``): kept when its decode steps at equal
+    width ran no slower."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    from_: int = Field(alias="from", description="Threads before the trial.")
+    to: int = Field(description="Threads the trial ran with.")
+    steps: int = Field(description="Decode steps compared.")
+    time_ratio: float | None = Field(None, description="Median step time with the trial's count over before.")
+    kept: bool
+
+
 class CpuThreadsInfo(_Answer):
     """The CPU threads torch and the native kernels run on, and why (``planner.hardware.cpu_share``,
     ``loaders.native.cpu_threads``)."""
@@ -218,6 +231,8 @@ class CpuThreadsInfo(_Answer):
     wait_ratio: float | None = Field(
         None, description="Last measured run-queue wait of the process's threads per second they ran."
     )
+    trying: bool = Field(False, description="Whether a trial of one thread fewer is running now.")
+    last_trial: ThreadTrialInfo | None = Field(None, description="The last trial of one thread fewer, once judged.")
     changes: int = Field(0, description="Times the count changed since the engine started.")
     prefill_tokens: int | None = Field(None, description="The engine's prefill budget per step now.")
 
@@ -234,16 +249,29 @@ class DevicePipelineInfo(_Answer):
     standin: bool
 
 
+class DraftModelInfo(_Answer):
+    """``--speculate int4|int8``'s draft model: the served checkpoint loaded again, quantized, on the CPU."""
+
+    scheme: str = Field(description="int4 or int8: the native CPU quantization of its linear layers.")
+    dtype: str = Field(description="The activations it computes with (float32 or bfloat16).")
+    bytes: int = Field(description="Bytes of weights and buffers it holds in memory.")
+
+
 class SpeculationInfo(_Answer):
     """Speculative decoding (``service.engine.speculation.verification``): the mode, its limit and what it achieved so far."""
 
-    mode: str = Field(description="off or ngram (prompt lookup).")
+    mode: str = Field(
+        description="off, ngram (prompt lookup), or int4/int8 (the model's own weights quantized as the draft model)."
+    )
     draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")
     proposed: int = 0
     accepted: int = 0
     verify_passes: int = 0
     acceptance_rate: float | None = Field(None, description="Accepted over proposed draft tokens (none yet: null).")
     tokens_per_pass: float | None = Field(None, description="Tokens a verify pass produced on average.")
+    draft_model: DraftModelInfo | None = Field(
+        None, description="int4/int8: the CPU-resident quantized copy that drafts (scheme, dtype, bytes it holds)."
+    )
 
 
 class InfoResponse(_Answer):

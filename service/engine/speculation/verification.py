@@ -1,12 +1,12 @@
 """Speculative decoding inside continuous batching: which rows draft, how many tokens, and what a verify pass keeps.
 
 A decode row normally feeds its last token and gets one new token per forward. A row that speculates feeds its last
-token followed by ``d`` drafted tokens (:mod:`service.engine.speculation.ngram_drafter`) and asks for the logits after each
-of them, in the same forward as every other row: one pass of the target (one read of its offloaded layers) checks
-all ``d`` drafts. Its greedy choice after each fed token is what decoding without speculation would have chosen
-there, as long as every draft before it was right; so the row keeps the longest prefix of drafts that equals the
-target's choices, plus the target's own token after that prefix (:func:`accepted`): 1 to ``d + 1`` tokens a pass,
-identical to plain greedy decoding.
+token followed by ``d`` drafted tokens (prompt lookup, :mod:`.ngram_drafter`, or the target's own weights quantized,
+:mod:`.model_drafter`) and asks for the logits after each of them, in the same forward as every other row: one pass
+of the target (one read of its offloaded layers) checks all ``d`` drafts. Its greedy choice after each fed token is
+what decoding without speculation would have chosen there, as long as every draft before it was right; so the row
+keeps the longest prefix of drafts that equals the target's choices, plus the target's own token after that prefix
+(:func:`accepted`): 1 to ``d + 1`` tokens a pass, identical to plain greedy decoding.
 
 A rejected tail costs nothing to roll back. The KV pool holds no length per slot: a row's length is where its next
 row starts (prompt + generated - 1), and the mask hides everything beyond. The rejected drafts' keys stay in the
@@ -14,7 +14,7 @@ slot past that length and are overwritten by the next tokens; only the scheduler
 is cut back (:meth:`~service.engine.scheduler.Scheduler.trim`).
 
 A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft
-is a point mass, so draft ``x`` is accepted with the target's probability of ``x`` and, on rejection, the token is
+is a point mass, and so is the quantized copy's (it drafts greedily), so draft ``x`` is accepted with the target's probability of ``x`` and, on rejection, the token is
 drawn from the target with ``x`` removed. Its random numbers all come from its own seeded generator, so a seed gives
 the same tokens on every run (not the same tokens as without speculation, which draws differently: the same
 distribution).
@@ -36,18 +36,24 @@ tie may then fall the other way.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
+from service.engine.speculation.model_drafter import ModelDrafter
 
-SpeculationMode = Literal["off", "ngram"]
+#: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model.
+SpeculationMode = Literal["off", "ngram", "int4", "int8"]
+SPECULATION_MODES: tuple[str, ...] = ("off", "ngram", "int4", "int8")
+#: The modes whose drafts come from a quantized copy of the target (:mod:`.model_drafter`).
+MODEL_DRAFTS: tuple[str, ...] = ("int4", "int8")
 
 #: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
 DEFAULT_DRAFT_TOKENS = 4
@@ -215,30 +221,45 @@ class StepGate:
         table[rows] = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
+class RowDrafter(Protocol):
+    """One sequence's drafter: up to ``k`` tokens after ``tokens`` (its prompt and output so far)."""
+
+    def propose(self, tokens: Tokens[int], k: int) -> list[int]: ...
+
+
 @dataclass
 class _RowState:
     """What the speculator keeps for one running sequence (dropped with it)."""
 
     length: DraftLength
-    index: ngram_drafter.NgramIndex
+    drafter: RowDrafter
 
 
 @dataclass
 class Speculator:
-    """The engine's drafting policy: ``mode`` (``off`` or ``ngram``) and at most ``tokens`` drafts a row per pass.
-    Keeps each running sequence's :class:`DraftLength` and n-gram index, and the engine's :class:`SpeculationStats`."""
+    """The engine's drafting policy: ``mode`` (``off``, ``ngram``, or ``int4``/``int8`` with the ``model`` drafter
+    over the quantized copy, which those modes need and the others refuse) and at most ``tokens`` drafts a row per
+    pass. Keeps each running sequence's :class:`DraftLength` and drafter state (n-gram index or the copy's KV),
+    the engine's :class:`SpeculationStats`, and the seconds this step spent drafting (``step_draft_seconds``: the
+    gate weighs a drafting step with them, since a draft model's forwards are not free)."""
 
     mode: SpeculationMode = "off"
     tokens: int = DEFAULT_DRAFT_TOKENS
+    model: ModelDrafter | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     gate: StepGate = field(default_factory=StepGate)
+    step_draft_seconds: float = 0.0
     _gate_open: bool = True
     _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", "ngram"):
-            raise ValueError(f"unknown speculation mode {self.mode!r}; use 'off' or 'ngram'")
+        if self.mode not in SPECULATION_MODES:
+            raise ValueError(f"unknown speculation mode {self.mode!r}; use one of {', '.join(SPECULATION_MODES)}")
+        if self.mode in MODEL_DRAFTS and self.model is None:
+            raise ValueError(f"speculation mode {self.mode!r} drafts with a quantized copy of the target; pass it")
+        if self.mode not in MODEL_DRAFTS and self.model is not None:
+            raise ValueError(f"speculation mode {self.mode!r} drafts without a model; a draft model needs int4 or int8")
         if self.tokens < 1:
             raise ValueError(f"speculation needs at least one draft token a pass (got {self.tokens})")
 
@@ -250,6 +271,7 @@ class Speculator:
         """A step with ``decode_rows`` decode rows is being scheduled: whether its greedy rows draft
         (:class:`StepGate`)."""
         self._gate_open = self.gate.open(decode_rows) if self.enabled else False
+        self.step_draft_seconds = 0.0
 
     def drafts(self, seq: Sequence, room: int) -> list[int]:
         """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
@@ -260,10 +282,15 @@ class Speculator:
             return []
         state = self._rows.get(seq)
         if state is None:
-            state = self._rows[seq] = _RowState(DraftLength(self.tokens), ngram_drafter.NgramIndex())
+            drafter = self.model.row() if self.model is not None else ngram_drafter.NgramIndex()
+            state = self._rows[seq] = _RowState(DraftLength(self.tokens), drafter)
         want = min(state.length.current(), room)
-        # the index follows every step, drafting or not, so a later lookup has nothing to catch up on
-        return state.index.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
+        # called every step, drafting or not: the n-gram index follows, so a later lookup has nothing to catch up
+        # on (the draft model runs nothing for want 0; its cache catches up at its next draft)
+        started = time.perf_counter()
+        drafts = state.drafter.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
+        self.step_draft_seconds += time.perf_counter() - started
+        return drafts
 
     def report(self) -> dict[str, int | float | None]:
         """The counts and rates so far (``/info``)."""

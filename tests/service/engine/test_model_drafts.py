@@ -1,0 +1,135 @@
+"""``--speculate int4|int8`` (issue 35): the target's own weights, quantized at load and resident, draft for the
+target. Greedy output is the same token for token with and without the drafts (resident, half on disk, one request
+or several at once); a trained model's copy really is accepted; a draft's cache is cut back to what the target
+kept, so drafting incrementally proposes what drafting from scratch would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from service.engine.engine import Engine
+from service.engine.speculation.model_drafter import ModelDrafter, RowDraft
+from service.engine.speculation.verification import Speculator
+from service.model.draft_copy import draft_dtype, load_draft_copy
+from tests.models import demo_model_dir
+from tests.service.engine.test_speculation import _requests, _tokens
+
+
+def _generate(model, tok, requests, mode: str, slots: int, draft=None) -> tuple[list[list[int]], Engine]:
+    engine = Engine(
+        model, tok, max_batch_size=slots, max_queue=64, speculate=mode, speculate_tokens=4, draft_model=draft
+    )
+    engine.speculator.gate.measure = False  # draft whatever the timing: the test is that drafts change nothing
+    engine.start()
+    try:
+        return _tokens(engine, requests), engine
+    finally:
+        engine.stop()
+
+
+def _same_with_and_without(model, tok, scheme: str, path: Path, concurrent: int, new_tokens: int = 20) -> Engine:
+    copy = load_draft_copy(path, scheme, "float32")
+    reqs = _requests(tok, concurrent, new_tokens)
+    plain, _ = _generate(model, tok, reqs, "off", slots=concurrent)
+    spec, engine = _generate(model, tok, reqs, scheme, slots=concurrent, draft=copy.model)
+    assert spec == plain
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and stats.verify_passes > 0
+    assert stats.verify_passes < stats.emitted <= stats.accepted + stats.verify_passes
+    return engine
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("concurrent", [1, 6])
+def test_greedy_is_identical_with_quantized_drafts_on_the_tiny_llama(
+    tiny_llama: Path, scheme: str, concurrent: int
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    _same_with_and_without(model, tok, scheme, tiny_llama, concurrent)
+
+
+@pytest.mark.parametrize("concurrent", [1, 6])
+def test_greedy_is_identical_with_quantized_drafts_half_on_disk(tiny_llama: Path, tmp_path, concurrent: int) -> None:
+    from loaders.load import load_model
+
+    device_map = {"": "cpu", "model.layers.2": "disk", "model.layers.3": "disk"}
+    model = load_model(tiny_llama, device_map, offload_folder=tmp_path / "offload", show_progress=False)
+    assert "disk" in set(model.hf_device_map.values())
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    _same_with_and_without(model, tok, "int4", tiny_llama, concurrent)
+
+
+def test_a_trained_models_int8_copy_is_mostly_accepted_on_text_that_does_not_repeat() -> None:
+    """The quick demo model (trained a few steps) on prose prompt lookup finds little in: its int8 copy is the
+    target up to rounding, so most of its drafts are accepted and a verify pass yields well over one token."""
+    path = demo_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = _same_with_and_without(model, tok, "int8", path, 1, new_tokens=40)
+    stats = engine.speculator.stats
+    assert stats.acceptance_rate is not None and stats.acceptance_rate > 0.6, stats
+    assert stats.tokens_per_pass is not None and stats.tokens_per_pass > 2.0, stats
+
+
+def test_the_copy_holds_a_fraction_of_the_targets_bytes(tiny_llama: Path) -> None:
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    full = sum(p.numel() * p.element_size() for p in target.parameters())
+    int8, int4 = (load_draft_copy(tiny_llama, s, "float32") for s in ("int8", "int4"))
+    # the tiny model's embeddings (not quantized) are a large share of it; the linear layers shrink 4x / 8x
+    assert int4.nbytes < int8.nbytes < full * 0.6
+    assert int8.to_dict() == {"scheme": "int8", "dtype": "float32", "bytes": int8.nbytes}
+    assert draft_dtype("float16") == "bfloat16" and draft_dtype("bfloat16") == "bfloat16"
+
+
+def test_a_row_cut_back_after_rejections_drafts_what_a_fresh_row_drafts(tiny_llama: Path) -> None:
+    """Drafts the target rejected are cropped off the row's cache; the next draft equals one from a new row that
+    prefills the same tokens, and the cache holds exactly the tokens it was fed."""
+    copy = load_draft_copy(tiny_llama, "int8", "float32")
+    row = ModelDrafter(copy.model).row()
+    tokens = list(range(5, 25))
+    drafts = row.propose(tokens, 4)
+    assert len(drafts) == 4 and row.held == tokens + drafts[:3]
+    # the target kept the first draft, then chose another token: the other three drafts are rejected
+    tokens += [drafts[0], (drafts[1] + 1) % 100]
+    again = row.propose(tokens, 3)
+    assert row.held[: len(tokens)] == tokens and row.cache.get_seq_length() == len(row.held)
+    assert again == RowDraft(copy.model).propose(tokens, 3)
+    assert row.propose(tokens, 0) == [] and row.cache.get_seq_length() == len(row.held)  # k=0 runs nothing
+
+
+def test_the_speculator_refuses_a_draft_model_it_would_ignore_and_needs_one_it_drafts_with(tiny_llama: Path) -> None:
+    copy = load_draft_copy(tiny_llama, "int4", "float32")
+    with pytest.raises(ValueError, match="drafts with a quantized copy"):
+        Speculator("int4")
+    with pytest.raises(ValueError, match="drafts without a model"):
+        Speculator("ngram", model=ModelDrafter(copy.model))
+    with pytest.raises(ValueError, match="no draft copy"):
+        load_draft_copy(tiny_llama, "int2", "float32")
+
+
+def test_a_server_drafting_with_its_int8_copy_reports_it_in_info(tiny_llama: Path) -> None:
+    import httpx
+
+    from service.schemas.response_models import InfoResponse
+    from tests.service.conftest import LiveServer, settings_for
+
+    server = LiveServer(settings_for(tiny_llama, speculate="int8", speculate_tokens=3)).start()
+    try:
+        body = {"inputs": "one two three one two three", "parameters": {"max_new_tokens": 24}}
+        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        info = httpx.get(server.url + "/info", timeout=30).json()
+    finally:
+        server.stop()
+    InfoResponse.model_validate(info)  # the documented shape, draft_model included
+    spec = info["speculation"]
+    assert spec["mode"] == "int8" and spec["draft_tokens"] == 3
+    assert spec["draft_model"]["scheme"] == "int8" and spec["draft_model"]["dtype"] == "float32"
+    checkpoint = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))  # fp32
+    assert 0 < spec["draft_model"]["bytes"] < checkpoint
+    assert spec["proposed"] > 0 and spec["verify_passes"] > 0
