@@ -123,7 +123,8 @@ class Engine:
             model, self.device, self.cache, micro_batches=micro_batches, standin_runs=standin_runs
         )
         #: Speculative decoding's policy and counts (:mod:`service.engine.speculation.verification`); mode ``off`` drafts nothing.
-        drafter = ModelDrafter(draft_model) if draft_model is not None else None
+        # the copy's own slot cache, one slot per engine slot (grown as sequences lengthen)
+        drafter = ModelDrafter(draft_model, max_batch_size, self.max_total_tokens) if draft_model is not None else None
         self.speculator = Speculator(speculate, speculate_tokens, drafter)
         self.scheduler = Scheduler(
             self.cache,

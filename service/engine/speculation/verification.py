@@ -188,23 +188,35 @@ PROBE_EVERY = 64
 @dataclass
 class StepGate:
     """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
-    steps with drafts against those without, per count of decode rows (a step of 16 rows costs more than one of
-    1, whatever it drafts). While drafting steps cost more per token than plain ones, steps draft nothing, but for
-    one probe every :data:`PROBE_EVERY` steps. It gates greedy rows only: whether a sampled row drafts changes which
-    random numbers it draws, so that must not depend on timing (a seed would no longer give the same tokens); a
-    sampled row's drafting follows its own acceptance alone (:class:`DraftLength`). A small model whose plain step runs the native one-token decode
-    kernel and whose verify pass runs the model's full forward is where this shuts; a model read from disk, whose
-    step costs its weight reads whatever the row width, is where it stays open."""
+    steps with drafts (drafting time included: a draft model's forwards are not free) against those without, per
+    count of decode rows (a step of 16 rows costs more than one of 1, whatever it drafts). While drafting steps cost
+    more per token than plain ones, steps draft nothing, but for one probe every :data:`PROBE_EVERY` steps; while
+    they cost less, one step in :data:`PROBE_EVERY` drafts nothing, so that the plain cost is known at all (rows
+    whose drafts are always accepted would otherwise never run a plain step) and stays current. It gates greedy rows
+    only: whether a sampled row drafts changes which random numbers it draws, so that must not depend on timing (a
+    seed would no longer give the same tokens); a sampled row's drafting follows its own acceptance alone
+    (:class:`DraftLength`). A small resident model whose plain step runs the native one-token decode kernel is where
+    this shuts; a model read from disk, whose step costs its weight reads whatever the row width, is where it stays
+    open."""
 
     #: False: always open (tests that must see drafts whatever the timing).
     measure: bool = True
     plain: dict[int, float] = field(default_factory=dict)  # decode rows -> seconds per token, steps without drafts
     drafted: dict[int, float] = field(default_factory=dict)  # the same, steps with drafts
     shut_steps: int = 0
+    open_steps: int = 0
 
     def open(self, rows: int) -> bool:
+        if not self.measure:
+            return True
         plain, drafted = self.plain.get(rows), self.drafted.get(rows)
-        if not self.measure or plain is None or drafted is None or drafted <= plain:
+        if drafted is not None and (plain is None or drafted <= plain):
+            self.open_steps += 1
+            if plain is None or self.open_steps >= PROBE_EVERY:  # a plain step, to compare with
+                self.open_steps = 0
+                return False
+            return True
+        if plain is None or drafted is None:
             return True
         self.shut_steps += 1
         if self.shut_steps >= PROBE_EVERY:
@@ -282,7 +294,7 @@ class Speculator:
             return []
         state = self._rows.get(seq)
         if state is None:
-            drafter = self.model.row() if self.model is not None else ngram_drafter.NgramIndex()
+            drafter = self.model.row(seq.slot) if self.model is not None else ngram_drafter.NgramIndex()
             state = self._rows[seq] = _RowState(DraftLength(self.tokens), drafter)
         want = min(state.length.current(), room)
         # called every step, drafting or not: the n-gram index follows, so a later lookup has nothing to catch up

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine.engine import Engine
-from service.engine.speculation.model_drafter import ModelDrafter, RowDraft
+from service.engine.speculation.model_drafter import ModelDrafter
 from service.engine.speculation.verification import Speculator
 from service.model.draft_copy import draft_dtype, load_draft_copy
 from tests.models import demo_model_dir
@@ -87,19 +87,23 @@ def test_the_copy_holds_a_fraction_of_the_targets_bytes(tiny_llama: Path) -> Non
 
 
 def test_a_row_cut_back_after_rejections_drafts_what_a_fresh_row_drafts(tiny_llama: Path) -> None:
-    """Drafts the target rejected are cropped off the row's cache; the next draft equals one from a new row that
-    prefills the same tokens, and the cache holds exactly the tokens it was fed."""
+    """Drafts the target rejected are cut off the row's slot (the next tokens overwrite them, the mask hides the
+    rest); the next draft equals one from a fresh slot that prefills the same tokens."""
     copy = load_draft_copy(tiny_llama, "int8", "float32")
-    row = ModelDrafter(copy.model).row()
+    drafter = ModelDrafter(copy.model, slots=2, max_len=64)
+    row = drafter.row(0)
     tokens = list(range(5, 25))
     drafts = row.propose(tokens, 4)
     assert len(drafts) == 4 and row.held == tokens + drafts[:3]
     # the target kept the first draft, then chose another token: the other three drafts are rejected
     tokens += [drafts[0], (drafts[1] + 1) % 100]
     again = row.propose(tokens, 3)
-    assert row.held[: len(tokens)] == tokens and row.cache.get_seq_length() == len(row.held)
-    assert again == RowDraft(copy.model).propose(tokens, 3)
-    assert row.propose(tokens, 0) == [] and row.cache.get_seq_length() == len(row.held)  # k=0 runs nothing
+    assert row.held == tokens + again[:2]
+    assert again == drafter.row(1).propose(tokens, 3)
+    held = list(row.held)
+    assert row.propose(tokens + [again[0]], 0) == [] and row.held == held  # k=0 runs nothing
+    with pytest.raises(ValueError, match="outside the draft cache"):
+        drafter.row(2)
 
 
 def test_the_speculator_refuses_a_draft_model_it_would_ignore_and_needs_one_it_drafts_with(tiny_llama: Path) -> None:
@@ -107,7 +111,7 @@ def test_the_speculator_refuses_a_draft_model_it_would_ignore_and_needs_one_it_d
     with pytest.raises(ValueError, match="drafts with a quantized copy"):
         Speculator("int4")
     with pytest.raises(ValueError, match="drafts without a model"):
-        Speculator("ngram", model=ModelDrafter(copy.model))
+        Speculator("ngram", model=ModelDrafter(copy.model, 1, 16))
     with pytest.raises(ValueError, match="no draft copy"):
         load_draft_copy(tiny_llama, "int2", "float32")
 
