@@ -101,7 +101,8 @@ def run(
                 "acceptance": stats.acceptance_rate,
                 "tokens_per_pass": stats.tokens_per_pass,
                 "proposed": stats.proposed,
-                "draft_bytes": copies[mode].nbytes if mode in copies else None,
+                "verify_passes": stats.verify_passes,
+                "draft_mib": copies[mode].nbytes / (1 << 20) if mode in copies else None,
                 "same_tokens": outputs[mode] == outputs["off"],
             }
         )
@@ -152,7 +153,8 @@ def main() -> int:
             ("speedup", "speed-up"),
             ("acceptance", "acceptance"),
             ("tokens_per_pass", "tokens/verify pass"),
-            ("draft_bytes", "draft bytes"),
+            ("verify_passes", "verify passes"),
+            ("draft_mib", "draft MiB"),
             ("same_tokens", "same tokens"),
         ],
     )
