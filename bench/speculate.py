@@ -21,6 +21,7 @@ import argparse
 import queue
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,29 +31,48 @@ from bench.common import machine, print_table, write_json
 PROMPT = "Once upon a time"
 
 
-def _one_stream(engine, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
-    """One greedy request: its tokens and its decode rate (tokens after the first over the time since the first)."""
+@dataclass(frozen=True)
+class StreamRun:
+    """One greedy request's tokens, its decode rate (tokens after the first over the time since the first) and the
+    process's CPU milliseconds per such token (less sensitive than the rate to other work on a shared machine)."""
+
+    tokens: list[int]
+    tok_s: float
+    cpu_ms_per_token: float
+
+
+def _one_stream(engine, prompt_ids: list[int], new_tokens: int) -> StreamRun:
     from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 
     sink: queue.Queue = queue.Queue()
     request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=new_tokens, ignore_eos=True)
     engine.submit(request, sink.put)
     tokens: list[int] = []
-    first = last = 0.0
+    first = last = cpu_first = cpu_last = 0.0
     while True:
         ev = sink.get(timeout=600)
         if isinstance(ev, ErrorEvent):
             raise SystemExit(ev.message)
         if isinstance(ev, TokenEvent):
-            last = time.perf_counter()
-            first = first or last
+            last, cpu_last = time.perf_counter(), time.process_time()
+            if not tokens:
+                first, cpu_first = last, cpu_last
             tokens.append(ev.id)
         if isinstance(ev, FinishEvent):
-            return tokens, (len(tokens) - 1) / (last - first) if last > first else 0.0
+            after = max(1, len(tokens) - 1)
+            rate = (len(tokens) - 1) / (last - first) if last > first else 0.0
+            return StreamRun(tokens, rate, (cpu_last - cpu_first) * 1e3 / after)
 
 
 def run(
-    path: Path, prompt: str, new_tokens: int, repeats: int, draft_tokens: int, modes: list[str], disk_layers: int
+    path: Path,
+    prompt: str,
+    new_tokens: int,
+    repeats: int,
+    draft_tokens: int,
+    modes: list[str],
+    disk_layers: int,
+    always_draft: bool = False,
 ) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -79,15 +99,18 @@ def run(
         )
         for mode in modes
     }
-    rates: dict[str, list[float]] = {mode: [] for mode in engines}
+    for engine in engines.values():
+        engine.speculator.gate.measure = not always_draft  # always: what drafting every step costs and gets
+    runs: dict[str, list[StreamRun]] = {mode: [] for mode in engines}
     outputs: dict[str, list[int]] = {}
     for engine in engines.values():
         engine.start()
     try:
         for _ in range(repeats):  # side by side: a contended CPU slows every mode alike
             for mode, engine in engines.items():
-                outputs[mode], rate = _one_stream(engine, prompt_ids, new_tokens)
-                rates[mode].append(rate)
+                stream = _one_stream(engine, prompt_ids, new_tokens)
+                outputs[mode] = stream.tokens
+                runs[mode].append(stream)
     finally:
         for engine in engines.values():
             engine.stop()
@@ -97,7 +120,8 @@ def run(
         rows.append(
             {
                 "mode": mode,
-                "decode_tok_s": max(rates[mode]),
+                "decode_tok_s": max(r.tok_s for r in runs[mode]),
+                "cpu_ms_per_token": min(r.cpu_ms_per_token for r in runs[mode]),
                 "acceptance": stats.acceptance_rate,
                 "tokens_per_pass": stats.tokens_per_pass,
                 "proposed": stats.proposed,
@@ -109,6 +133,7 @@ def run(
     base = rows[0]["decode_tok_s"]
     for row in rows[1:]:
         row["speedup"] = row["decode_tok_s"] / base if base else None
+        row["cpu_ratio"] = rows[0]["cpu_ms_per_token"] / row["cpu_ms_per_token"] if row["cpu_ms_per_token"] else None
     return rows
 
 
@@ -131,6 +156,9 @@ def main() -> int:
     parser.add_argument("--draft-tokens", type=int, default=4, help="--speculate-tokens")
     parser.add_argument("--modes", default="off,ngram", help="comma-separated, off first (off,ngram,int4,int8)")
     parser.add_argument("--disk-layers", type=int, default=0, help="last N decoder layers read from disk per step")
+    parser.add_argument(
+        "--always-draft", action="store_true", help="keep the step gate open: every step drafts (acceptance, cost)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -142,8 +170,11 @@ def main() -> int:
 
         path = build_demo_model()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    rows = run(path, args.prompt, args.new_tokens, args.repeats, args.draft_tokens, modes, args.disk_layers)
+    rows = run(
+        path, args.prompt, args.new_tokens, args.repeats, args.draft_tokens, modes, args.disk_layers, args.always_draft
+    )
     disk = f", last {args.disk_layers} layers on disk" if args.disk_layers else ""
+    disk += ", gate held open" if args.always_draft else ""
     print(f"\nOne stream, {args.new_tokens} greedy tokens, best of {args.repeats}; model {path}{disk}\n")
     print_table(
         rows,
@@ -151,6 +182,8 @@ def main() -> int:
             ("mode", "speculate"),
             ("decode_tok_s", "decode tok/s"),
             ("speedup", "speed-up"),
+            ("cpu_ms_per_token", "CPU ms/token"),
+            ("cpu_ratio", "CPU ratio"),
             ("acceptance", "acceptance"),
             ("tokens_per_pass", "tokens/verify pass"),
             ("verify_passes", "verify passes"),
@@ -159,7 +192,16 @@ def main() -> int:
         ],
     )
     if args.out:
-        write_json(args.out, {"machine": machine(), "model": str(path), "disk_layers": args.disk_layers, "rows": rows})
+        write_json(
+            args.out,
+            {
+                "machine": machine(),
+                "model": str(path),
+                "disk_layers": args.disk_layers,
+                "always_draft": args.always_draft,
+                "rows": rows,
+            },
+        )
     return 0 if all(row["same_tokens"] for row in rows) else 1
 
 

@@ -25,6 +25,7 @@ where it costs more than it saves.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,9 @@ from service.engine.model_runner import ModelRunner, Row
 
 #: Most context tokens one prefill forward of the copy feeds (bounds its activations on a long prompt).
 PREFILL_CHUNK = 512
+#: New tokens beyond which a draft prefills them in a forward of their own, timed apart (a verify pass emits at most
+#: ``k + 1``; more means the row rested or starts).
+CATCH_UP = 17
 
 
 class ModelDrafter:
@@ -62,6 +66,9 @@ class RowDraft:
         #: Leading tokens of ``held`` that are the sequence's own (not drafts): a sequence only grows, so these
         #: need no comparison at the next draft (which then costs O(new tokens), not O(context)).
         self.own = 0
+        #: Seconds the last :meth:`propose` spent prefilling context the slot did not hold (its first draft, or one
+        #: after a rest): a one-off, which the step gate leaves out of what drafting costs per step.
+        self.prefill_seconds = 0.0
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """The copy's ``k`` greedy tokens after ``tokens`` (the sequence's prompt and output so far); empty for
@@ -72,6 +79,12 @@ class RowDraft:
         keep = min(keep, len(tokens) - 1)  # the last token is always fed: its logits give the first draft
         del self.held[keep:]  # the rest of the slot is overwritten from here on, and masked until then
         self.own = min(self.own, keep)
+        self.prefill_seconds = 0.0
+        if len(tokens) - keep > CATCH_UP:  # a first draft or one after a rest: prefill the context apart
+            started = time.perf_counter()
+            self._feed(list(tokens[keep:-1]))
+            self.prefill_seconds = time.perf_counter() - started
+            keep = len(tokens) - 1
         drafts: list[int] = []
         logits = self._feed(list(tokens[keep:]))
         for i in range(k):

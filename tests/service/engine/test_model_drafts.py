@@ -95,13 +95,18 @@ def test_a_row_cut_back_after_rejections_drafts_what_a_fresh_row_drafts(tiny_lla
     tokens = list(range(5, 25))
     drafts = row.propose(tokens, 4)
     assert len(drafts) == 4 and row.held == tokens + drafts[:3]
+    assert row.prefill_seconds > 0  # the 20-token context was prefilled apart (timed apart for the gate)
     # the target kept the first draft, then chose another token: the other three drafts are rejected
     tokens += [drafts[0], (drafts[1] + 1) % 100]
     again = row.propose(tokens, 3)
     assert row.held == tokens + again[:2]
     assert again == drafter.row(1).propose(tokens, 3)
+    assert row.prefill_seconds == 0  # three new tokens: no prefill
     held = list(row.held)
     assert row.propose(tokens + [again[0]], 0) == [] and row.held == held  # k=0 runs nothing
+    # after a rest (k=0 for a while) the row catches up on everything it missed in one prefill
+    later = tokens + list(range(40, 70))
+    assert row.propose(later, 2) == drafter.row(1).propose(later, 2) and row.prefill_seconds > 0
     with pytest.raises(ValueError, match="outside the draft cache"):
         drafter.row(2)
 

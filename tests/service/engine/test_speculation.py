@@ -15,7 +15,7 @@ from service.engine.engine import Engine
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
 from service.engine.speculation.ngram_drafter import NgramIndex, propose
-from service.engine.speculation.verification import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
+from service.engine.speculation.verification import PROBE_EVERY, PROBE_STEPS, DraftLength, StepGate, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.
@@ -256,7 +256,8 @@ def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes
     gate.observe(1, 0.010, 1, drafted=False)
     gate.observe(1, 0.030, 2, drafted=True)  # 15 ms a token against 10
     assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
-    assert gate.open(1)  # a probe
+    assert all(gate.open(1) for _ in range(PROBE_STEPS))  # a probe of a few steps
+    assert not gate.open(1)
     assert gate.open(4)  # another batch size is measured on its own
     for _ in range(10):  # drafts start paying: 5 ms a token
         gate.observe(1, 0.020, 4, drafted=True)
@@ -273,6 +274,23 @@ def test_the_gate_measures_a_plain_step_when_every_step_drafted() -> None:
     assert not gate.open(1)  # drafted steps measured, plain ones never: one plain step
     gate.observe(1, 0.010, 1, drafted=False)  # 10 ms a token against 15: drafting costs more
     assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
+
+
+def test_the_gate_probes_less_often_while_drafts_keep_costing_more() -> None:
+    gate = StepGate()
+    gate.observe(1, 0.010, 1, drafted=False)
+    gate.observe(1, 0.030, 2, drafted=True)
+    gaps = []
+    for _ in range(6):
+        steps = 1
+        while not gate.open(1):
+            steps += 1
+        gaps.append(steps)
+        assert all(gate.open(1) for _ in range(PROBE_STEPS - 1))  # the rest of the probe
+    assert gaps == [64, 128, 256, 512, 1024, 1024]  # each probe (a drafting step) found drafts dearer
+    for _ in range(10):
+        gate.observe(1, 0.010, 4, drafted=True)  # drafting pays now: the interval starts over
+    assert gate.open(1) and gate.probe_every == PROBE_EVERY
 
 
 def test_the_draft_length_adapts_and_rests_after_failures() -> None:
