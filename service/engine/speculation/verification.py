@@ -183,9 +183,6 @@ def speculable(seq: Sequence) -> bool:
 SMOOTHING = 0.2
 #: Steps the gate stays shut before it lets one drafting step through to measure again ...
 PROBE_EVERY = 64
-#: Consecutive drafting steps a probe lets through (one step's timing is noise; a row's draft length needs a pass
-#: or two to recover from its rest).
-PROBE_STEPS = 4
 #: ... doubled after each probe that found drafting still dearer, up to this (a probe of a draft model costs its
 #: catch-up prefill and k forwards: on a model where drafts never pay, probes every 64 steps were a tenth of the time).
 MAX_PROBE_EVERY = 1024
@@ -194,18 +191,17 @@ MAX_PROBE_EVERY = 1024
 @dataclass
 class StepGate:
     """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
-            steps with drafts (drafting time included: a draft model's forwards are not free) against those without, per
-            count of decode rows (a step of 16 rows costs more than one of 1, whatever it drafts). While drafting steps cost
-            more per token than plain ones, steps draft nothing, but for a probe of :data:`PROBE_STEPS` steps every
-    :data:`PROBE_EVERY` steps (an
-        interval that doubles, up to :data:`MAX_PROBE_EVERY`, while probes keep finding drafts dearer); while
-            they cost less, one step in :data:`PROBE_EVERY` drafts nothing, so that the plain cost is known at all (rows
-            whose drafts are always accepted would otherwise never run a plain step) and stays current. It gates greedy rows
-            only: whether a sampled row drafts changes which random numbers it draws, so that must not depend on timing (a
-            seed would no longer give the same tokens); a sampled row's drafting follows its own acceptance alone
-            (:class:`DraftLength`). A small resident model whose plain step runs the native one-token decode kernel is where
-            this shuts; a model read from disk, whose step costs its weight reads whatever the row width, is where it stays
-            open."""
+    steps with drafts (drafting time included: a draft model's forwards are not free) against those without, per
+    count of decode rows (a step of 16 rows costs more than one of 1, whatever it drafts). While drafting steps cost
+    more per token than plain ones, steps draft nothing, but for one probe every :data:`PROBE_EVERY` steps (an
+    interval that doubles, up to :data:`MAX_PROBE_EVERY`, while probes keep finding drafts dearer); while they cost
+    less, one step in :data:`PROBE_EVERY` drafts nothing, so that the plain cost is known at all (rows whose drafts
+    are always accepted would otherwise never run a plain step) and stays current. It gates greedy rows only:
+    whether a sampled row drafts changes which random numbers it draws, so that must not depend on timing (a seed
+    would no longer give the same tokens); a sampled row's drafting follows its own acceptance alone
+    (:class:`DraftLength`). A small resident model whose plain step runs the native one-token decode kernel is where
+    this shuts; a model read from disk, whose step costs its weight reads whatever the row width, is where it stays
+    open."""
 
     #: False: always open (tests that must see drafts whatever the timing).
     measure: bool = True
@@ -214,7 +210,6 @@ class StepGate:
     shut_steps: int = 0
     open_steps: int = 0
     probe_every: int = PROBE_EVERY
-    probing: int = 0
 
     def open(self, rows: int) -> bool:
         if not self.measure:
@@ -229,14 +224,10 @@ class StepGate:
             return True
         if plain is None or drafted is None:
             return True
-        if self.probing > 0:
-            self.probing -= 1
-            return True
         self.shut_steps += 1
         if self.shut_steps >= self.probe_every:
             self.shut_steps = 0
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)  # back to 64 once drafting pays
-            self.probing = PROBE_STEPS - 1
             return True
         return False
 

@@ -15,7 +15,7 @@ from service.engine.engine import Engine
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
 from service.engine.speculation.ngram_drafter import NgramIndex, propose
-from service.engine.speculation.verification import PROBE_EVERY, PROBE_STEPS, DraftLength, StepGate, accepted, sampled
+from service.engine.speculation.verification import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.
@@ -256,8 +256,7 @@ def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes
     gate.observe(1, 0.010, 1, drafted=False)
     gate.observe(1, 0.030, 2, drafted=True)  # 15 ms a token against 10
     assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
-    assert all(gate.open(1) for _ in range(PROBE_STEPS))  # a probe of a few steps
-    assert not gate.open(1)
+    assert gate.open(1)  # a probe
     assert gate.open(4)  # another batch size is measured on its own
     for _ in range(10):  # drafts start paying: 5 ms a token
         gate.observe(1, 0.020, 4, drafted=True)
@@ -286,7 +285,6 @@ def test_the_gate_probes_less_often_while_drafts_keep_costing_more() -> None:
         while not gate.open(1):
             steps += 1
         gaps.append(steps)
-        assert all(gate.open(1) for _ in range(PROBE_STEPS - 1))  # the rest of the probe
     assert gaps == [64, 128, 256, 512, 1024, 1024]  # each probe (a drafting step) found drafts dearer
     for _ in range(10):
         gate.observe(1, 0.010, 4, drafted=True)  # drafting pays now: the interval starts over
