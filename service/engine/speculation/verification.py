@@ -13,11 +13,11 @@ row starts (prompt + generated - 1), and the mask hides everything beyond. The r
 slot past that length and are overwritten by the next tokens; only the scheduler's record of what the slot holds
 is cut back (:meth:`~service.engine.scheduler.Scheduler.trim`).
 
-A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft
-is a point mass, and so is the quantized copy's (it drafts greedily), so draft ``x`` is accepted with the target's probability of ``x`` and, on rejection, the token is
-drawn from the target with ``x`` removed. Its random numbers all come from its own seeded generator, so a seed gives
-the same tokens on every run (not the same tokens as without speculation, which draws differently: the same
-distribution).
+A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft is
+a point mass, and so is the quantized copy's (it drafts greedily), so draft ``x`` is accepted with the target's
+probability of ``x`` and, on rejection, the token is drawn from the target with ``x`` removed. Its random numbers all
+come from its own seeded generator, so a seed gives the same tokens on every run (not the same tokens as without
+speculation, which draws differently: the same distribution).
 
 Which rows speculate: greedy and sampled rows with no grammar, no penalties and no alternatives asked for. A grammar
 or penalty row would need its chooser's state advanced per draft, and a logprobs row alternatives per position;
@@ -184,7 +184,7 @@ SMOOTHING = 0.2
 #: Steps the gate stays shut before it lets one drafting step through to measure again ...
 PROBE_EVERY = 64
 #: ... doubled after each probe that found drafting still dearer, up to this (a probe of a draft model costs its
-#: catch-up prefill and k forwards: on a model where drafts never pay, probes every 64 steps were a tenth of the time).
+#: catch-up prefill and k forwards, which on a model where drafts never pay should not recur every 64 steps).
 MAX_PROBE_EVERY = 1024
 
 

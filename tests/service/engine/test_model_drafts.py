@@ -142,3 +142,19 @@ def test_a_server_drafting_with_its_int8_copy_reports_it_in_info(tiny_llama: Pat
     checkpoint = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))  # fp32
     assert 0 < spec["draft_model"]["bytes"] < checkpoint
     assert spec["proposed"] > 0 and spec["verify_passes"] > 0
+
+
+def test_seeded_sampled_rows_draft_with_the_copy_and_reproduce_whatever_their_batch(tiny_llama: Path) -> None:
+    """A greedy copy's draft is a point mass, as prompt lookup's: sampled rows take the same accept/resample rule,
+    and a seed gives the same tokens alone or among neighbours (each row's drafts come from its own slot)."""
+    from service.engine.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    copy = load_draft_copy(tiny_llama, "int8", "float32")
+    seeded = _requests(tok, 3, 30, params=SamplingParams(temperature=0.3, top_k=3, seed=11))
+    alone, engine = _generate(model, tok, seeded, "int8", slots=3, draft=copy.model)
+    assert engine.speculator.stats.accepted > 0
+    neighbours = _requests(tok, 5, 12)
+    together, _ = _generate(model, tok, neighbours + seeded, "int8", slots=8, draft=copy.model)
+    assert together[len(neighbours) :] == alone
