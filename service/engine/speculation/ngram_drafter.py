@@ -24,9 +24,6 @@ class NgramIndex:
     """One sequence's n-grams (``min_ngram`` .. ``max_ngram`` tokens) and where the latest occurrence of each was
     followed. Its sequence only grows: :meth:`propose` indexes the tokens appended since the last call."""
 
-    #: No model, nothing prefilled: every second of a lookup is drafting's (see ``verification.RowDrafter``).
-    prefill_seconds = 0.0
-
     def __init__(self, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram

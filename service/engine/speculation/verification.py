@@ -40,14 +40,14 @@ import time
 import weakref
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
 from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
-from service.engine.speculation.model_drafter import ModelDrafter
+from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter, RowDraft
 
 #: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model.
 SpeculationMode = Literal["off", "ngram", "int4", "int8"]
@@ -240,23 +240,12 @@ class StepGate:
         table[rows] = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-class RowDrafter(Protocol):
-    """One sequence's drafter: up to ``k`` tokens after ``tokens`` (its prompt and output so far).
-    ``prefill_seconds``: what the last proposal spent catching up on context (a draft model's first draft, or its
-    first after a rest), which the step gate does not count as the step's drafting cost: it is paid once, not per
-    step, and counted would keep the gate shut after every probe."""
-
-    prefill_seconds: float
-
-    def propose(self, tokens: Tokens[int], k: int) -> list[int]: ...
-
-
 @dataclass
 class _RowState:
     """What the speculator keeps for one running sequence (dropped with it)."""
 
     length: DraftLength
-    drafter: RowDrafter
+    drafter: ngram_drafter.NgramIndex | RowDraft
 
 
 @dataclass
@@ -297,24 +286,44 @@ class Speculator:
         self._gate_open = self.gate.open(decode_rows) if self.enabled else False
         self.step_draft_seconds = 0.0
 
-    def drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
-        target's own next token); empty for a row that does not speculate."""
+    def drafts(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """The tokens each of ``seqs`` drafts this step, at most its ``rooms`` entry (what its token and KV limits
+        leave after the target's own next token); empty for a row that does not speculate. A draft model drafts
+        the rows together (:meth:`~.model_drafter.ModelDrafter.propose`)."""
+        out: list[list[int]] = [[] for _ in seqs]
+        asks: list[tuple[int, _RowState, list[int], int]] = []
+        for i, (seq, room) in enumerate(zip(seqs, rooms)):
+            state = self._state(seq, room)
+            if state is not None:
+                want = max(min(state.length.current(), room), 0)
+                asks.append((i, state, seq.request.prompt_ids + seq.generated, want))
+        if not asks:
+            return out
+        started = time.perf_counter()
+        prefill = 0.0
+        if self.model is not None:
+            batch = self.model.propose([DraftAsk(state.drafter, tokens, want) for _, state, tokens, want in asks])
+            found, prefill = batch.drafts, batch.prefill_seconds
+        else:
+            # called every step, drafting or not: the n-gram index follows, so a later lookup has nothing to catch
+            # up on (the draft model runs nothing for want 0; its slot catches up at its next draft)
+            found = [state.drafter.propose(tokens, want) for _, state, tokens, want in asks]
+        self.step_draft_seconds += time.perf_counter() - started - prefill
+        for (i, *_), drafts in zip(asks, found):
+            out[i] = drafts
+        return out
+
+    def _state(self, seq: Sequence, room: int) -> _RowState | None:
+        """``seq``'s drafting state, made on its first draft; None for a row that does not draft this step."""
         if not self.enabled or room <= 0 or not speculable(seq):
-            return []
+            return None
         if not self._gate_open and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
-            return []
+            return None
         state = self._rows.get(seq)
         if state is None:
             drafter = self.model.row(seq.slot) if self.model is not None else ngram_drafter.NgramIndex()
             state = self._rows[seq] = _RowState(DraftLength(self.tokens), drafter)
-        want = min(state.length.current(), room)
-        # called every step, drafting or not: the n-gram index follows, so a later lookup has nothing to catch up
-        # on (the draft model runs nothing for want 0; its cache catches up at its next draft)
-        started = time.perf_counter()
-        drafts = state.drafter.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
-        self.step_draft_seconds += time.perf_counter() - started - state.drafter.prefill_seconds
-        return drafts
+        return state
 
     def report(self) -> dict[str, int | float | None]:
         """The counts and rates so far (``/info``)."""

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine.engine import Engine
-from service.engine.speculation.model_drafter import ModelDrafter
+from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter
 from service.engine.speculation.verification import Speculator
 from service.model.draft_copy import draft_dtype, load_draft_copy
 from tests.models import demo_model_dir
@@ -90,25 +90,38 @@ def test_a_row_cut_back_after_rejections_drafts_what_a_fresh_row_drafts(tiny_lla
     """Drafts the target rejected are cut off the row's slot (the next tokens overwrite them, the mask hides the
     rest); the next draft equals one from a fresh slot that prefills the same tokens."""
     copy = load_draft_copy(tiny_llama, "int8", "float32")
-    drafter = ModelDrafter(copy.model, slots=2, max_len=64)
+    drafter = ModelDrafter(copy.model, slots=2, max_len=128)
     row = drafter.row(0)
     tokens = list(range(5, 25))
-    drafts = row.propose(tokens, 4)
+    first = drafter.propose([DraftAsk(row, tokens, 4)])
+    drafts = first.drafts[0]
     assert len(drafts) == 4 and row.held == tokens + drafts[:3]
-    assert row.prefill_seconds > 0  # the 20-token context was prefilled apart (timed apart for the gate)
+    assert first.prefill_seconds > 0  # the 20-token context was prefilled apart (timed apart for the gate)
     # the target kept the first draft, then chose another token: the other three drafts are rejected
     tokens += [drafts[0], (drafts[1] + 1) % 100]
-    again = row.propose(tokens, 3)
-    assert row.held == tokens + again[:2]
-    assert again == drafter.row(1).propose(tokens, 3)
-    assert row.prefill_seconds == 0  # three new tokens: no prefill
+    again = drafter.propose([DraftAsk(row, tokens, 3)])
+    assert row.held == tokens + again.drafts[0][:2] and again.prefill_seconds == 0  # three new tokens: no prefill
+    assert again.drafts[0] == drafter.row(1).propose(tokens, 3)
     held = list(row.held)
-    assert row.propose(tokens + [again[0]], 0) == [] and row.held == held  # k=0 runs nothing
+    assert row.propose(tokens + [again.drafts[0][0]], 0) == [] and row.held == held  # k=0 runs nothing
     # after a rest (k=0 for a while) the row catches up on everything it missed in one prefill
     later = tokens + list(range(40, 70))
-    assert row.propose(later, 2) == drafter.row(1).propose(later, 2) and row.prefill_seconds > 0
+    assert row.propose(later, 2) == drafter.row(1).propose(later, 2)
     with pytest.raises(ValueError, match="outside the draft cache"):
         drafter.row(2)
+
+
+def test_rows_drafted_together_draft_what_each_drafts_alone(tiny_llama: Path) -> None:
+    """A step's rows share the copy's forwards (contexts of different lengths packed, then one-token rows batched),
+    each wanting its own count of drafts; each gets what it gets alone."""
+    copy = load_draft_copy(tiny_llama, "int8", "float32")
+    together = ModelDrafter(copy.model, slots=3, max_len=128)
+    alone = ModelDrafter(copy.model, slots=3, max_len=128)
+    contexts = [list(range(3, 40)), list(range(50, 56)), list(range(7, 30))]
+    wants = [4, 2, 0]
+    batch = together.propose([DraftAsk(together.row(s), t, k) for s, (t, k) in enumerate(zip(contexts, wants))])
+    assert [len(d) for d in batch.drafts] == wants
+    assert batch.drafts == [alone.row(s).propose(t, k) for s, (t, k) in enumerate(zip(contexts, wants))]
 
 
 def test_the_speculator_refuses_a_draft_model_it_would_ignore_and_needs_one_it_drafts_with(tiny_llama: Path) -> None:
