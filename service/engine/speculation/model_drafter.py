@@ -34,7 +34,7 @@ import torch
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import ModelRunner, Row
 
-#: Most context tokens one prefill forward of the copy feeds (bounds its activations on a long prompt).
+#: Most tokens one forward of the copy feeds, all rows together (bounds its activations on long prompts).
 PREFILL_CHUNK = 512
 #: New tokens beyond which a draft prefills them in a forward of their own, timed apart (a verify pass emits at most
 #: ``k + 1``; more means the row rested or starts).
