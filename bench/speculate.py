@@ -1,19 +1,27 @@
-"""One stream with and without ``--speculate ngram`` (issue 35): decode tokens/s, best of ``--repeats``, and the
-acceptance the drafts really had, on the trained demo model (``service.model.demo_model.build_demo_model``, as
-``loadmaster serve --demo`` serves it; ``$LOADMASTER_HOME/demo-model``, built once, about a minute) or ``--model DIR``.
+"""One stream with and without speculation (issue 35): decode tokens/s, best of ``--repeats``, and the acceptance
+the drafts really had, for each ``--modes`` (``off`` first: ``ngram`` prompt lookup, ``int4``/``int8`` the model's
+own weights quantized as the draft model), on the trained demo model (``service.model.demo_model.build_demo_model``,
+as ``loadmaster serve --demo`` serves it; ``$LOADMASTER_HOME/demo-model``, built once, about a minute) or
+``--model DIR``.
 
-The model is loaded as the server loads it (``loaders.load.load_model`` on the CPU: the native kernels) and driven
-through the engine itself, one greedy request at a time with ``ignore_eos`` so both modes generate the same count;
-the two modes' tokens are checked equal. A speed-up means nothing without its acceptance: both are printed.
+The model is loaded as the server loads it (``loaders.load.load_model`` on the CPU: the native kernels; with
+``--disk-layers N`` its last N decoder layers are read from the checkpoint per step instead, as past the disk wall)
+and driven through the engine itself, one greedy request at a time with ``ignore_eos`` so every mode generates the
+same count; each mode's tokens are checked equal to ``off``'s. The draft copies are loaded as the server loads them
+(:func:`service.model.draft_copy.load_draft_copy`) and their bytes printed. A speed-up means nothing without its
+acceptance: both are printed.
 
-Run: ``.venv/bin/python -m bench.speculate [--model DIR] [--new-tokens 128] [--repeats 3] [--threads 2]``
+Run: ``.venv/bin/python -m bench.speculate [--model DIR] [--modes off,ngram,int4,int8] [--new-tokens 128]
+[--repeats 3] [--threads 2] [--disk-layers N]``
 """
 
 from __future__ import annotations
 
 import argparse
 import queue
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,49 +31,86 @@ from bench.common import machine, print_table, write_json
 PROMPT = "Once upon a time"
 
 
-def _one_stream(engine, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float]:
-    """One greedy request: its tokens and its decode rate (tokens after the first over the time since the first)."""
+@dataclass(frozen=True)
+class StreamRun:
+    """One greedy request's tokens, its decode rate (tokens after the first over the time since the first) and the
+    process's CPU milliseconds per such token (less sensitive than the rate to other work on a shared machine)."""
+
+    tokens: list[int]
+    tok_s: float
+    cpu_ms_per_token: float
+
+
+def _one_stream(engine, prompt_ids: list[int], new_tokens: int) -> StreamRun:
     from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 
     sink: queue.Queue = queue.Queue()
     request = GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=new_tokens, ignore_eos=True)
     engine.submit(request, sink.put)
     tokens: list[int] = []
-    first = last = 0.0
+    first = last = cpu_first = cpu_last = 0.0
     while True:
         ev = sink.get(timeout=600)
         if isinstance(ev, ErrorEvent):
             raise SystemExit(ev.message)
         if isinstance(ev, TokenEvent):
-            last = time.perf_counter()
-            first = first or last
+            last, cpu_last = time.perf_counter(), time.process_time()
+            if not tokens:
+                first, cpu_first = last, cpu_last
             tokens.append(ev.id)
         if isinstance(ev, FinishEvent):
-            return tokens, (len(tokens) - 1) / (last - first) if last > first else 0.0
+            after = max(1, len(tokens) - 1)
+            rate = (len(tokens) - 1) / (last - first) if last > first else 0.0
+            return StreamRun(tokens, rate, (cpu_last - cpu_first) * 1e3 / after)
 
 
-def run(path: Path, prompt: str, new_tokens: int, repeats: int, draft_tokens: int) -> list[dict]:
+def run(
+    path: Path,
+    prompt: str,
+    new_tokens: int,
+    repeats: int,
+    draft_tokens: int,
+    modes: list[str],
+    disk_layers: int,
+    always_draft: bool = False,
+) -> list[dict]:
     from transformers import AutoTokenizer
 
     from loaders.load import load_model
     from service.engine.engine import Engine
+    from service.model.draft_copy import DRAFT_SCHEMES, load_draft_copy
 
-    model = load_model(path, {"": "cpu"}, show_progress=False)
+    if modes[0] != "off":
+        raise SystemExit("--modes must start with off: every mode is compared with it")
+    offload = Path(tempfile.mkdtemp(prefix="bench-speculate-"))  # used only for tensors that must be cast
+    model = load_model(path, _device_map(path, disk_layers), offload_folder=offload, show_progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     prompt_ids = tok(prompt)["input_ids"]
+    copies = {mode: load_draft_copy(path, mode, "float32") for mode in modes if mode in DRAFT_SCHEMES}
     engines = {
-        mode: Engine(model, tok, max_batch_size=1, prefix_cache=False, speculate=mode, speculate_tokens=draft_tokens)
-        for mode in ("off", "ngram")
+        mode: Engine(
+            model,
+            tok,
+            max_batch_size=1,
+            prefix_cache=False,
+            speculate=mode,
+            speculate_tokens=draft_tokens,
+            draft_model=copies[mode].model if mode in copies else None,
+        )
+        for mode in modes
     }
-    rates: dict[str, list[float]] = {mode: [] for mode in engines}
+    for engine in engines.values():
+        engine.speculator.gate.measure = not always_draft  # always: what drafting every step costs and gets
+    runs: dict[str, list[StreamRun]] = {mode: [] for mode in engines}
     outputs: dict[str, list[int]] = {}
     for engine in engines.values():
         engine.start()
     try:
-        for _ in range(repeats):  # side by side: a contended CPU slows both modes alike
+        for _ in range(repeats):  # side by side: a contended CPU slows every mode alike
             for mode, engine in engines.items():
-                outputs[mode], rate = _one_stream(engine, prompt_ids, new_tokens)
-                rates[mode].append(rate)
+                stream = _one_stream(engine, prompt_ids, new_tokens)
+                outputs[mode] = stream.tokens
+                runs[mode].append(stream)
     finally:
         for engine in engines.values():
             engine.stop()
@@ -75,16 +120,31 @@ def run(path: Path, prompt: str, new_tokens: int, repeats: int, draft_tokens: in
         rows.append(
             {
                 "mode": mode,
-                "decode_tok_s": max(rates[mode]),
+                "decode_tok_s": max(r.tok_s for r in runs[mode]),
+                "cpu_ms_per_token": min(r.cpu_ms_per_token for r in runs[mode]),
                 "acceptance": stats.acceptance_rate,
                 "tokens_per_pass": stats.tokens_per_pass,
                 "proposed": stats.proposed,
+                "verify_passes": stats.verify_passes,
+                "draft_mib": copies[mode].nbytes / (1 << 20) if mode in copies else None,
+                "same_tokens": outputs[mode] == outputs["off"],
             }
         )
-    rows[1]["speedup"] = rows[1]["decode_tok_s"] / rows[0]["decode_tok_s"] if rows[0]["decode_tok_s"] else None
-    rows[1]["same_tokens"] = outputs["ngram"] == outputs["off"]
-    rows[0]["same_tokens"] = True
+    base = rows[0]["decode_tok_s"]
+    for row in rows[1:]:
+        row["speedup"] = row["decode_tok_s"] / base if base else None
+        row["cpu_ratio"] = rows[0]["cpu_ms_per_token"] / row["cpu_ms_per_token"] if row["cpu_ms_per_token"] else None
     return rows
+
+
+def _device_map(path: Path, disk_layers: int) -> dict[str, str]:
+    """Everything on the CPU, but the last ``disk_layers`` decoder layers read from the checkpoint each step."""
+    if disk_layers <= 0:
+        return {"": "cpu"}
+    import json
+
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    return {"": "cpu", **{f"model.layers.{i}": "disk" for i in range(max(0, layers - disk_layers), layers)}}
 
 
 def main() -> int:
@@ -94,6 +154,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=4, help="--speculate-tokens")
+    parser.add_argument("--modes", default="off,ngram", help="comma-separated, off first (off,ngram,int4,int8)")
+    parser.add_argument("--disk-layers", type=int, default=0, help="last N decoder layers read from disk per step")
+    parser.add_argument(
+        "--always-draft", action="store_true", help="keep the step gate open: every step drafts (acceptance, cost)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -104,22 +169,40 @@ def main() -> int:
         from service.model.demo_model import build_demo_model
 
         path = build_demo_model()
-    rows = run(path, args.prompt, args.new_tokens, args.repeats, args.draft_tokens)
-    print(f"\nOne stream, {args.new_tokens} greedy tokens, best of {args.repeats}; model {path}\n")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rows = run(
+        path, args.prompt, args.new_tokens, args.repeats, args.draft_tokens, modes, args.disk_layers, args.always_draft
+    )
+    disk = f", last {args.disk_layers} layers on disk" if args.disk_layers else ""
+    disk += ", gate held open" if args.always_draft else ""
+    print(f"\nOne stream, {args.new_tokens} greedy tokens, best of {args.repeats}; model {path}{disk}\n")
     print_table(
         rows,
         [
             ("mode", "speculate"),
             ("decode_tok_s", "decode tok/s"),
             ("speedup", "speed-up"),
+            ("cpu_ms_per_token", "CPU ms/token"),
+            ("cpu_ratio", "CPU ratio"),
             ("acceptance", "acceptance"),
             ("tokens_per_pass", "tokens/verify pass"),
+            ("verify_passes", "verify passes"),
+            ("draft_mib", "draft MiB"),
             ("same_tokens", "same tokens"),
         ],
     )
     if args.out:
-        write_json(args.out, {"machine": machine(), "model": str(path), "rows": rows})
-    return 0 if rows[1]["same_tokens"] else 1
+        write_json(
+            args.out,
+            {
+                "machine": machine(),
+                "model": str(path),
+                "disk_layers": args.disk_layers,
+                "always_draft": args.always_draft,
+                "rows": rows,
+            },
+        )
+    return 0 if all(row["same_tokens"] for row in rows) else 1
 
 
 if __name__ == "__main__":

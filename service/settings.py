@@ -136,9 +136,10 @@ class ServiceSettings(BaseSettings):
         True, description="Reuse the KV of prompt prefixes the cache's slots hold (false: prefill every prompt whole)."
     )
     # Speculative decoding (service/engine/speculation/verification.py).
-    speculate: Literal["off", "ngram"] = Field(
+    speculate: Literal["off", "ngram", "int4", "int8"] = Field(
         "off",
-        description="Draft tokens and verify them in one forward: ngram (prompt lookup) or off.",
+        description="Draft tokens and verify them in one forward: ngram (prompt lookup), int4/int8 (the model's own "
+        "weights quantized at load and kept on the CPU as the draft model; needs a CPU/disk plan), or off.",
     )
     speculate_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens a row proposes per verify pass.")
     max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")
@@ -201,6 +202,15 @@ class ServiceSettings(BaseSettings):
                 "--speculate does not apply to a --pipeline (its ranks run one token a row); serve without "
                 "--speculate, or serve one process"
             )
+        if self.speculate in ("int4", "int8"):
+            # the copy drafts on the CPU's native kernels: a target on GPUs decodes faster than it drafts
+            gpu_flag = "--gpus" if self.gpus else "--quantization" if self.quantization else None
+            if gpu_flag:
+                raise ValueError(
+                    f"--speculate {self.speculate} drafts with a CPU-resident quantized copy of the model, for a "
+                    f"model served from the CPU and disk; {gpu_flag} places it on GPUs, which decode faster than "
+                    "that copy drafts: use --speculate ngram or off there"
+                )
         return self
 
     @model_validator(mode="after")

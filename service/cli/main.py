@@ -107,9 +107,11 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
     g.add_argument(
         "--speculate",
         default=None,
-        choices=["off", "ngram"],
-        help="speculative decoding: ngram drafts by prompt lookup and verifies the drafts in one forward (default "
-        "off; greedy output is unchanged, sampled output keeps its distribution)",
+        metavar="{off,ngram,int4,int8}",  # checked by the settings: a bad value is one line, exit 2
+        help="speculative decoding: draft tokens and verify them in one forward. ngram drafts by prompt lookup; "
+        "int4/int8 load the model's own weights a second time, quantized and resident on the CPU, and draft with "
+        "that copy (about 1/8 or 1/4 of fp32; for a model streamed from disk, not one placed on a GPU). Default "
+        "off; greedy output is unchanged, sampled output keeps its distribution",
     )
     g.add_argument(
         "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"

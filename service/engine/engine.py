@@ -36,6 +36,7 @@ from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
+from service.engine.speculation.model_drafter import ModelDrafter
 from service.engine.speculation.verification import DEFAULT_DRAFT_TOKENS, SpeculationMode, Speculator
 from service.engine.step_executor import StepExecutor
 from service.errors import GenerationError, NotReadyError, ServiceError
@@ -71,8 +72,10 @@ class Engine:
     most prompt tokens one step prefills: the step the plan budgeted activations for (the plan's
     ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has rows draft up to
     ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
-    (:mod:`service.engine.speculation.verification`); greedy output stays the same token for token, sampled output
-    keeps its distribution.
+    (:mod:`service.engine.speculation.verification`); ``speculate="int4"``/``"int8"`` drafts with ``draft_model``,
+    the target's own weights quantized and resident (:mod:`service.engine.speculation.model_drafter`), which those
+    modes need and the others refuse. Greedy output stays the same token for token, sampled output keeps its
+    distribution.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         speculate: SpeculationMode = "off",
         speculate_tokens: int = DEFAULT_DRAFT_TOKENS,
+        draft_model: torch.nn.Module | None = None,
     ):
         require_transformers()
         if not supports_slot_cache(model):
@@ -119,7 +123,9 @@ class Engine:
             model, self.device, self.cache, micro_batches=micro_batches, standin_runs=standin_runs
         )
         #: Speculative decoding's policy and counts (:mod:`service.engine.speculation.verification`); mode ``off`` drafts nothing.
-        self.speculator = Speculator(speculate, speculate_tokens)
+        # the copy's own slot cache, one slot per engine slot (grown as sequences lengthen)
+        drafter = ModelDrafter(draft_model, max_batch_size, self.max_total_tokens) if draft_model is not None else None
+        self.speculator = Speculator(speculate, speculate_tokens, drafter)
         self.scheduler = Scheduler(
             self.cache,
             slots=max_batch_size,
@@ -270,7 +276,8 @@ class Engine:
             self.threads.decode_step(plan.decodes, elapsed)
         if self.speculator.enabled and plan.decodes and not prompt_tokens:  # a pure decode step: what drafting costs
             tokens = self.speculator.stats.emitted - emitted + plan.decodes - verified
-            self.speculator.gate.observe(plan.decodes, elapsed, tokens, drafted=verified > 0)
+            cost = elapsed + self.speculator.step_draft_seconds  # a draft model's forwards ran in the scheduler
+            self.speculator.gate.observe(plan.decodes, cost, tokens, drafted=verified > 0)
         while plan.deferred and plan.prefill_budget > 0:
             plan = self.scheduler.schedule_prefill(plan.prefill_budget)
             if not plan.rows:

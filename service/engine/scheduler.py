@@ -181,22 +181,26 @@ class Scheduler:
             (s for s in self.running if not s.done and not s.prefilling and s.generated), key=lambda s: s.slot
         )
         self.speculator.begin_step(len(decoders))
-        rows = [self._decode_row(s) for s in decoders]
+        drafts = self.speculator.drafts(decoders, [self._draft_room(s) for s in decoders])
+        rows = [self._decode_row(s, d) for s, d in zip(decoders, drafts)]
         prompts = sum(1 for s in self.running if s.prefilling and not s.done)
         chunks = self.schedule_prefill(self.budget.tokens(self.prefill_chunk, decoders=len(rows), prompts=prompts))
         chunks.rows[:0] = rows
         chunks.decodes = len(rows)
         return chunks
 
-    def _decode_row(self, seq: Sequence) -> ScheduledRow:
-        """``seq``'s decode row: its last token at its own position, followed by the tokens it drafts, if any
-        (:mod:`service.engine.speculation.verification`), which then asks for the logits after every fed token. Drafts stay within
-        the request's max new tokens (the target's own token comes after them) and the slot's length."""
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts ``seq`` may feed this step: within the request's max new tokens (the target's own token comes
+        after them) and the slot's length."""
         start = len(seq.request.prompt_ids) + len(seq.generated) - 1
-        room = min(seq.request.max_new_tokens - len(seq.generated) - 1, self.max_total_tokens - start - 1)
-        drafts = tuple(self.speculator.drafts(seq, room))
+        return min(seq.request.max_new_tokens - len(seq.generated) - 1, self.max_total_tokens - start - 1)
+
+    def _decode_row(self, seq: Sequence, drafts: list[int]) -> ScheduledRow:
+        """``seq``'s decode row: its last token at its own position, followed by the tokens it drafts, if any
+        (:mod:`service.engine.speculation.verification`), which then asks for the logits after every fed token."""
+        start = len(seq.request.prompt_ids) + len(seq.generated) - 1
         row = Row(seq.slot, start, [*seq.generated[-1:], *drafts], every_logits=bool(drafts))
-        return ScheduledRow(seq, row, False, drafts)
+        return ScheduledRow(seq, row, False, tuple(drafts))
 
     def trim(self, seq: Sequence) -> None:
         """After a verify pass: the slot holds the KV of the prompt and every generated token but the last; the

@@ -114,6 +114,7 @@ class Runtime:
             prefill_chunk=engine_prefill_chunk(loaded),
             speculate=s.speculate,
             speculate_tokens=s.speculate_tokens,
+            draft_model=loaded.draft.model if loaded.draft is not None else None,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)
         engine.start()

@@ -363,6 +363,8 @@ async def info(request: Request) -> dict[str, Any]:
     if runtime.engine is not None:  # the micro-batch schedule over this host's GPUs: on or off, and why
         out["device_pipeline"] = runtime.engine.device_pipeline.to_dict()
         out["speculation"].update(runtime.engine.speculator.report())
+    if loaded.draft is not None:  # --speculate int4|int8: the resident copy and what it holds
+        out["speculation"]["draft_model"] = loaded.draft.to_dict()
     if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction
         out["pipeline"] = model.pipeline_report()
     return out

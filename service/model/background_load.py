@@ -19,6 +19,7 @@ from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
 from planner.placement.served_shape import choose_slots, choose_step
 from planner.types import PREFILL_CHUNK, Plan
+from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy, load_draft_copy
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
 from service.model.storage_rate import with_disk_rate
@@ -43,6 +44,8 @@ class LoadedModel:
     quantization: str | None
     #: What the load placed where, typed: ``/info`` and ``/metrics`` read memory per device from it.
     load_stats: LoadStats
+    #: ``--speculate int4|int8``'s draft model: the same checkpoint quantized, CPU-resident (else None).
+    draft: DraftCopy | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class LoadState:
     """Progress of the background load. Written by the loading thread, read by the routes."""
 
     #: starting | building demo model | downloading | the loader's phases (validating, building, planning, loading,
-    #: offloading, dispatching) | warming | ready | failed
+    #: offloading, dispatching) | loading draft copy | warming | ready | failed
     phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
@@ -225,6 +228,11 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     the_plan = result.plan
     assert the_plan is not None, "a load from plan inputs carries its plan"
     the_plan.reasons.extend(shape_reasons)
+    draft = None
+    if settings.speculate in DRAFT_SCHEMES:
+        refuse_draft_beside_gpus(settings.speculate, result.device_map)
+        progress(LoadPhase(phase="loading draft copy"))
+        draft = load_draft_copy(path, settings.speculate, the_plan.workload.dtype)
     name = settings.served_names()[0] if settings.served_model_name else (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,
@@ -235,7 +243,20 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
         dtype=the_plan.workload.dtype,
         quantization=the_plan.workload.quantization,
         load_stats=result.stats,
+        draft=draft,
     )
+
+
+def refuse_draft_beside_gpus(scheme: str, device_map: dict[str, Any]) -> None:
+    """``--speculate int4|int8`` drafts on the CPU's native quantized kernels; a target with layers on a GPU decodes
+    a token faster than that copy drafts one, so drafts would only slow it: refused, with what to use instead."""
+    gpus = sorted({str(d) for d in device_map.values() if isinstance(d, int)})
+    if gpus:
+        raise ValueError(
+            f"--speculate {scheme} drafts with a CPU-resident {scheme} copy of the model (native CPU kernels), but "
+            f"the plan puts layers on GPU {', '.join(gpus)}, which decodes faster than that copy drafts; serve "
+            "with --speculate ngram or off, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to serve from the CPU and disk."
+        )
 
 
 def engine_slots(settings: ServiceSettings, loaded: LoadedModel) -> int:

@@ -258,16 +258,29 @@ class DevicePipelineInfo(_Answer):
     standin: bool
 
 
+class DraftModelInfo(_Answer):
+    """``--speculate int4|int8``'s draft model: the served checkpoint loaded again, quantized, on the CPU."""
+
+    scheme: str = Field(description="int4 or int8: the native CPU quantization of its linear layers.")
+    dtype: str = Field(description="The activations it computes with (float32 or bfloat16).")
+    bytes: int = Field(description="Bytes of weights and buffers it holds in memory.")
+
+
 class SpeculationInfo(_Answer):
     """Speculative decoding (``service.engine.speculation.verification``): the mode, its limit and what it achieved so far."""
 
-    mode: str = Field(description="off or ngram (prompt lookup).")
+    mode: str = Field(
+        description="off, ngram (prompt lookup), or int4/int8 (the model's own weights quantized as the draft model)."
+    )
     draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")
     proposed: int = 0
     accepted: int = 0
     verify_passes: int = 0
     acceptance_rate: float | None = Field(None, description="Accepted over proposed draft tokens (none yet: null).")
     tokens_per_pass: float | None = Field(None, description="Tokens a verify pass produced on average.")
+    draft_model: DraftModelInfo | None = Field(
+        None, description="int4/int8: the CPU-resident quantized copy that drafts (scheme, dtype, bytes it holds)."
+    )
 
 
 class InfoResponse(_Answer):

@@ -1,23 +1,23 @@
 """Speculative decoding inside continuous batching: which rows draft, how many tokens, and what a verify pass keeps.
 
 A decode row normally feeds its last token and gets one new token per forward. A row that speculates feeds its last
-token followed by ``d`` drafted tokens (:mod:`service.engine.speculation.ngram_drafter`) and asks for the logits after each
-of them, in the same forward as every other row: one pass of the target (one read of its offloaded layers) checks
-all ``d`` drafts. Its greedy choice after each fed token is what decoding without speculation would have chosen
-there, as long as every draft before it was right; so the row keeps the longest prefix of drafts that equals the
-target's choices, plus the target's own token after that prefix (:func:`accepted`): 1 to ``d + 1`` tokens a pass,
-identical to plain greedy decoding.
+token followed by ``d`` drafted tokens (prompt lookup, :mod:`.ngram_drafter`, or the target's own weights quantized,
+:mod:`.model_drafter`) and asks for the logits after each of them, in the same forward as every other row: one pass
+of the target (one read of its offloaded layers) checks all ``d`` drafts. Its greedy choice after each fed token is
+what decoding without speculation would have chosen there, as long as every draft before it was right; so the row
+keeps the longest prefix of drafts that equals the target's choices, plus the target's own token after that prefix
+(:func:`accepted`): 1 to ``d + 1`` tokens a pass, identical to plain greedy decoding.
 
 A rejected tail costs nothing to roll back. The KV pool holds no length per slot: a row's length is where its next
 row starts (prompt + generated - 1), and the mask hides everything beyond. The rejected drafts' keys stay in the
 slot past that length and are overwritten by the next tokens; only the scheduler's record of what the slot holds
 is cut back (:meth:`~service.engine.scheduler.Scheduler.trim`).
 
-A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft
-is a point mass, so draft ``x`` is accepted with the target's probability of ``x`` and, on rejection, the token is
-drawn from the target with ``x`` removed. Its random numbers all come from its own seeded generator, so a seed gives
-the same tokens on every run (not the same tokens as without speculation, which draws differently: the same
-distribution).
+A sampled row keeps its distribution by the standard accept/resample rule (:func:`sampled`): a prompt lookup draft is
+a point mass, and so is the quantized copy's (it drafts greedily), so draft ``x`` is accepted with the target's
+probability of ``x`` and, on rejection, the token is drawn from the target with ``x`` removed. Its random numbers all
+come from its own seeded generator, so a seed gives the same tokens on every run (not the same tokens as without
+speculation, which draws differently: the same distribution).
 
 Which rows speculate: greedy and sampled rows with no grammar, no penalties and no alternatives asked for. A grammar
 or penalty row would need its chooser's state advanced per draft, and a logprobs row alternatives per position;
@@ -36,6 +36,7 @@ tie may then fall the other way.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
@@ -46,8 +47,13 @@ import torch
 from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
+from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter, RowDraft
 
-SpeculationMode = Literal["off", "ngram"]
+#: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model.
+SpeculationMode = Literal["off", "ngram", "int4", "int8"]
+SPECULATION_MODES: tuple[str, ...] = ("off", "ngram", "int4", "int8")
+#: The modes whose drafts come from a quantized copy of the target (:mod:`.model_drafter`).
+MODEL_DRAFTS: tuple[str, ...] = ("int4", "int8")
 
 #: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
 DEFAULT_DRAFT_TOKENS = 4
@@ -175,34 +181,53 @@ def speculable(seq: Sequence) -> bool:
 
 #: Weight of the newest step in the gate's moving averages.
 SMOOTHING = 0.2
-#: Steps the gate stays shut before it lets one drafting step through to measure again.
+#: Steps the gate stays shut before it lets one drafting step through to measure again ...
 PROBE_EVERY = 64
+#: ... doubled after each probe that found drafting still dearer, up to this (a probe of a draft model costs its
+#: catch-up prefill and k forwards, which on a model where drafts never pay should not recur every 64 steps).
+MAX_PROBE_EVERY = 1024
 
 
 @dataclass
 class StepGate:
     """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
-    steps with drafts against those without, per count of decode rows (a step of 16 rows costs more than one of
-    1, whatever it drafts). While drafting steps cost more per token than plain ones, steps draft nothing, but for
-    one probe every :data:`PROBE_EVERY` steps. It gates greedy rows only: whether a sampled row drafts changes which
-    random numbers it draws, so that must not depend on timing (a seed would no longer give the same tokens); a
-    sampled row's drafting follows its own acceptance alone (:class:`DraftLength`). A small model whose plain step runs the native one-token decode
-    kernel and whose verify pass runs the model's full forward is where this shuts; a model read from disk, whose
-    step costs its weight reads whatever the row width, is where it stays open."""
+    steps with drafts (drafting time included: a draft model's forwards are not free) against those without, per
+    count of decode rows (a step of 16 rows costs more than one of 1, whatever it drafts). While drafting steps cost
+    more per token than plain ones, steps draft nothing, but for one probe every :data:`PROBE_EVERY` steps (an
+    interval that doubles, up to :data:`MAX_PROBE_EVERY`, while probes keep finding drafts dearer); while they cost
+    less, one step in :data:`PROBE_EVERY` drafts nothing, so that the plain cost is known at all (rows whose drafts
+    are always accepted would otherwise never run a plain step) and stays current. It gates greedy rows only:
+    whether a sampled row drafts changes which random numbers it draws, so that must not depend on timing (a seed
+    would no longer give the same tokens); a sampled row's drafting follows its own acceptance alone
+    (:class:`DraftLength`). A small resident model whose plain step runs the native one-token decode kernel is where
+    this shuts; a model read from disk, whose step costs its weight reads whatever the row width, is where it stays
+    open."""
 
     #: False: always open (tests that must see drafts whatever the timing).
     measure: bool = True
     plain: dict[int, float] = field(default_factory=dict)  # decode rows -> seconds per token, steps without drafts
     drafted: dict[int, float] = field(default_factory=dict)  # the same, steps with drafts
     shut_steps: int = 0
+    open_steps: int = 0
+    probe_every: int = PROBE_EVERY
 
     def open(self, rows: int) -> bool:
+        if not self.measure:
+            return True
         plain, drafted = self.plain.get(rows), self.drafted.get(rows)
-        if not self.measure or plain is None or drafted is None or drafted <= plain:
+        if drafted is not None and (plain is None or drafted <= plain):
+            self.probe_every = PROBE_EVERY
+            self.open_steps += 1
+            if plain is None or self.open_steps >= PROBE_EVERY:  # a plain step, to compare with
+                self.open_steps = 0
+                return False
+            return True
+        if plain is None or drafted is None:
             return True
         self.shut_steps += 1
-        if self.shut_steps >= PROBE_EVERY:
+        if self.shut_steps >= self.probe_every:
             self.shut_steps = 0
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)  # back to 64 once drafting pays
             return True
         return False
 
@@ -220,25 +245,34 @@ class _RowState:
     """What the speculator keeps for one running sequence (dropped with it)."""
 
     length: DraftLength
-    index: ngram_drafter.NgramIndex
+    drafter: ngram_drafter.NgramIndex | RowDraft
 
 
 @dataclass
 class Speculator:
-    """The engine's drafting policy: ``mode`` (``off`` or ``ngram``) and at most ``tokens`` drafts a row per pass.
-    Keeps each running sequence's :class:`DraftLength` and n-gram index, and the engine's :class:`SpeculationStats`."""
+    """The engine's drafting policy: ``mode`` (``off``, ``ngram``, or ``int4``/``int8`` with the ``model`` drafter
+    over the quantized copy, which those modes need and the others refuse) and at most ``tokens`` drafts a row per
+    pass. Keeps each running sequence's :class:`DraftLength` and drafter state (n-gram index or the copy's KV),
+    the engine's :class:`SpeculationStats`, and the seconds this step spent drafting (``step_draft_seconds``: the
+    gate weighs a drafting step with them, since a draft model's forwards are not free)."""
 
     mode: SpeculationMode = "off"
     tokens: int = DEFAULT_DRAFT_TOKENS
+    model: ModelDrafter | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     gate: StepGate = field(default_factory=StepGate)
+    step_draft_seconds: float = 0.0
     _gate_open: bool = True
     _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("off", "ngram"):
-            raise ValueError(f"unknown speculation mode {self.mode!r}; use 'off' or 'ngram'")
+        if self.mode not in SPECULATION_MODES:
+            raise ValueError(f"unknown speculation mode {self.mode!r}; use one of {', '.join(SPECULATION_MODES)}")
+        if self.mode in MODEL_DRAFTS and self.model is None:
+            raise ValueError(f"speculation mode {self.mode!r} drafts with a quantized copy of the target; pass it")
+        if self.mode not in MODEL_DRAFTS and self.model is not None:
+            raise ValueError(f"speculation mode {self.mode!r} drafts without a model; a draft model needs int4 or int8")
         if self.tokens < 1:
             raise ValueError(f"speculation needs at least one draft token a pass (got {self.tokens})")
 
@@ -250,20 +284,46 @@ class Speculator:
         """A step with ``decode_rows`` decode rows is being scheduled: whether its greedy rows draft
         (:class:`StepGate`)."""
         self._gate_open = self.gate.open(decode_rows) if self.enabled else False
+        self.step_draft_seconds = 0.0
 
-    def drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The tokens ``seq`` drafts this step, at most ``room`` (what its token and KV limits leave after the
-        target's own next token); empty for a row that does not speculate."""
+    def drafts(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
+        """The tokens each of ``seqs`` drafts this step, at most its ``rooms`` entry (what its token and KV limits
+        leave after the target's own next token); empty for a row that does not speculate. A draft model drafts
+        the rows together (:meth:`~.model_drafter.ModelDrafter.propose`)."""
+        out: list[list[int]] = [[] for _ in seqs]
+        asks: list[tuple[int, _RowState, list[int], int]] = []
+        for i, (seq, room) in enumerate(zip(seqs, rooms)):
+            state = self._state(seq, room)
+            if state is not None:
+                want = max(min(state.length.current(), room), 0)
+                asks.append((i, state, seq.request.prompt_ids + seq.generated, want))
+        if not asks:
+            return out
+        started = time.perf_counter()
+        prefill = 0.0
+        if self.model is not None:
+            batch = self.model.propose([DraftAsk(state.drafter, tokens, want) for _, state, tokens, want in asks])
+            found, prefill = batch.drafts, batch.prefill_seconds
+        else:
+            # called every step, drafting or not: the n-gram index follows, so a later lookup has nothing to catch
+            # up on (the draft model runs nothing for want 0; its slot catches up at its next draft)
+            found = [state.drafter.propose(tokens, want) for _, state, tokens, want in asks]
+        self.step_draft_seconds += time.perf_counter() - started - prefill
+        for (i, *_), drafts in zip(asks, found):
+            out[i] = drafts
+        return out
+
+    def _state(self, seq: Sequence, room: int) -> _RowState | None:
+        """``seq``'s drafting state, made on its first draft; None for a row that does not draft this step."""
         if not self.enabled or room <= 0 or not speculable(seq):
-            return []
+            return None
         if not self._gate_open and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
-            return []
+            return None
         state = self._rows.get(seq)
         if state is None:
-            state = self._rows[seq] = _RowState(DraftLength(self.tokens), ngram_drafter.NgramIndex())
-        want = min(state.length.current(), room)
-        # the index follows every step, drafting or not, so a later lookup has nothing to catch up on
-        return state.index.propose(seq.request.prompt_ids + seq.generated, max(want, 0))
+            drafter = self.model.row(seq.slot) if self.model is not None else ngram_drafter.NgramIndex()
+            state = self._rows[seq] = _RowState(DraftLength(self.tokens), drafter)
+        return state
 
     def report(self) -> dict[str, int | float | None]:
         """The counts and rates so far (``/info``)."""

@@ -261,6 +261,34 @@ def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes
     for _ in range(10):  # drafts start paying: 5 ms a token
         gate.observe(1, 0.020, 4, drafted=True)
     assert gate.drafted[1] < gate.plain[1] and gate.open(1)
+    # while drafting pays, one step in PROBE_EVERY is plain, to keep the plain cost current
+    opened = [gate.open(1) for _ in range(PROBE_EVERY)]
+    assert opened.count(False) == 1
+
+
+def test_the_gate_measures_a_plain_step_when_every_step_drafted() -> None:
+    """Rows whose drafts are always accepted never rest: the gate itself lets a plain step through to compare."""
+    gate = StepGate()
+    gate.observe(1, 0.030, 2, drafted=True)
+    assert not gate.open(1)  # drafted steps measured, plain ones never: one plain step
+    gate.observe(1, 0.010, 1, drafted=False)  # 10 ms a token against 15: drafting costs more
+    assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
+
+
+def test_the_gate_probes_less_often_while_drafts_keep_costing_more() -> None:
+    gate = StepGate()
+    gate.observe(1, 0.010, 1, drafted=False)
+    gate.observe(1, 0.030, 2, drafted=True)
+    gaps = []
+    for _ in range(6):
+        steps = 1
+        while not gate.open(1):
+            steps += 1
+        gaps.append(steps)
+    assert gaps == [64, 128, 256, 512, 1024, 1024]  # each probe (a drafting step) found drafts dearer
+    for _ in range(10):
+        gate.observe(1, 0.010, 4, drafted=True)  # drafting pays now: the interval starts over
+    assert gate.open(1) and gate.probe_every == PROBE_EVERY
 
 
 def test_the_draft_length_adapts_and_rests_after_failures() -> None:
