@@ -5,13 +5,14 @@ echo with stream, k+1 top_logprobs, OpenAI error types, model names)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.service.conftest import LiveServer, settings_for
+from tests.service.conftest import LiveServer, metric_samples, settings_for
 
 
 @pytest.fixture()
@@ -66,11 +67,12 @@ def test_responses_body_as_guidellm_sends_it(client: httpx.Client) -> None:
 
 
 def _cancelled_total(client: httpx.Client) -> float:
-    lines = client.get("/metrics").text.splitlines()
-    return float(next(x for x in lines if x.startswith("loadmaster_cancelled_requests_total ")).split()[1])
+    return metric_samples(client.get("/metrics").text)["loadmaster_cancelled_requests_total"]
 
 
-def test_streams_read_to_their_end_are_not_counted_as_cancelled(client: httpx.Client) -> None:
+def test_streams_read_to_their_end_are_not_counted_as_cancelled(
+    client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
     """guidellm reads a Responses stream to its terminal event and closes: that answer is whole (200 in the access
     log), not a client that left (499, loadmaster_cancelled_requests_total), and its slot is free at once."""
     before = _cancelled_total(client)
@@ -80,14 +82,20 @@ def test_streams_read_to_their_end_are_not_counted_as_cancelled(client: httpx.Cl
         "/v1/messages": {"model": "tiny-llama", "stream": True, "max_tokens": 5, "messages": user},
         "/v1/chat/completions": {"model": "tiny-llama", "stream": True, "max_tokens": 5, "messages": user},
     }
-    for route, body in bodies.items():
-        with client.stream("POST", route, json=body) as r:
-            assert r.status_code == 200, r.read()
-            lines = list(r.iter_lines())  # to the end, as guidellm reads
-        assert any(line.startswith("data: ") for line in lines)
-    time.sleep(0.3)  # an abandoned generator is finalized on a later turn of the server's loop
-    metrics = client.get("/metrics").text
-    assert "loadmaster_requests_in_flight 0.0" in metrics
+    with caplog.at_level(logging.INFO, logger="loadmaster.access"):
+        for i, (route, body) in enumerate(bodies.items()):
+            with client.stream("POST", route, json=body, headers={"x-request-id": f"whole-{i}"}) as r:
+                assert r.status_code == 200, r.read()
+                lines = list(r.iter_lines())  # to the end, as guidellm reads
+            assert any(line.startswith("data: ") for line in lines)
+        time.sleep(0.3)  # an abandoned generator is finalized on a later turn of the server's loop
+    logged = {
+        x["id"]: x["status"]
+        for x in (json.loads(r.getMessage()) for r in caplog.records if r.name == "loadmaster.access")
+    }
+    assert [logged.get(f"whole-{i}") for i in range(len(bodies))] == [200] * len(bodies), logged
+    samples = metric_samples(client.get("/metrics").text)
+    assert samples["loadmaster_requests_in_flight"] == 0
     assert _cancelled_total(client) == before
 
 
