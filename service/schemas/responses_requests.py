@@ -56,6 +56,11 @@ class ResponsesRequest(BaseModel):
         None, description='{"format": {"type": "text" | "json_object" | "json_schema", "schema": {...}}}'
     )
     truncation: Literal["disabled"] | None = Field(None, description='Only "disabled": prompts are never cut.')
+    ignore_eos: bool = Field(
+        False,
+        description="vLLM's extension: generate max_output_tokens whatever the model ends with (guidellm sends it "
+        "for fixed-length runs).",
+    )
 
 
 def _text_parts(content: Any, where: str) -> str:
@@ -202,6 +207,7 @@ def as_chat_request(body: ResponsesRequest, items: list[dict[str, Any]]) -> Chat
             "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": _response_format(body.text),
             "user": body.user,
+            "ignore_eos": body.ignore_eos,
         },
         strict=False,
     )

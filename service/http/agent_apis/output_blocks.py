@@ -137,6 +137,7 @@ async def sequence_pieces(
     try:
         async for _, ev in merged_events([stream]):
             if isinstance(ev, ErrorEvent):
+                stream.close()  # ended (merged_events marked it): free the slot before the caller answers
                 yield ev
                 return
             if not isinstance(ev, TokenEvent):
@@ -146,7 +147,12 @@ async def sequence_pieces(
                 if text:
                     yield reader.feed(text)
                 continue
+            # The last token carries the finish: the sequence is over, not cancelled (its own FinishEvent, still
+            # queued, would have said so). Callers return on the FinishEvent without resuming this generator, whose
+            # ``finally`` then runs only when it is collected: close the stream (free its slot) before handing it.
+            stream.finished = True
             yield reader.feed(hold.finish(final_text(ev.final)), final=True)
+            stream.close()
             yield ev.final
             return
     finally:

@@ -1,16 +1,18 @@
 """The conformance lines of issue 37 on the main server: what guidellm, lm-eval, LangChain and the openai client
-send (ignore_eos, continuous usage, stop_token_ids, logit_bias, cumulative text_offset, echo with stream, k+1
-top_logprobs, OpenAI error types, model names)."""
+send (ignore_eos on completions and responses, continuous usage, stop_token_ids, logit_bias, cumulative text_offset,
+echo with stream, k+1 top_logprobs, OpenAI error types, model names)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 
 import httpx
 import openai
 import pytest
 
-from tests.service.conftest import LiveServer, settings_for
+from tests.service.conftest import LiveServer, metric_samples, settings_for
 
 
 @pytest.fixture()
@@ -39,6 +41,62 @@ def test_ignore_eos_and_continuous_usage_as_guidellm_sends_them(client: httpx.Cl
     counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counted == sorted(counted) and counted[-1] == 12 and all("usage" in c for c in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_responses_body_as_guidellm_sends_it(client: httpx.Client) -> None:
+    """guidellm's ``/v1/responses`` request format: input_text parts, ``stop: null`` and vLLM's ``ignore_eos`` for a
+    fixed-length run, streamed; it reads the output tokens from the usage of the terminal event (at the token limit
+    ``response.incomplete``, as OpenAI sends it)."""
+    body = {
+        "model": "tiny-llama",
+        "stream": True,
+        "max_output_tokens": 9,
+        "stop": None,
+        "ignore_eos": True,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Once upon a time"}]}],
+    }
+    with client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    last = events[-1]
+    assert last["type"] == "response.incomplete"
+    assert last["response"]["usage"]["output_tokens"] == 9
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == last["response"]["output"][0]["content"][0]["text"]
+
+
+def _cancelled_total(client: httpx.Client) -> float:
+    return metric_samples(client.get("/metrics").text)["loadmaster_cancelled_requests_total"]
+
+
+def test_streams_read_to_their_end_are_not_counted_as_cancelled(
+    client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """guidellm reads a Responses stream to its terminal event and closes: that answer is whole (200 in the access
+    log), not a client that left (499, loadmaster_cancelled_requests_total), and its slot is free at once."""
+    before = _cancelled_total(client)
+    user = [{"role": "user", "content": "Once upon a time"}]
+    bodies = {
+        "/v1/responses": {"model": "tiny-llama", "stream": True, "max_output_tokens": 5, "input": "Once upon a time"},
+        "/v1/messages": {"model": "tiny-llama", "stream": True, "max_tokens": 5, "messages": user},
+        "/v1/chat/completions": {"model": "tiny-llama", "stream": True, "max_tokens": 5, "messages": user},
+    }
+    with caplog.at_level(logging.INFO, logger="loadmaster.access"):
+        for i, (route, body) in enumerate(bodies.items()):
+            with client.stream("POST", route, json=body, headers={"x-request-id": f"whole-{i}"}) as r:
+                assert r.status_code == 200, r.read()
+                lines = list(r.iter_lines())  # to the end, as guidellm reads
+            assert any(line.startswith("data: ") for line in lines)
+        time.sleep(0.3)  # an abandoned generator is finalized on a later turn of the server's loop
+    logged = {
+        x["id"]: x["status"]
+        for x in (json.loads(r.getMessage()) for r in caplog.records if r.name == "loadmaster.access")
+    }
+    assert [logged.get(f"whole-{i}") for i in range(len(bodies))] == [200] * len(bodies), logged
+    samples = metric_samples(client.get("/metrics").text)
+    assert samples["loadmaster_requests_in_flight"] == 0
+    assert _cancelled_total(client) == before
 
 
 def test_stop_token_ids_end_the_sequence(client: httpx.Client) -> None:

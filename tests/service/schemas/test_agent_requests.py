@@ -104,3 +104,11 @@ def test_responses_items_become_chat_messages() -> None:
     assert chat.tool_choice == {"type": "function", "function": {"name": "w"}} and chat.max_tokens == 7
     assert chat.tools == [{"type": "function", "function": {"name": "w", "parameters": SCHEMA}}]
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+
+
+def test_responses_ignore_eos_reaches_the_chat_request() -> None:
+    """vLLM's ``ignore_eos`` (guidellm's fixed-length runs) is carried, not refused or dropped."""
+    body = ResponsesRequest.model_validate({"input": "Hi", "max_output_tokens": 4, "ignore_eos": True})
+    assert responses_chat(body, input_items(body)).ignore_eos is True
+    plain = ResponsesRequest.model_validate({"input": "Hi", "max_output_tokens": 4})
+    assert responses_chat(plain, input_items(plain)).ignore_eos is False
