@@ -393,7 +393,6 @@ def _place_and_execute(
         model_path=opened.root,
         offload_folder=options.offload_folder,
         cpu_compute=resolved.cpu_compute,
-        lock_resident=options.cpu_residency == "lock",
     )
     model = placed.model
     on_disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}
