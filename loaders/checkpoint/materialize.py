@@ -1,11 +1,11 @@
 """Putting each tensor on its planned device, straight from the shards.
 
 * resident on the CPU: positioned reads into the tensor's own (anonymous) memory, by a small pool of reader threads
-  (``preadv`` releases the GIL), in file order, each chunk's page-cache pages dropped once copied
-  (``POSIX_FADV_DONTNEED``). Why not a view of the shard's map (no copy, as it once was): a map is the file, so a
+  (``preadv`` releases the GIL), in file order; where the box is tight, each chunk's page-cache pages are dropped
+  once copied (``POSIX_FADV_DONTNEED``, :func:`loaders.checkpoint.residency.drops_page_cache`). Why not a view of the shard's map (no copy, as it once was): a map is the file, so a
   shard truncated under the server killed it with SIGBUS, and one rewritten in place changed its answers, even
   with every page locked; a private copy is immune, and costs ~0.1 s a GB from a warm cache. Dropping the
-  file's pages keeps a box barely larger than the weights from holding both;
+  files' pages keeps a box barely larger than the weights from holding both;
 * on a GPU: chunked reads into two pinned staging buffers, each copied to the GPU asynchronously while the next
   chunk is read, so GPU-bound weights never exist as a full CPU copy;
 * ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously,
@@ -34,6 +34,7 @@ from loaders.checkpoint.index import CheckpointIndex, ShardEntry
 from loaders.checkpoint.layout import to_torch_index
 from loaders.checkpoint.load_progress import LoadStats, ProgressReporter
 from loaders.checkpoint.offload_folder import OffloadFolder
+from loaders.checkpoint.residency import drops_page_cache
 from loaders.checkpoint.shard_reader import ShardReader, populate
 from planner.hardware.devices import torch_device_name
 from planner.model.checkpoint_keys import TensorSource, piece_shape
@@ -84,6 +85,8 @@ class Materializer:
         self.stats = LoadStats()
         #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
         self.disk_ranges: dict[str, tuple[str, int, int]] = {}
+        #: Drop the shards' cached pages as resident tensors are copied (decided per load: ``drops_page_cache``).
+        self.drop_cache = False
         #: The CUDA calls of GPU loads (a stand-in backend in tests); each GPU gets its own staging pair.
         self.copies = copies if copies is not None else CudaCopies()
         self.staging_chunk = staging_chunk
@@ -130,6 +133,7 @@ class Materializer:
                 cpu_jobs.append((name, src, dtype))
 
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
+        self.drop_cache = drops_page_cache(sum(self.index[p.key].nbytes for _, src, _ in cpu_jobs for p in src.pieces))
         unpinned = set(unpinned)
 
         def load(job: tuple[str, TensorSource, torch.dtype]) -> torch.Tensor:
@@ -141,6 +145,7 @@ class Materializer:
                     out[name] = t
                     self._count("cpu", t.numel() * t.element_size())
                     self.stats.bytes_read += sum(self.index[p.key].nbytes for p in src.pieces)
+        if cpu_jobs and self.drop_cache:
             # Each read dropped its own whole pages; the pages two neighbours share, and those the kernel read
             # ahead, go now, once per run of tensors stored back to back.
             entries = [self.index[p.key] for _, src, _ in cpu_jobs for p in src.pieces]
@@ -165,7 +170,7 @@ class Materializer:
             entry = self.index[piece.key]
             view = dest[to_torch_index(piece.index)] if piece.index else dest
             if entry.dtype == dtype and view.is_contiguous():
-                self.reader.read_into(entry, view, drop_cache=True)
+                self.reader.read_into(entry, view, drop_cache=self.drop_cache)
             else:
                 view.copy_(self.reader.read(entry).view(piece_shape(src.shape, piece.index)))
             self.reporter.advance(entry.nbytes, device)

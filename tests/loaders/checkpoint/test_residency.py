@@ -64,11 +64,12 @@ def _cached_pages(path) -> int:
 
 
 @pytest.mark.parametrize("residency", ["lock", "map"])
-def test_resident_weights_are_private_copies_the_files_cannot_change(tiny_llama, tmp_path, residency):
+def test_resident_weights_are_private_copies_the_files_cannot_change(tiny_llama, tmp_path, residency, monkeypatch):
     """Issue 38: resident weights were private maps of the shards, so a shard truncated under the process killed it
     with SIGBUS (locked or not) and one rewritten in place changed its answers. They are copies in the process's
     own memory now: truncating every shard to nothing and rewriting it changes nothing, and the shards' pages were
-    dropped from the page cache as they were copied (a box need not hold both)."""
+    dropped from the page cache as they were copied (as in a tight box, which need not hold both)."""
+    monkeypatch.setenv("LOADMASTER_DROP_PAGE_CACHE", "1")
     model_dir = copy_checkpoint(tiny_llama, tmp_path / "model")
     shards = sorted(model_dir.glob("*.safetensors"))
     for shard in shards:  # written back and out of the page cache: what is cached after the load, the load left
@@ -93,6 +94,19 @@ def test_resident_weights_are_private_copies_the_files_cannot_change(tiny_llama,
         os.truncate(shard, 0)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_the_page_cache_is_dropped_where_the_box_cannot_hold_it_beside_the_copies(monkeypatch):
+    from loaders.checkpoint.residency import drops_page_cache
+
+    monkeypatch.delenv("LOADMASTER_DROP_PAGE_CACHE", raising=False)
+    assert drops_page_cache(400 << 20, available=lambda: 600 << 20)  # a 640 MiB box and 0.4 GB to copy
+    assert not drops_page_cache(400 << 20, available=lambda: 20 << 30)  # room for both: a restart reads the cache
+    assert not drops_page_cache(0, available=lambda: 0)
+    monkeypatch.setenv("LOADMASTER_DROP_PAGE_CACHE", "1")
+    assert drops_page_cache(1, available=lambda: 20 << 30)
+    monkeypatch.setenv("LOADMASTER_DROP_PAGE_CACHE", "0")
+    assert not drops_page_cache(400 << 20, available=lambda: 1)
 
 
 def test_unknown_residency_is_refused(tiny_llama):
