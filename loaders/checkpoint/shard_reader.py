@@ -19,7 +19,7 @@ import threading
 import torch
 
 from loaders.checkpoint.index import ShardEntry
-from loaders.errors import CheckpointError
+from loaders.errors import WeightsChangedError
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux >= 5.14: map a file range's pages (reading them if needed) in one call
@@ -92,8 +92,8 @@ class ShardReader:
     def read_into(self, entry: ShardEntry, dest: torch.Tensor, drop_cache: bool = False) -> int:
         """Fill ``dest`` (CPU, contiguous, the entry's dtype and numel) with the entry's bytes. Returns bytes read.
 
-        A file that ends early (truncated under the process) raises :class:`CheckpointError`: a read reports a
-        short file, where a map would raise SIGBUS. ``drop_cache``: drop the file's page-cache pages of each
+        A file that ends early (truncated under the process) raises :class:`WeightsChangedError` (a
+        :class:`CheckpointError`): a read reports a short file, where a map would raise SIGBUS. ``drop_cache``: drop the file's page-cache pages of each
         :data:`DROP_CHUNK` once it is copied (``POSIX_FADV_DONTNEED``), so that a private copy never holds the
         file's pages and its own at once beyond one chunk (a box barely larger than the weights)."""
         if dest.dtype != entry.dtype or dest.numel() != entry.numel or not dest.is_contiguous():
@@ -107,10 +107,10 @@ class ShardReader:
             chunk_start = done
             while done < stop:
                 n = os.preadv(fd, [view[done:stop]], entry.start + done)
-                if n <= 0:
-                    raise CheckpointError(
+                if n <= 0:  # at load, or while streaming the disk tier to a GPU
+                    raise WeightsChangedError(
                         f"{entry.file} ended while reading {entry.key!r} (got {done} of {total} bytes): the shard "
-                        "was truncated or replaced while it was read. Re-download or re-save it."
+                        "was truncated or replaced while it was read. Re-download or re-save it, then restart."
                     )
                 done += n
             if drop_cache:
