@@ -27,6 +27,7 @@ static volatile int n_ranges;
 static volatile long faults;
 static struct sigaction previous;
 static volatile int installed;
+static uintptr_t page_size = 4096; /* read once at install: sysconf is not async-signal-safe */
 
 static void chain(int sig, siginfo_t *info, void *ctx) {
     if (previous.sa_flags & SA_SIGINFO) {
@@ -45,11 +46,10 @@ static void chain(int sig, siginfo_t *info, void *ctx) {
 
 static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
     uintptr_t addr = (uintptr_t)info->si_addr;
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     int n = n_ranges;
     for (int i = 0; i < n; i++) {
         if (addr >= ranges[i].lo && addr < ranges[i].hi) {
-            uintptr_t from = addr & ~(page - 1);
+            uintptr_t from = addr & ~(page_size - 1);
             void *got = mmap((void *)from, ranges[i].hi - from, PROT_READ | PROT_WRITE,
                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
             if (got != MAP_FAILED) {
@@ -67,6 +67,7 @@ static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
 int lm_guard_install(void) {
     if (installed)
         return 0;
+    page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_sigbus;

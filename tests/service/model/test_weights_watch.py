@@ -1,6 +1,9 @@
 """Files changing under a running server (issue 38): a weight shard truncated, removed, or rewritten in place with
 the same size (as ``rsync --inplace`` does) makes the server stop admitting, answer 503 with the reason on the
-readiness probe and on requests, and report the failure that makes ``loadmaster serve`` exit non-zero."""
+readiness probe and on requests, and report the failure that makes ``loadmaster serve`` exit non-zero; and the same
+while a stream is being generated, with the weights resident (private copies) or read in place (the disk tier,
+whose maps :mod:`loaders.native.map_guard` guards): the stream ends with its answer or the reason, and the server,
+which is this test's own process, never dies of SIGBUS."""
 
 from __future__ import annotations
 
