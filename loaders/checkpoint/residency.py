@@ -32,11 +32,12 @@ from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
 
-#: Values of ``load_model(cpu_residency=...)``: ``lock`` pins resident CPU weights, ``map`` leaves them evictable.
+#: Values of ``load_model(cpu_residency=...)``: ``lock`` locks resident CPU weights, ``map`` leaves them unlocked
+#: (named when they were maps of the shards; they are private copies either way).
 CPU_RESIDENCY_CHOICES = ("lock", "map")
 PAGE = mmap.PAGESIZE
 
-#: ``mlock2`` flag (linux/mman.h): lock pages as they are mapped in, rather than mapping them all in now.
+#: ``mlock2`` flag (linux/mman.h): lock the pages present (and any mapped in later), faulting none in.
 MLOCK_ONFAULT = 1
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
