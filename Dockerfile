@@ -62,7 +62,7 @@ RUN set -eu; \
     /opt/loadmaster/bin/loadmaster --help >/dev/null; \
     if [ "${NATIVE_KERNELS}" = 1 ]; then \
         LOADMASTER_KERNEL_CACHE=/opt/loadmaster/kernels /opt/loadmaster/bin/python -c \
-            "from loaders.native import kernel_build; print('native CPU kernels built:', *kernel_build.build_all())" \
+            "from loaders.native import kernel_build, map_guard; print('native CPU kernels built:', *kernel_build.build_all(), map_guard.build())" \
         || echo "native CPU kernels not built: the image will use torch's CPU kernels"; \
     fi
 

@@ -19,6 +19,11 @@ class CheckpointError(LoadmasterError):
     error_type = "checkpoint"
 
 
+class WeightsChangedError(CheckpointError):
+    """The served weight files changed under a running process (a shard truncated, removed or rewritten), so what
+    it computes from them can no longer be trusted: the request fails and the server must be restarted."""
+
+
 def list_keys(keys, limit: int = 20) -> str:
     """Render a sorted key list for a message, cut to ``limit`` entries so a 70B model's errors stay readable."""
     keys = sorted(keys)

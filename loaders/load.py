@@ -393,7 +393,6 @@ def _place_and_execute(
         model_path=opened.root,
         offload_folder=options.offload_folder,
         cpu_compute=resolved.cpu_compute,
-        lock_resident=options.cpu_residency == "lock",
     )
     model = placed.model
     on_disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}
@@ -514,7 +513,8 @@ def load_model(
     streamed from disk) at load, weight-only (:mod:`loaders.native.quantization`); with ``cpu_quantized_dir`` the quantized
     weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
     ``cpu_residency``: ``"lock"`` (the default) locks the pages of the weights placed on the CPU, so memory pressure
-    cannot evict them (:mod:`loaders.checkpoint.residency`); ``"map"`` leaves them evictable maps.
+    cannot swap them out (:mod:`loaders.checkpoint.residency`); ``"map"`` leaves them unlocked (they are private
+    copies either way; the name is kept for compatibility).
     """
     return load_checkpoint(
         path,

@@ -1,11 +1,11 @@
 """Putting each tensor on its planned device, straight from the shards.
 
-* resident on the CPU of a host without GPUs, in the stored dtype: a view of the shard's memory map whose pages
-  are mapped in at load (``MADV_POPULATE_READ``): no copy, no page faults at first use, and the bytes are
-  clean page cache the kernel could reclaim rather than anonymous memory (``LOADMASTER_RESIDENT_COPY=1``
-  copies instead);
-* resident on the CPU otherwise (a cast, fused experts): positioned reads into the tensor's final memory, by a
-  small pool of reader threads (``preadv`` releases the GIL), in file order;
+* resident on the CPU: positioned reads into the tensor's own (anonymous) memory, by a small pool of reader threads
+  (``preadv`` releases the GIL), in file order; where the box is tight, each chunk's page-cache pages are dropped
+  once copied (``POSIX_FADV_DONTNEED``, :func:`loaders.checkpoint.residency.drops_page_cache`). Why not a view of the shard's map (no copy, as it once was): a map is the file, so a
+  shard truncated under the server killed it with SIGBUS, and one rewritten in place changed its answers, even
+  with every page locked; a private copy is immune, and costs ~0.1 s a GB from a warm cache. Dropping the
+  files' pages keeps a box barely larger than the weights from holding both;
 * on a GPU: chunked reads into two pinned staging buffers, each copied to the GPU asynchronously while the next
   chunk is read, so GPU-bound weights never exist as a full CPU copy;
 * ``"cpu"`` when GPUs execute: like resident, but in pinned memory so the streaming hooks can copy asynchronously,
@@ -34,6 +34,7 @@ from loaders.checkpoint.index import CheckpointIndex, ShardEntry
 from loaders.checkpoint.layout import to_torch_index
 from loaders.checkpoint.load_progress import LoadStats, ProgressReporter
 from loaders.checkpoint.offload_folder import OffloadFolder
+from loaders.checkpoint.residency import drops_page_cache
 from loaders.checkpoint.shard_reader import ShardReader, populate
 from planner.hardware.devices import torch_device_name
 from planner.model.checkpoint_keys import TensorSource, piece_shape
@@ -68,7 +69,6 @@ class Materializer:
         workers: int | None = None,
         copies: CudaCopies | None = None,
         staging_chunk: int = STAGING_CHUNK,
-        lock_resident: bool = False,
         keep_stored: Collection[str] = (),
     ):
         self.index = index
@@ -85,11 +85,11 @@ class Materializer:
         self.stats = LoadStats()
         #: Disk-served tensor name -> (file, start, end) of its backing bytes, for readahead hooks.
         self.disk_ranges: dict[str, tuple[str, int, int]] = {}
+        #: Drop the shards' cached pages as resident tensors are copied (decided per load: ``drops_page_cache``).
+        self.drop_cache = False
         #: The CUDA calls of GPU loads (a stand-in backend in tests); each GPU gets its own staging pair.
         self.copies = copies if copies is not None else CudaCopies()
         self.staging_chunk = staging_chunk
-        #: Lock resident ranges of the shard maps as they are mapped in (``cpu_residency="lock"``).
-        self.lock_resident = lock_resident
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
@@ -113,8 +113,6 @@ class Materializer:
         while GPUs compute the rest, so are not pinned."""
         out: dict[str, torch.Tensor] = {}
         cpu_jobs, gpu_jobs, to_convert = [], [], []
-        resident_ranges: list[tuple[str, int, int]] = []
-        map_resident = not self.has_gpu and not os.environ.get("LOADMASTER_RESIDENT_COPY")
         for name, src in sources.items():
             dev = devices[name]
             stored = self.index[src.pieces[0].key].dtype
@@ -131,26 +129,11 @@ class Materializer:
                     to_convert.append((name, src, dtype))
             elif isinstance(dev, int):
                 gpu_jobs.append((name, src, dtype, dev))
-            elif map_resident and src.is_plain and dtype == stored:
-                # CPU-resident without a copy: a view of the shard's map, its pages mapped in below.
-                entry = self.index[src.pieces[0].key]
-                out[name] = self.reader.mapped(entry)
-                resident_ranges.append((entry.file, entry.start, entry.end))
-                self.stats.zero_copy_bytes += entry.nbytes
-                self._count("cpu", entry.nbytes)
             else:
                 cpu_jobs.append((name, src, dtype))
 
-        if resident_ranges:
-            if self.lock_resident:  # each tensor's own bytes, before they are mapped in (so as they are)
-                for path, lo, hi in resident_ranges:
-                    if not self.reader.lock(path, lo, hi):
-                        break  # refused (no CAP_IPC_LOCK, ulimit -l): lock_resident says so, once
-            merged = _merge(resident_ranges)
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="loadmaster-map") as pool:
-                for (_path, lo, hi), _ in zip(merged, pool.map(lambda r: self.reader.make_resident(*r), merged)):
-                    self.reporter.advance(hi - lo, "cpu")
         cpu_jobs.sort(key=lambda j: self._file_order(j[1]))
+        self.drop_cache = drops_page_cache(sum(self.index[p.key].nbytes for _, src, _ in cpu_jobs for p in src.pieces))
         unpinned = set(unpinned)
 
         def load(job: tuple[str, TensorSource, torch.dtype]) -> torch.Tensor:
@@ -162,6 +145,12 @@ class Materializer:
                     out[name] = t
                     self._count("cpu", t.numel() * t.element_size())
                     self.stats.bytes_read += sum(self.index[p.key].nbytes for p in src.pieces)
+        if cpu_jobs and self.drop_cache:
+            # Each read dropped its own whole pages; the pages two neighbours share, and those the kernel read
+            # ahead, go now, once per run of tensors stored back to back.
+            entries = [self.index[p.key] for _, src, _ in cpu_jobs for p in src.pieces]
+            for path, lo, hi in _adjacent_runs([(e.file, e.start, e.end) for e in entries]):
+                self.reader.drop_cached(path, lo, hi)
         if gpu_jobs:
             out.update(self._load_gpus(gpu_jobs))
         if to_convert:
@@ -181,7 +170,7 @@ class Materializer:
             entry = self.index[piece.key]
             view = dest[to_torch_index(piece.index)] if piece.index else dest
             if entry.dtype == dtype and view.is_contiguous():
-                self.reader.read_into(entry, view)
+                self.reader.read_into(entry, view, drop_cache=self.drop_cache)
             else:
                 view.copy_(self.reader.read(entry).view(piece_shape(src.shape, piece.index)))
             self.reporter.advance(entry.nbytes, device)
@@ -263,11 +252,12 @@ class Materializer:
                 self._count("disk", entry.nbytes)
 
 
-def _merge(ranges: list[tuple[str, int, int]], gap: int = 1 << 16) -> list[tuple[str, int, int]]:
-    """Adjacent byte ranges of the same file joined (tensors are stored back to back), largest first."""
+def _adjacent_runs(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Byte ranges of one file that touch (tensors stored back to back) joined; a gap (another tensor, kept on
+    disk) splits them."""
     out: list[tuple[str, int, int]] = []
     for path, lo, hi in sorted(ranges):
-        if out and out[-1][0] == path and lo <= out[-1][2] + gap:
+        if out and out[-1][0] == path and lo <= out[-1][2]:
             out[-1] = (path, out[-1][1], max(out[-1][2], hi))
         else:
             out.append((path, lo, hi))

@@ -68,13 +68,11 @@ def place(
     model_path: Path,
     offload_folder: Path | None = None,
     cpu_compute: Collection[str] = (),
-    lock_resident: bool = False,
 ) -> PlacedModel:
     """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says.
 
     ``cpu_compute``: the plan's keys of modules that compute on the CPU (``Plan.cpu_compute``); with the routed
-    experts a map puts on the CPU, their tensors are never pinned, since they never cross to a GPU. ``lock_resident``:
-    lock the CPU-resident ranges of the shard maps as they are mapped in (``cpu_residency="lock"``)."""
+    experts a map puts on the CPU, their tensors are never pinned, since they never cross to a GPU."""
     model = described.model
     skeleton = described.skeleton
     tied_targets = {alias for group in skeleton.tied_groups for alias in group[1:]}
@@ -112,7 +110,6 @@ def place(
         offload_folder=offload_folder,
         model_path=model_path,
         has_gpu=has_gpu,
-        lock_resident=lock_resident,
         keep_stored=[n for n, m in model.named_modules() if getattr(m, "loadmaster_packed", False)],
     )
     unpinned = host_computed(model, device_map, cpu_compute, sources) if has_gpu else set()

@@ -1,20 +1,14 @@
 """Keep CPU-resident weights resident under memory pressure: lock their pages (``mlock``).
 
-Why: resident CPU weights are views of the shards' memory maps (no copy at load). Those pages belong to the page
-cache, which the kernel evicts first when memory runs short; decode then reads the weights from disk again, token
-after token (one run under pressure fell from 5 tok/s to 0.25). Locked pages are never evicted.
+Why: resident CPU weights are copies in the process's own memory (:mod:`loaders.checkpoint.materialize` says why
+they are not views of the shards' maps); without swap the kernel cannot evict them, but with swap it can, and
+decode then reads them back, token after token (one run under pressure fell from 5 tok/s to 0.25 when the weights
+were evictable pages). Locked pages are never evicted or swapped.
 
-How, without copying: the maps the tensors view are private (copy-on-write, so torch may wrap them), and a plain
-``mlock`` of a writable private map would fault every page in for writing, which copies it. ``mlock2`` with
-``MLOCK_ONFAULT`` faults nothing in: it locks the pages already mapped and any page of the range read later, and
-each stays the page cache's page. The loader locks each resident tensor's bytes in its shard's map
-(:meth:`~loaders.checkpoint.shard_reader.ShardReader.lock`) just before it maps them in for reading
-(:meth:`~loaders.checkpoint.shard_reader.ShardReader.make_resident`), so each page is locked as it is mapped: one pass over
-the pages, where locking after mapping walked them all a second time (the 1B's six bf16 shards: 0.09 s to map and
-lock, against 0.12 s). :func:`lock_resident` then covers every resident tensor (the ranges
-already locked cost nothing again). The locks end when the maps do (with the model's tensors). Tensors that are not
-views of a shard (converted dtypes, quantized weights) are locked the same way where they are. Disk-offloaded
-tensors are not locked: they are meant to be read from the file.
+How: :func:`lock_resident` locks every resident tensor's pages after the load with ``mlock2(MLOCK_ONFAULT)``,
+which locks the pages already there and faults nothing in (the copies are all there already). The locks end when
+the memory does (with the model's tensors). Disk-offloaded tensors are not locked: they are meant to be read from
+the file.
 
 Locking needs ``CAP_IPC_LOCK`` or a large enough ``ulimit -l``; where it is refused, one warning says so and the
 weights stay as they were (maps that the kernel may evict).
@@ -28,19 +22,22 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from planner.hardware.device_inventory import host_memory
 from planner.types import DeviceId
 
 log = logging.getLogger(__name__)
 
-#: Values of ``load_model(cpu_residency=...)``: ``lock`` pins resident CPU weights, ``map`` leaves them evictable.
+#: Values of ``load_model(cpu_residency=...)``: ``lock`` locks resident CPU weights, ``map`` leaves them unlocked
+#: (named when they were maps of the shards; they are private copies either way).
 CPU_RESIDENCY_CHOICES = ("lock", "map")
 PAGE = mmap.PAGESIZE
 
-#: ``mlock2`` flag (linux/mman.h): lock pages as they are mapped in, rather than mapping them all in now.
+#: ``mlock2`` flag (linux/mman.h): lock the pages present (and any mapped in later), faulting none in.
 MLOCK_ONFAULT = 1
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -56,6 +53,25 @@ class ResidencyStats:
     seconds: float = 0.0
     #: Why nothing (or not everything) was locked; None when all went well.
     error: str | None = None
+
+
+def drops_page_cache(copy_bytes: int, available: Callable[[], int] | None = None) -> bool:
+    """Whether a load that copies ``copy_bytes`` of shards into private memory should drop the files' cached pages
+    as it goes (``POSIX_FADV_DONTNEED``).
+
+    Where the box could not hold the copies and the files' pages at once (less than twice ``copy_bytes`` free,
+    a memory cgroup's limit counted), the pages go as soon as they are copied: page cache is reclaimable, but a
+    cgroup near its limit reclaims under pressure, stalling the load. Elsewhere they stay: the next start of the
+    server (an orchestrator's restart) then copies from the page cache instead of reading the disk again
+    (0.43 s against 0.23 s for the 100M fp32 model's 0.4 GB on the benchmark VM, seconds for larger models).
+    ``LOADMASTER_DROP_PAGE_CACHE=1`` always drops, ``0`` never does."""
+    forced = os.environ.get("LOADMASTER_DROP_PAGE_CACHE", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if copy_bytes <= 0:
+        return False
+    free = available() if available is not None else host_memory().available
+    return free < 2 * copy_bytes
 
 
 def lock_pages(addr: int, nbytes: int) -> None:

@@ -1,10 +1,11 @@
 """Reading tensor bytes out of safetensors shards: straight into a destination, or as a zero-copy memory map.
 
-``mapped`` returns a tensor backed by a private, copy-on-write memory map of the shard: no copy at all. On a host
-without GPUs that is how both ``"cpu"`` tensors (made resident at load with :meth:`ShardReader.make_resident`) and
-``"disk"`` tensors (left to fault in as the model reads them) are served when no cast is needed. ``read_into``
-uses positioned reads (``os.preadv``) into a destination's own memory, for tensors that must be copied: cast,
-fused, pinned for GPU streaming, or bound for a GPU.
+``read_into`` uses positioned reads (``os.preadv``) into a destination's own memory: every resident tensor
+(CPU or GPU), so that what the process holds is its own and a file changed on disk cannot reach it, and a file
+that ends early is an error, not a signal. ``mapped`` returns a tensor backed by a private, copy-on-write memory
+map of the shard, no copy at all: that is how ``"disk"`` tensors are served on a host without GPUs when no cast
+is needed (left to fault in as the model reads them; :mod:`loaders.native.map_guard` turns a read past a truncated
+file's end into an error instead of SIGBUS).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import threading
 import torch
 
 from loaders.checkpoint.index import ShardEntry
-from loaders.checkpoint.residency import lock_pages
-from loaders.errors import CheckpointError
+from loaders.errors import WeightsChangedError
 
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_READ = 22  # Linux >= 5.14: map a file range's pages (reading them if needed) in one call
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in with one call instead of one fault per page
 _POPULATE_MIN = 1 << 20
+#: Bytes copied between two drops of the file's cached pages (``read_into(drop_cache=True)``).
+DROP_CHUNK = 32 << 20
 _libc = None
 
 
@@ -53,6 +55,15 @@ def populate(t: torch.Tensor) -> None:
     libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE)
 
 
+def _drop_cached(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to drop the file's cached pages of a range just copied (best effort: whole pages only, and a
+    page another process maps stays)."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor of any dtype (bf16 included, which numpy lacks)."""
     flat = t.reshape(-1)
@@ -78,22 +89,37 @@ class ShardReader:
                 self._fds[path] = fd
             return fd
 
-    def read_into(self, entry: ShardEntry, dest: torch.Tensor) -> int:
-        """Fill ``dest`` (CPU, contiguous, the entry's dtype and numel) with the entry's bytes. Returns bytes read."""
+    def read_into(self, entry: ShardEntry, dest: torch.Tensor, drop_cache: bool = False) -> int:
+        """Fill ``dest`` (CPU, contiguous, the entry's dtype and numel) with the entry's bytes. Returns bytes read.
+
+        A file that ends early (truncated under the process) raises :class:`WeightsChangedError` (a
+        :class:`CheckpointError`): a read reports a short file, where a map would raise SIGBUS. ``drop_cache``: drop the file's page-cache pages of each
+        :data:`DROP_CHUNK` once it is copied (``POSIX_FADV_DONTNEED``), so that a private copy never holds the
+        file's pages and its own at once beyond one chunk (a box barely larger than the weights)."""
         if dest.dtype != entry.dtype or dest.numel() != entry.numel or not dest.is_contiguous():
             raise ValueError(f"read_into needs a contiguous {entry.dtype} destination of {entry.numel} elements")
         view = byte_view(dest)
         fd = self._fd(entry.file)
         done, total = 0, entry.nbytes
+        step = DROP_CHUNK if drop_cache else total
         while done < total:
-            n = os.preadv(fd, [view[done:]], entry.start + done)
-            if n <= 0:
-                raise CheckpointError(
-                    f"{entry.file} ended while reading {entry.key!r} (got {done} of {total} bytes): the shard was "
-                    "truncated or replaced during the load. Re-download or re-save it."
-                )
-            done += n
+            stop = min(total, done + step)
+            chunk_start = done
+            while done < stop:
+                n = os.preadv(fd, [view[done:stop]], entry.start + done)
+                if n <= 0:  # at load, or while streaming the disk tier to a GPU
+                    raise WeightsChangedError(
+                        f"{entry.file} ended while reading {entry.key!r} (got {done} of {total} bytes): the shard "
+                        "was truncated or replaced while it was read. Re-download or re-save it, then restart."
+                    )
+                done += n
+            if drop_cache:
+                _drop_cached(fd, entry.start + chunk_start, done - chunk_start)
         return total
+
+    def drop_cached(self, path: str, start: int, end: int) -> None:
+        """Drop the page-cache pages of ``[start, end)`` of a shard whose bytes were copied (best effort)."""
+        _drop_cached(self._fd(path), start, end - start)
 
     def read(self, entry: ShardEntry) -> torch.Tensor:
         """A fresh CPU tensor holding the entry, in its stored dtype."""
@@ -189,20 +215,6 @@ class ShardReader:
         hi = min(len(mm), end)
         if hi > lo:
             mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
-
-    def lock(self, path: str, start: int, end: int) -> bool:
-        """Lock ``[start, end)`` of a shard's memory map (see :mod:`loaders.checkpoint.residency`) before it is mapped in, so
-        that its pages are locked as they are mapped; returns whether the lock was granted (where it is refused,
-        :func:`~loaders.checkpoint.residency.lock_resident` reports it once)."""
-        mm = self.mapping(path)
-        end = min(len(mm), end)
-        if end <= start:
-            return True
-        try:
-            lock_pages(self._base(path, mm) + start, end - start)
-        except OSError:
-            return False
-        return True
 
     def make_resident(self, path: str, start: int, end: int) -> None:
         """Map ``[start, end)`` of a shard's memory map into this process now (reading it if not cached).

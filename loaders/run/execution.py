@@ -1,7 +1,8 @@
 """Execution: making a placed model run across its devices, applied explicitly after placement.
 
-* Host without GPUs: ``"cpu"`` and ``"disk"`` modules run as plain modules (disk tensors are memory maps); the only
-  hooks are :class:`loaders.run.readahead.DiskReadahead`'s on disk blocks. Linear layers are then quantized when asked
+* Host without GPUs: ``"cpu"`` and ``"disk"`` modules run as plain modules (disk tensors are memory maps, guarded
+  by :mod:`loaders.native.map_guard` against a shard truncated under the process); the only hooks are
+  :class:`loaders.run.readahead.DiskReadahead`'s on disk blocks. Linear layers are then quantized when asked
   (:mod:`loaders.native.quantization`), and small linear products run on the native CPU kernels (:mod:`loaders.native.linear`)
   where they build, as does decode steps' attention (:mod:`loaders.native.attention`).
 * With GPUs: modules on a GPU get their inputs moved to that GPU at device boundaries, the root's outputs go back to
@@ -22,6 +23,7 @@ import torch
 
 from loaders.checkpoint.device_order import entry_of, module_for_entry, ordered_entries
 from loaders.checkpoint.placement import PlacedModel
+from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
 from loaders.native.linear import use_native_linears
 from loaders.native.packed_formats import repack_packed_linears
@@ -59,6 +61,8 @@ def apply_execution(
     "torch")."""
     model, device_map = placed.model, placed.device_map
     model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
+    for mm in list(placed.reader.maps.values()):  # read in place: a truncated shard then fails a step, not the process
+        map_guard.guard(mm)
     packed = repack_packed_linears(model, _compute_dtype(model), native=placed.execution_device.type == "cpu")
     if packed is not None:
         model._loadmaster_packed_stats = packed

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loaders.native import map_guard
+
 if TYPE_CHECKING:
     from loaders.native.decode_step import NativeDecoder
 from service.engine.kv_pool import BatchedBinding, BoundSlotCache, PackedBinding, SlotKVCache
@@ -184,7 +186,11 @@ class ModelRunner:
         """Feed every row's tokens in one forward (batched or packed, see the module docstring)."""
         calls = self.prepare(rows)
         self.forwards += len(calls)
-        return self.collect(rows, calls, [self._call(c) for c in calls])
+        logits = [self._call(c) for c in calls]
+        map_guard.check(
+            self.model
+        )  # a shard read in place was truncated during the step: its logits are not the model's
+        return self.collect(rows, calls, logits)
 
     def close(self) -> None:
         """Nothing to stop (the device pipeline's runner stops its workers here)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loaders.errors import WeightsChangedError
 from service.engine.isolation import is_out_of_memory, is_unrecoverable, isolate_failure
 from service.engine.prompt_logprobs import score_prompt_tokens
 from service.engine.requests import EngineMetrics, Sequence
@@ -203,6 +204,11 @@ class StepExecutor:
                 f"The GPU hit an unrecoverable error during the {where} ({first}); the engine has stopped and "
                 "readiness answers 503. Restart the server; if it recurs, report it with the server log."
             )
+            self._on_unrecoverable(seqs, NotReadyError(self.dead))
+            return
+        if isinstance(exc, WeightsChangedError):  # every later step would read the same lost weights
+            log.critical("the weights changed on disk during the %s; the engine stops: %s", where, exc)
+            self.dead = str(exc)
             self._on_unrecoverable(seqs, NotReadyError(self.dead))
             return
         if retry is not None and not is_out_of_memory(exc):

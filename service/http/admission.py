@@ -123,7 +123,9 @@ class Runtime:
     def _watch_weights(self, loaded: LoadedModel) -> None:
         interval = self.settings.weights_watch_interval
         if interval > 0 and Path(loaded.path).is_dir():
-            self.weights_watch = WeightsWatch(weight_files(Path(loaded.path)), interval, self.weights_changed).start()
+            self.weights_watch = WeightsWatch(
+                weight_files(Path(loaded.path)), interval, self.weights_changed, loaded.model
+            ).start()
 
     def weights_changed(self, reason: str) -> None:
         """The served weight files changed under the server: stop admitting (503 with the reason), end what is in
@@ -189,7 +191,9 @@ class Runtime:
                 "retry when GET /health/ready answers 200."
             )
         if not self.engine.alive:
-            raise NotReadyError("The generation engine has stopped; the server must be restarted (see its log).")
+            raise NotReadyError(
+                self.engine.dead or "The generation engine has stopped; the server must be restarted (see its log)."
+            )
         return self.engine, self.validator, loaded
 
     def acquire(self) -> Slot:

@@ -308,6 +308,8 @@ async def ready(request: Request) -> Response:
         return JSONResponse(state, status_code=NotReadyError.status_code, headers=retry)
     if not runtime.engine.alive:
         state["status"] = "engine stopped"
+        if runtime.engine.dead:  # why it stopped for good (a GPU error, weights lost on disk)
+            state["error"] = runtime.engine.dead
         return JSONResponse(state, status_code=NotReadyError.status_code, headers=retry)
     return JSONResponse(state)
 

@@ -1,8 +1,11 @@
 """The served weights' files, watched: a shard truncated, removed or rewritten (in place or by rename) under a
-running server changes what its mapped weights read, or kills it with SIGBUS when a mapped page is gone.
+running server no longer holds what the server loaded. Resident weights are private copies and stay as loaded,
+but the disk tier reads the files in place (a rewrite changes its answers; a truncation is caught by
+:mod:`loaders.native.map_guard`), and a restart would load the new files: the server stops rather than serve a mix.
 
 :class:`WeightsWatch` records each weight file's size, inode and mtime at ready, and checks them every
-``--weights-watch-interval`` seconds on a thread of its own. On a change it calls ``on_change(reason)`` once; the
+``--weights-watch-interval`` seconds on a thread of its own, and whether :mod:`loaders.native.map_guard` caught a
+read past a truncated shard's end (the disk tier reads shards in place). On a change it calls ``on_change(reason)`` once; the
 runtime then stops admitting (503 with the reason), ends what is in flight with that error, and the server exits
 non-zero so that its orchestrator restarts it on the new files.
 """
@@ -14,6 +17,8 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from loaders.native import map_guard
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +41,10 @@ def weight_files(directory: Path) -> list[Path]:
 class WeightsWatch:
     """Stat the weight files every ``interval`` seconds; call ``on_change`` with the first difference found."""
 
-    def __init__(self, files: list[Path], interval: float, on_change: Callable[[str], None]):
+    def __init__(self, files: list[Path], interval: float, on_change: Callable[[str], None], model: object = None):
         self.files = files
+        #: The served model, whose disk-tier maps :mod:`loaders.native.map_guard` guards.
+        self.model = model
         self.interval = interval
         self.on_change = on_change
         self.seen = {p: _identity(p) for p in files}
@@ -54,6 +61,9 @@ class WeightsWatch:
 
     def check(self) -> str | None:
         """What changed, in words; ``None`` while every file is as it was."""
+        lost = map_guard.truncated_files(self.model)  # a step already read past a shard's end (before a stat saw it)
+        if lost:
+            return f"{Path(lost[0]).name} was truncated (a step read past its end)"
         for path, was in self.seen.items():
             now = _identity(path)
             if now == was:

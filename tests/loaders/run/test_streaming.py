@@ -9,6 +9,7 @@ caught by the eager backend's check. Both must reproduce transformers' logits ex
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import loaders
 from loaders.checkpoint.device_order import ordered_entries
 from loaders.run.streaming import BlockStreamer, CpuBackend, build_blocks
-from tests.loaders.helpers import assert_equivalent, prompt
+from tests.loaders.helpers import assert_equivalent, copy_checkpoint, prompt
 
 LLAMA_MAP = {
     "model.embed_tokens": "cpu",
@@ -410,9 +411,10 @@ def test_disk_blocks_are_staged_by_positioned_reads_not_page_faults(tiny_llama, 
     blocks, _ = build_blocks(model, ordered_entries(model, LLAMA_MAP), placement, LLAMA_MAP)
     streamer = BlockStreamer(blocks, CpuBackend(), reader=model._loadmaster_reader)
     streamer.install()
-    staged = sum(t.nbytes for b in streamer.blocks if b.staged for t in b.unique())
-    # (on this GPU-less host the "cpu" blocks are shard maps too, not pinned copies: they are staged the same way)
-    assert staged > 0 and {"model.layers.0", "model.layers.2"} <= {b.key for b in streamer.blocks if b.staged}
+    on_disk = [b for b in streamer.blocks if LLAMA_MAP.get(b.key) == "disk"]
+    staged = sum(t.nbytes for b in on_disk for t in b.unique())
+    # (on this GPU-less host the "cpu" blocks are unpinned copies: staged too, by a memory copy, not a read)
+    assert staged > 0 and {"model.layers.0", "model.layers.2"} == {b.key for b in on_disk if b.staged}
     monkeypatch.setattr(shard_reader.os, "preadv", counting_preadv)
     with torch.no_grad():
         for _ in range(2):
@@ -420,3 +422,22 @@ def test_disk_blocks_are_staged_by_positioned_reads_not_page_faults(tiny_llama, 
     assert sum(read) >= 2 * staged, f"{sum(read)} bytes read by preadv for {staged} staged bytes per forward"
     monkeypatch.undo()
     assert_equivalent(model, tiny_llama)
+
+
+def test_a_disk_block_truncated_while_streaming_is_an_error_not_a_signal(tiny_llama, tmp_path):
+    """Issue 38: the streamer stages disk blocks by positioned reads, so a shard truncated under a running model is
+    a short read, raised as :class:`WeightsChangedError` naming the shard (the engine stops on it), never SIGBUS."""
+    from loaders.errors import WeightsChangedError
+
+    model_dir = copy_checkpoint(tiny_llama, tmp_path / "model")
+    model = loaders.load_model(model_dir, device_map=LLAMA_MAP, show_progress=False)
+    placement = {n: "cpu" for n, _ in model.named_parameters()}
+    blocks, _ = build_blocks(model, ordered_entries(model, LLAMA_MAP), placement, LLAMA_MAP)
+    streamer = BlockStreamer(blocks, CpuBackend(), reader=model._loadmaster_reader)
+    streamer.install()
+    with torch.no_grad():
+        model(prompt(model.config.vocab_size))
+    for shard in model_dir.glob("*.safetensors"):
+        os.truncate(shard, 0)
+    with torch.no_grad(), pytest.raises(WeightsChangedError, match=r"model-0000\d-of-0000\d\.safetensors ended"):
+        model(prompt(model.config.vocab_size))
