@@ -155,6 +155,12 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         help="let /plan take Hub ids org/name[@rev]: it then makes outbound requests to the Hub "
         "(or LOADMASTER_ALLOW_HUB_PLAN=1)",
     )
+    _add_pipeline_flags(parser)
+    # The planner flags' own defaults would hide the environment: unset means "not given" here.
+    parser.set_defaults(strategy=None, batch_size=None, complete=None)
+
+
+def _add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("pipeline (one stage per rank, under torchrun; docs/pipeline.md)")
     p.add_argument(
         "--pipeline",
@@ -171,8 +177,6 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "of this host that hold the decoder layers (default: 2 per GPU)",
     )
     p.add_argument("--inter-host-bandwidth", default=None, help="link between hosts for the prediction, e.g. 100Gb")
-    # The planner flags' own defaults would hide the environment: unset means "not given" here.
-    parser.set_defaults(strategy=None, batch_size=None, complete=None)
 
 
 def settings_from_args(args: argparse.Namespace, **overrides: Any) -> ServiceSettings:

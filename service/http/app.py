@@ -34,8 +34,6 @@ from service.errors import (
 )
 from service.http import (
     access_log,
-    chat_routes,
-    openai_routes,
     plan_routes,
     request_body,
     tgi_routes,
@@ -46,6 +44,7 @@ from service.http.agent_apis import messages_routes, responses_routes
 from service.http.agent_apis.response_store import ResponseStore
 from service.http.api_keys import check_api_key, is_open
 from service.http.metrics import Metrics
+from service.http.openai_apis import chat_routes, completions_routes
 from service.http.storage_metrics import StorageCollector
 from service.model.background_load import LoadedModel, Loader, ModelHost, load_model
 from service.model.memory_report import memory_gauges, memory_report, weight_bytes_by_device
@@ -272,7 +271,7 @@ def create_app(settings: ServiceSettings, loader: Loader | None = None) -> FastA
     app.state.response_store = ResponseStore(settings.responses_store_size)
     _install_error_handlers(app)
     app.include_router(tgi_routes.router)
-    app.include_router(openai_routes.router)
+    app.include_router(completions_routes.router)
     app.include_router(chat_routes.router)
     app.include_router(messages_routes.router)
     app.include_router(responses_routes.router)

@@ -30,7 +30,7 @@ from service.http.agent_apis.output_blocks import (
     whole_blocks,
 )
 from service.http.event_stream import event_stream, typed_event
-from service.http.v1_common import V1_ERRORS, check_model, finals_or_response, start_request
+from service.http.openai_apis.v1_common import V1_ERRORS, check_model, finals_or_response, start_request
 from service.schemas.anthropic_requests import MessagesRequest, as_chat_request
 from service.schemas.anthropic_responses import (
     AnthropicErrorEnvelope,

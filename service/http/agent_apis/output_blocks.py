@@ -16,7 +16,7 @@ from typing import Literal
 from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
 from service.http.admission import EngineStream, merged_events
-from service.http.v1_common import final_text
+from service.http.openai_apis.v1_common import final_text
 from service.schemas.openai_requests import ChatShape
 from service.tools.call_parser import ToolCall
 from service.tools.output_reader import OutputPiece, OutputReader, read_whole

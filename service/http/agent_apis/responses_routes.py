@@ -26,7 +26,7 @@ from service.http.admission import request_id_of, runtime_of
 from service.http.agent_apis.output_blocks import Block, BlockEvent, OutputBlocks, sequence_pieces, whole_blocks
 from service.http.agent_apis.response_store import ResponseStore
 from service.http.event_stream import event_stream, typed_event
-from service.http.v1_common import V1_ERRORS, check_model, finals_or_response, openai_error, start_request
+from service.http.openai_apis.v1_common import V1_ERRORS, check_model, finals_or_response, openai_error, start_request
 from service.schemas.openai_requests import ChatShape, prepare_chat
 from service.schemas.openapi_responses import GENERATION_ERRORS, errors, streamed
 from service.schemas.response_models import OpenAIErrorEnvelope

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from service.engine.requests import FinishEvent, TokenEvent
 from service.http.admission import request_id_of, runtime_of
-from service.http.v1_common import (
+from service.http.openai_apis.v1_common import (
     FINISH,
     V1_ERRORS,
     check_model,

@@ -20,7 +20,7 @@ from service.http.admission import (
     request_id_of,
     runtime_of,
 )
-from service.http.v1_common import (
+from service.http.openai_apis.v1_common import (
     FINISH,
     V1_ERRORS,
     check_model,
