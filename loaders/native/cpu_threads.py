@@ -19,6 +19,8 @@ decides:
   faster than the same-width steps just before (:class:`StepClock`); otherwise it goes back and waits twice as long
   before it tries again (up to :data:`MAX_HOLD_S`).
 - At a lower count it tries one more after a hold, kept on the same test.
+- A decode step of a width the last try never saw ends the hold: one thread may be as fast as two for a lone
+  stream, and not for a wave of sixteen.
 
 It runs on the engine thread and sets the count there: torch reads its thread count per thread (OpenMP's
 ``nthreads-var`` is a per-thread setting), so a call from another thread would not reach the engine's pool.
@@ -162,6 +164,7 @@ class ThreadGovernor:
         self._hold_until = 0.0
         self.last_wait_ratio: float | None = None
         self.last_trial: ThreadTry | None = None
+        self._judged_widths: set[int] = set()  # the width buckets the last judged try's steps had
         self.changes = 0
 
     def start(self) -> None:
@@ -171,9 +174,15 @@ class ThreadGovernor:
 
     def decode_step(self, rows: int, seconds: float) -> None:
         """A pure decode step (no prompt tokens, no drafts) of ``rows`` rows took ``seconds``: the steps a try is
-        timed on."""
-        if self.adaptive and rows > 0:
-            self._steps.add(rows, seconds, trying=self._trial is not None)
+        timed on. A step of a width the last judged try never saw ends the hold: that try spoke of other steps (one
+        thread may be as fast as two for a lone stream, and not for sixteen)."""
+        if not self.adaptive or rows <= 0:
+            return
+        self._steps.add(rows, seconds, trying=self._trial is not None)
+        if self._trial is None and self._judged_widths and width_bucket(rows) not in self._judged_widths:
+            self._judged_widths = set()
+            self._hold_until = 0.0
+            self._hold_s = HOLD_S
 
     def after_step(self) -> None:
         """Called after each engine step: judges a running try, or closes a contention window every
@@ -216,6 +225,7 @@ class ThreadGovernor:
         ratios = self._steps.matched()
         if len(ratios) < TRIAL_STEPS and now - trial.started < TRIAL_MAX_S:
             return
+        self._judged_widths = {bucket for bucket, _ in self._steps.trial}
         ratio = statistics.median(ratios) if ratios else None
         kept = ratio is not None and ratio <= KEEP_BELOW
         self.last_trial = ThreadTry(

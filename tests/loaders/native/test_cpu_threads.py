@@ -109,6 +109,22 @@ def test_waiting_threads_that_are_still_faster_are_kept() -> None:
     assert sum(tries) < 20
 
 
+def test_a_wider_batch_than_the_try_saw_ends_the_hold() -> None:
+    """A lone stream on a busy CPU: one thread is as fast as two for 1-row steps, so the drop is kept. Then a wave of
+    16 arrives, where two threads are faster: a width the try never saw ends the hold, and one more is tried at once
+    instead of after up to a minute."""
+    cpu = FakeCpu()
+    g = cpu.governor(2)
+    cpu.wait_ratio, cpu.step_s[2] = 0.5, 0.03  # 1-row steps: two threads beside a neighbour are slower
+    cpu.run(g, 2 * WINDOW_S)
+    assert g.current == 1 and g.last_trial.kept
+    cpu.run(g, 3 * HOLD_S)
+    assert g.current == 1, "still 1 row a step: the up-tries fail and the hold grows"
+    cpu.wait_ratio, cpu.rows, cpu.step_s[2] = 0.0, 16, 0.012  # a wave: two threads are faster again
+    cpu.run(g, 2 * WINDOW_S + 0.5)
+    assert g.current == 2 and g.last_trial.kept and g.last_trial.to_threads == 2
+
+
 def test_a_try_without_comparable_steps_goes_back() -> None:
     """Only pure decode steps time a try: one that sees none in TRIAL_MAX_S keeps the count it had."""
     cpu = FakeCpu()
