@@ -19,7 +19,7 @@ decides:
   faster than the same-width steps just before (:class:`StepClock`); otherwise it goes back and waits twice as long
   before it tries again (up to :data:`MAX_HOLD_S`).
 - At a lower count it tries one more after a hold, kept on the same test.
-- A decode step of a width the last try never saw ends the hold: one thread may be as fast as two for a lone
+- A decode step wider than any the last try saw ends the hold: one thread may be as fast as two for a lone
   stream, and not for a wave of sixteen.
 
 It runs on the engine thread and sets the count there: torch reads its thread count per thread (OpenMP's
@@ -174,12 +174,13 @@ class ThreadGovernor:
 
     def decode_step(self, rows: int, seconds: float) -> None:
         """A pure decode step (no prompt tokens, no drafts) of ``rows`` rows took ``seconds``: the steps a try is
-        timed on. A step of a width the last judged try never saw ends the hold: that try spoke of other steps (one
-        thread may be as fast as two for a lone stream, and not for sixteen)."""
+        timed on. A step wider than any the last judged try saw ends the hold: that try spoke of narrower steps (one
+        thread may be as fast as two for a lone stream, and not for sixteen). Narrower ones do not: a wave's tail
+        would otherwise start a try at every width it passes."""
         if not self.adaptive or rows <= 0:
             return
         self._steps.add(rows, seconds, trying=self._trial is not None)
-        if self._trial is None and self._judged_widths and width_bucket(rows) not in self._judged_widths:
+        if self._trial is None and self._judged_widths and width_bucket(rows) > max(self._judged_widths):
             self._judged_widths = set()
             self._hold_until = 0.0
             self._hold_s = HOLD_S
