@@ -19,8 +19,8 @@ decides:
   faster than the same-width steps just before (:class:`StepClock`); otherwise it goes back and waits twice as long
   before it tries again (up to :data:`MAX_HOLD_S`).
 - At a lower count it tries one more after a hold, kept on the same test.
-- A decode step wider than any the last try saw ends the hold: one thread may be as fast as two for a lone
-  stream, and not for a wave of sixteen.
+- A decode step wider than any the last try saw ends the hold and restores the ceiling: one thread may be as fast
+  as two for a lone stream, and not for a wave of sixteen.
 
 It runs on the engine thread and sets the count there: torch reads its thread count per thread (OpenMP's
 ``nthreads-var`` is a per-thread setting), so a call from another thread would not reach the engine's pool.
@@ -49,6 +49,8 @@ MIN_BUSY_S = 0.1
 #: Comparable decode steps a try runs before it is judged, and the longest it may wait for them.
 TRIAL_STEPS = 6
 TRIAL_MAX_S = 3.0
+#: Baseline steps of the current width a try needs before it starts.
+MIN_BASELINE_STEPS = 3
 #: A try is kept only when its steps take at most this share of the time of the same-width steps before it.
 KEEP_BELOW = 0.95
 #: Comparable steps remembered at the current count, the baseline a try is measured against.
@@ -100,6 +102,10 @@ class StepClock:
             by_bucket.setdefault(bucket, []).append(seconds)
         medians = {b: statistics.median(s) for b, s in by_bucket.items()}
         return [s / medians[b] for b, s in self.trial if medians.get(b)]
+
+    def baseline_steps(self, bucket: int) -> int:
+        """Baseline steps of width bucket ``bucket``: a try needs some to be judged against."""
+        return sum(1 for b, _ in self.baseline if b == bucket)
 
     def restart(self) -> None:
         """The count changed for good: the try's steps become the baseline."""
@@ -174,9 +180,10 @@ class ThreadGovernor:
 
     def decode_step(self, rows: int, seconds: float) -> None:
         """A pure decode step (no prompt tokens, no drafts) of ``rows`` rows took ``seconds``: the steps a try is
-        timed on. A step wider than any the last judged try saw ends the hold: that try spoke of narrower steps (one
-        thread may be as fast as two for a lone stream, and not for sixteen). Narrower ones do not: a wave's tail
-        would otherwise start a try at every width it passes."""
+        timed on. A step wider than any the last judged try saw ends the hold, and a count below the ceiling goes back
+        to it at once: that try spoke of narrower steps (one thread may be as fast as two for a lone stream, and not
+        for sixteen); contention, if it remains, starts a new try on these steps. Narrower steps do not: a wave's
+        tail would otherwise start a try at every width it passes."""
         if not self.adaptive or rows <= 0:
             return
         self._steps.add(rows, seconds, trying=self._trial is not None)
@@ -184,6 +191,10 @@ class ThreadGovernor:
             self._judged_widths = set()
             self._hold_until = 0.0
             self._hold_s = HOLD_S
+            if self.current < self.ceiling:  # the drop was judged on narrower steps: back to the ceiling at once
+                self._steps.baseline.clear()
+                self._apply(self.ceiling)
+                self._window = self._open()
 
     def after_step(self) -> None:
         """Called after each engine step: judges a running try, or closes a contention window every
@@ -210,6 +221,9 @@ class ThreadGovernor:
     def _maybe_try(self, now: float, ratio: float) -> None:
         if now < self._hold_until:
             return
+        last = self._steps.baseline[-1][0] if self._steps.baseline else None
+        if last is None or self._steps.baseline_steps(last) < MIN_BASELINE_STEPS:
+            return  # nothing yet to judge a try of these steps against (a wave just began): wait a window
         if ratio > WAIT_LIMIT and self.current > 1:
             self._begin_trial(self.current - 1, now)
         elif self.current < self.ceiling:
@@ -224,7 +238,8 @@ class ThreadGovernor:
         trial = self._trial
         assert trial is not None
         ratios = self._steps.matched()
-        if len(ratios) < TRIAL_STEPS and now - trial.started < TRIAL_MAX_S:
+        unmatched = len(self._steps.trial) - len(ratios)
+        if len(ratios) < TRIAL_STEPS and unmatched < TRIAL_STEPS and now - trial.started < TRIAL_MAX_S:
             return
         self._judged_widths = {bucket for bucket, _ in self._steps.trial}
         ratio = statistics.median(ratios) if ratios else None
