@@ -33,6 +33,7 @@ import torch
 
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import ModelRunner, Row
+from service.engine.prefix_index import common_prefix
 
 #: Most tokens one forward of the copy feeds, all rows together (bounds its activations on long prompts).
 PREFILL_CHUNK = 512
@@ -143,16 +144,8 @@ class RowDraft:
         """Forget what the slot holds past its longest common prefix with ``tokens`` (rejected drafts: the next
         tokens overwrite them, the mask hides them until then) and return the tokens still to feed (at least the
         last: its logits give the first draft)."""
-        keep = self.own + _common_prefix(self.held[self.own :], tokens[self.own :])
+        keep = self.own + common_prefix(self.held[self.own :], tokens[self.own :])
         keep = min(keep, len(tokens) - 1)
         del self.held[keep:]
         self.own = min(self.own, keep)
         return list(tokens[keep:])
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
