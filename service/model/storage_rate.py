@@ -29,11 +29,11 @@ def with_disk_rate(inputs: PlanInputs, path: Path) -> tuple[PlanInputs, str | No
     if hardware is None or (inputs.bandwidths or {}).get("disk") or load_calibration() is not None:
         return inputs, None
     disk = next((d for d in hardware.devices if d.id == "disk"), None)
-    shards = sorted(path.glob("*.safetensors"))
+    shards = [(str(f), st.st_size, st.st_mtime_ns) for f in sorted(path.glob("*.safetensors")) for st in [f.stat()]]
     memory = sum(d.capacity for d in hardware.devices if d.id != "disk")
-    if disk is None or not shards or sum(f.stat().st_size for f in shards) <= memory:
+    if disk is None or not shards or sum(size for _, size, _ in shards) <= memory:
         return inputs, None
-    rate = _probe(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in reversed(shards)))
+    rate = _probe(tuple(reversed(shards)))
     if rate.bytes_per_s <= 0:
         return inputs, None
     devices = tuple(
