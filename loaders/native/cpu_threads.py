@@ -21,6 +21,9 @@ decides:
 - At a lower count it tries one more after a hold, kept on the same test.
 - A decode step wider than any the last try saw ends the hold and restores the ceiling: one thread may be as fast
   as two for a lone stream, and not for a wave of sixteen.
+- A step with prompt tokens (or drafts) ends a running try at once, unjudged, and no try starts right after one: a
+  wave's prefill run on the tried count cost seconds at half speed (a try started on a lone stream's last steps ran
+  the next wave's 16-prompt prefill on one thread), and such a step says nothing about decode speed.
 
 It runs on the engine thread and sets the count there: torch reads its thread count per thread (OpenMP's
 ``nthreads-var`` is a per-thread setting), so a call from another thread would not reach the engine's pool.
@@ -171,6 +174,7 @@ class ThreadGovernor:
         self.last_wait_ratio: float | None = None
         self.last_trial: ThreadTry | None = None
         self._judged_widths: set[int] = set()  # the width buckets the last judged try's steps had
+        self._last_pure = False  # whether the last step was a pure decode step (a try may start after it)
         self.changes = 0
 
     def start(self) -> None:
@@ -186,6 +190,7 @@ class ThreadGovernor:
         tail would otherwise start a try at every width it passes."""
         if not self.adaptive or rows <= 0:
             return
+        self._last_pure = True
         self._steps.add(rows, seconds, trying=self._trial is not None)
         if self._trial is None and self._judged_widths and width_bucket(rows) > max(self._judged_widths):
             self._judged_widths = set()
@@ -195,6 +200,22 @@ class ThreadGovernor:
                 self._steps.baseline.clear()
                 self._apply(self.ceiling)
                 self._window = self._open()
+
+    def mixed_step(self) -> None:
+        """A step fed prompt tokens or drafts: it times no try, so a running one ends now, unjudged, back at the
+        count before it (held :data:`HOLD_S`, not doubled: the try was not found slower)."""
+        if not self.adaptive:
+            return
+        self._last_pure = False
+        trial = self._trial
+        if trial is None:
+            return
+        self.last_trial = ThreadTry(trial.previous, trial.threads, len(self._steps.matched()), None, False)
+        self._trial = None
+        self._steps.trial.clear()
+        self._apply(trial.previous)
+        self._hold_until = self._clock() + self._hold_s
+        self._window = self._open()
 
     def after_step(self) -> None:
         """Called after each engine step: judges a running try, or closes a contention window every
@@ -219,7 +240,7 @@ class ThreadGovernor:
         self._maybe_try(now, self.last_wait_ratio)
 
     def _maybe_try(self, now: float, ratio: float) -> None:
-        if now < self._hold_until:
+        if now < self._hold_until or not self._last_pure:
             return
         last = self._steps.baseline[-1][0] if self._steps.baseline else None
         if last is None or self._steps.baseline_steps(last) < MIN_BASELINE_STEPS:

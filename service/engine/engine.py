@@ -272,8 +272,11 @@ class Engine:
         prompt_tokens = sum(len(r.row.tokens) for r in plan.rows if r.prefill)
         self.scheduler.budget.observe(prompt_tokens, plan.decodes, elapsed)
         verified = sum(1 for r in plan.rows if r.drafts)
-        if self.threads is not None and plan.decodes and not prompt_tokens and not verified:
-            self.threads.decode_step(plan.decodes, elapsed)
+        if self.threads is not None:
+            if plan.decodes and not prompt_tokens and not verified:
+                self.threads.decode_step(plan.decodes, elapsed)
+            else:
+                self.threads.mixed_step()
         if self.speculator.enabled and plan.decodes and not prompt_tokens:  # a pure decode step: what drafting costs
             tokens = self.speculator.stats.emitted - emitted + plan.decodes - verified
             cost = elapsed + self.speculator.step_draft_seconds  # a draft model's forwards ran in the scheduler

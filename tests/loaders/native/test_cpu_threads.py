@@ -58,6 +58,8 @@ class FakeCpu:
             self.waited += step * self.wait_ratio
             if decode:
                 g.decode_step(self.rows, step)
+            else:
+                g.mixed_step()
             g.after_step()
 
 
@@ -136,6 +138,22 @@ def test_no_try_starts_without_steps_to_judge_it() -> None:
     assert cpu.set_to == [2] and g.last_trial is None
     cpu.run(g, 2 * WINDOW_S)  # 1-row steps: a baseline, then a try
     assert cpu.set_to[:2] == [2, 1]
+
+
+def test_a_prompt_step_ends_a_try_unjudged() -> None:
+    """A try that started on a lone stream's steps meets a wave's prefill: the prefill runs at the count before
+    the try, not at the tried one, and the try is left unjudged (no doubling of the hold)."""
+    cpu = FakeCpu()
+    g = cpu.governor(2)
+    cpu.wait_ratio = 0.4
+    while not g.to_dict()["trying"]:
+        cpu.run(g, 0.05)
+    assert cpu.set_to[-1] == 1
+    cpu.run(g, 0.1, decode=False)
+    assert g.current == 2 and cpu.set_to[-1] == 2 and not g.to_dict()["trying"]
+    assert g.last_trial.time_ratio is None and not g.last_trial.kept
+    cpu.run(g, 2 * WINDOW_S, decode=False)
+    assert cpu.set_to[-1] == 2, "no try starts after a prompt step"
 
 
 def test_a_try_is_judged_at_equal_width() -> None:
