@@ -1,11 +1,13 @@
 """gpt-oss's harmony channels on /v1/chat/completions, against a real server whose tiny model's tokenizer holds
 harmony's markers as special tokens and whose template is shaped like gpt-oss's. A regex drives the random model
 through an analysis message and then a final one: the analysis is ``reasoning_content``, the final answer is
-``content``, whole and streamed, and no marker reaches either. (Tool calls in harmony run through the shared tests
-of every format, :mod:`tests.service.http.test_tool_calls`.)"""
+``content``, whole and streamed, and no marker reaches either. The Responses API reads a harmony call into a
+function-call item. (Tool calls in harmony also run through the shared tests of every format,
+:mod:`tests.service.http.test_tool_calls` and the Messages API's.)"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
@@ -59,3 +61,22 @@ def test_reasoning_effort_reaches_the_template(harmony) -> None:
         prompt = tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False, reasoning_effort=effort)
         assert f"Reasoning: {effort}" in prompt
         assert chat.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False)["input_ids"])
+
+
+def test_responses_api_streams_a_harmony_call_as_a_function_call_item(harmony) -> None:
+    """The Responses API reads harmony as chat completions does: the call's header names it, its body is the
+    arguments, and no marker becomes output text."""
+    from tests.tool_schemas import TIME_TOOL, WEATHER_TOOL
+
+    tools = [{"type": "function"} | WEATHER_TOOL, {"type": "function"} | TIME_TOOL]
+    with _client(harmony).responses.stream(
+        model="oss", input=ASK[0]["content"], tools=tools, tool_choice="required", max_output_tokens=150
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    calls = [o for o in final.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name in ("get_weather", "get_time"), final.output
+    assert json.loads(calls[0].arguments)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == calls[0].arguments
+    assert not [e for e in events if e.type == "response.output_text.delta" and e.delta]
