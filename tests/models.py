@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.model.corpus_tokenizer import make_tokenizer
+from service.model.corpus_tokenizer import make_tokenizer, tokenizer_fingerprint
 from service.model.demo_model import build_demo_model
 from service.model.random_models import build_model
 
@@ -97,12 +97,14 @@ def harmony_model_dir() -> Path:
         instantiate,
         make_config,
         save_checkpoint,
+        transformers_version,
     )
     from tests.chat_templates import GPT_OSS, HARMONY_TOKENS
 
     out = cache_dir() / "tiny-llama-harmony"
-    marker = out / "chat_template.jinja"
-    if marker.exists() and marker.read_text() == GPT_OSS:
+    recipe = f"{tokenizer_fingerprint()} {transformers_version()} {HARMONY_TOKENS}\n{GPT_OSS}"
+    marker = out / "harmony_build.txt"  # a changed tokenizer, transformers or template builds it again
+    if marker.exists() and marker.read_text() == recipe:
         return out
     tokenizer = make_tokenizer()
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS], special_tokens=True)
@@ -117,6 +119,7 @@ def harmony_model_dir() -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(model, tokenizer, tmp, default_shard_size(model, 3))
     (tmp / "chat_template.jinja").write_text(GPT_OSS)
+    (tmp / "harmony_build.txt").write_text(recipe)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
