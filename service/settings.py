@@ -41,7 +41,7 @@ class ServiceSettings(BaseSettings):
     accept_any_model: bool = Field(
         False, description="Serve requests whatever 'model' they name (default: 404 model_not_found for others)."
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "harmony"] | None = Field(
         None, description="How the model writes tool calls (default: read from its chat template)."
     )
     responses_store_size: int = Field(

@@ -106,4 +106,54 @@ MISTRAL = r"""
 {%- endfor %}
 """
 
+#: gpt-oss (harmony): a system message with the reasoning effort, tools as a TypeScript-like ``functions``
+#: namespace in the developer message, past calls as ``<|start|>assistant to=functions.NAME<|channel|>commentary
+#: json<|message|>{args}<|call|>``, their results from ``functions.NAME to=assistant``, past reasoning on the
+#: analysis channel, answers on the final channel; the generation prompt is ``<|start|>assistant``. Its markers are
+#: special tokens of the tiny harmony model's tokenizer (:func:`tests.models.harmony_model_dir`).
+GPT_OSS = r"""
+{%- set ns = namespace(last_call='') %}
+{{- '<|start|>system<|message|>You are a tiny test model.\nReasoning: ' + (reasoning_effort or 'medium') + '\n\n' }}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}
+{%- if tools %}{{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}{%- endif %}
+{{- '<|end|>' }}
+{%- if tools or messages[0].role in ['system', 'developer'] %}
+{{- '<|start|>developer<|message|>' }}
+{%- if messages[0].role in ['system', 'developer'] %}{{- '# Instructions\n\n' + messages[0].content + '\n\n' }}{%- endif %}
+{%- if tools %}
+{{- '# Tools\n\n## functions\n\nnamespace functions {\n\n' }}
+{%- for tool in tools %}
+{{- '// ' + (tool.function.description or '') + '\ntype ' + tool.function.name + ' = (_: ' }}
+{{- tool.function.parameters | tojson }}{{- ') => any;\n\n' }}
+{%- endfor %}
+{{- '} // namespace functions' }}
+{%- endif %}
+{{- '<|end|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+{%- elif message.role == 'assistant' %}
+{%- if message.reasoning_content %}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.reasoning_content + '<|end|>' }}
+{%- endif %}
+{%- for call in message.tool_calls or [] %}
+{%- set ns.last_call = call.function.name %}
+{{- '<|start|>assistant to=functions.' + call.function.name + '<|channel|>commentary json<|message|>' }}
+{{- call.function.arguments | tojson }}{{- '<|call|>' }}
+{%- endfor %}
+{%- if message.content and not message.tool_calls %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}
+{%- endif %}
+{%- elif message.role == 'tool' %}
+{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' + message.content }}
+{{- '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
+#: The markers harmony writes, each one token in gpt-oss's tokenizer.
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
 TEMPLATES = {"qwen25": QWEN25, "qwen3": QWEN3, "llama31": LLAMA31, "mistral": MISTRAL}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from service.model.corpus_tokenizer import make_tokenizer, tokenizer_fingerprint
 from service.model.demo_model import build_demo_model
 from service.model.random_models import build_model
 
@@ -56,8 +57,12 @@ def llama_1b_dir(dtype: str = "bfloat16") -> Path:
 
 def chat_model_dir(family: str) -> Path:
     """The tiny Llama with the chat template of ``family`` (:data:`tests.chat_templates.TEMPLATES`: Qwen2.5's
-    Hermes tool calls, Qwen3's thinking, Llama 3.1's JSON calls, Mistral's [TOOL_CALLS]), in its own folder."""
+    Hermes tool calls, Qwen3's thinking, Llama 3.1's JSON calls, Mistral's [TOOL_CALLS]; ``harmony``: gpt-oss's
+    channels, :func:`harmony_model_dir`), in its own folder."""
     import shutil
+
+    if family == "harmony":
+        return harmony_model_dir()
 
     from tests.chat_templates import TEMPLATES
 
@@ -71,6 +76,50 @@ def chat_model_dir(family: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
     (tmp / "chat_template.jinja").write_text(template)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def harmony_model_dir() -> Path:
+    """A tiny Llama that speaks gpt-oss's harmony format: its tokenizer holds harmony's markers as special tokens
+    (the vocabulary, and so the embeddings, grown by them), its chat template is shaped like gpt-oss's
+    (:data:`tests.chat_templates.GPT_OSS`), and ``<|return|>`` and ``<|call|>`` end a turn, as in gpt-oss's
+    generation config."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig
+
+    from service.model.random_models import (
+        MODEL_SPECS,
+        default_shard_size,
+        instantiate,
+        make_config,
+        save_checkpoint,
+        transformers_version,
+    )
+    from tests.chat_templates import GPT_OSS, HARMONY_TOKENS
+
+    out = cache_dir() / "tiny-llama-harmony"
+    recipe = f"{tokenizer_fingerprint()} {transformers_version()} {HARMONY_TOKENS}\n{GPT_OSS}"
+    marker = out / "harmony_build.txt"  # a changed tokenizer, transformers or template builds it again
+    if marker.exists() and marker.read_text() == recipe:
+        return out
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS], special_tokens=True)
+    model = instantiate(make_config("llama", MODEL_SPECS[("llama", "tiny")], tokenizer, "float32"), "float32", 0)
+    ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[*ends, tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp, default_shard_size(model, 3))
+    (tmp / "chat_template.jinja").write_text(GPT_OSS)
+    (tmp / "harmony_build.txt").write_text(recipe)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

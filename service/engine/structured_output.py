@@ -36,7 +36,8 @@ class GrammarSpec:
     """What a request asked for: the kind, its text (a schema as JSON, or a regex) and the field it came in.
 
     ``wrapped_json`` (tool calls a ``tool_choice`` requires) is JSON text ``{"prefix", "schema", "suffix"}``: literal
-    text, a value of the schema, literal text."""
+    text, a value of the schema, literal text; or ``{"options": [...]}`` of such, any one of them (harmony's calls,
+    whose prefix names the function)."""
 
     kind: GrammarKind
     value: str = ""

@@ -28,6 +28,7 @@ from service.schemas.validation import (
     refuse_unknown,
     request_model_config,
 )
+from service.tools.harmony_format import HARMONY, writes_harmony
 from service.tools.reasoning import thinks
 from service.tools.tool_requests import ToolPlan, plan_tools
 
@@ -293,11 +294,13 @@ def validate_completion(v: Validator, body: CompletionRequest, request_id: str) 
 
 @dataclass(frozen=True)
 class ChatShape:
-    """What reading a chat's output needs beyond its tokens: the tools it may call and whether it thinks."""
+    """What reading a chat's output needs beyond its tokens: the tools it may call, whether it thinks, and whether
+    it writes harmony channels (gpt-oss: reasoning, content and calls all in one message stream)."""
 
     tools: ToolPlan | None
     prompt_text: str
     thinks: bool
+    harmony: bool = False
 
 
 #: Template variables a request's ``chat_template_kwargs`` may not set (the server sets them).
@@ -335,6 +338,8 @@ def prepare_chat(
     grammar = grammar or _response_format(v, body.response_format)
     prompt = render_chat(v.tokenizer, body.messages, tools.tools if tools else None, _template_kwargs(body))
     ids = v.tokenize(prompt, add_special_tokens=False)
+    harmony = tools.fmt is HARMONY if tools is not None else writes_harmony(template)
+    markers = harmony or (tools is not None and tools.fmt.name == "mistral")  # special tokens the reader needs
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = GenerationRequest(
         prompt_ids=ids,
@@ -346,9 +351,10 @@ def prepare_chat(
         grammar=grammar,
         ignore_eos=body.ignore_eos,
         stop_token_ids=_stop_token_ids(v, body.stop_token_ids),
-        skip_special_tokens=body.skip_special_tokens and not (tools is not None and tools.fmt.name == "mistral"),
+        skip_special_tokens=body.skip_special_tokens and not markers,
     )
-    return v.replicas(request, n), ChatShape(tools=tools, prompt_text=prompt, thinks=thinks(template))
+    shape = ChatShape(tools=tools, prompt_text=prompt, thinks=thinks(template) and not harmony, harmony=harmony)
+    return v.replicas(request, n), shape
 
 
 def validate_chat(v: Validator, body: ChatCompletionRequest, request_id: str) -> list[GenerationRequest]:

@@ -1,8 +1,9 @@
-"""The shared interface of the tool-call parsers, and the incremental scanner every format uses.
+"""The shared interface of the tool-call parsers, and the incremental scanner the JSON formats use.
 
 A model writes its tool calls as text in its family's format (:mod:`service.tools.hermes_format`,
 :mod:`service.tools.llama3_format`, :mod:`service.tools.mistral_format`): a start marker, then JSON objects each
-holding a function's ``name`` and its arguments. One :class:`ToolCallParser` per sequence reads the output as it
+holding a function's ``name`` and its arguments. (Harmony names the function in a message header instead, and has its
+own reader: :mod:`service.tools.harmony_format`.) One :class:`ToolCallParser` per sequence reads the output as it
 comes: text before the marker is content (a marker's possible beginning is held back), everything after it is
 tool-call text, scanned again on every piece (outputs are short) for objects whose name is complete and whose
 arguments have grown. It hands out :class:`CallDelta`\\ s in OpenAI's streaming shape (index, id and name once,
@@ -31,6 +32,9 @@ class ToolFormat:
     call_suffix: str = ""
     #: Whether the grammar's calls are a JSON array (Mistral) rather than one object.
     array: bool = False
+    #: Whether a call's header names the function (harmony's ``to=functions.NAME``): ``call_prefix`` then holds
+    #: ``{name}``, the JSON is the arguments alone, and the grammar has one prefix per tool.
+    name_in_header: bool = False
 
 
 @dataclass

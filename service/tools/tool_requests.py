@@ -14,11 +14,12 @@ from typing import Any
 from service.engine.structured_output import GrammarSpec
 from service.errors import RequestValidationError
 from service.tools.call_parser import ToolFormat
+from service.tools.harmony_format import HARMONY, writes_harmony
 from service.tools.hermes_format import HERMES, writes_hermes
 from service.tools.llama3_format import LLAMA3_JSON, writes_llama3_json
 from service.tools.mistral_format import MISTRAL, writes_mistral
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, HARMONY)}
 #: Most tools one request may declare.
 MAX_TOOLS = 128
 
@@ -46,12 +47,14 @@ def tool_format(template: str | None, parser: str | None = None) -> ToolFormat:
             "tools: this model's chat template takes no tools, so the model cannot be shown them; send the request "
             "without tools, or serve a model whose template renders tools (or a template via its tokenizer)."
         )
-    for fmt, writes in ((MISTRAL, writes_mistral), (HERMES, writes_hermes), (LLAMA3_JSON, writes_llama3_json)):
+    shown = ((HARMONY, writes_harmony), (MISTRAL, writes_mistral), (HERMES, writes_hermes))
+    for fmt, writes in (*shown, (LLAMA3_JSON, writes_llama3_json)):
         if writes(template):
             return fmt
     raise RequestValidationError(
         "tools: this model's chat template renders tools but in no format this server parses (hermes "
-        "<tool_call>, llama3_json, mistral [TOOL_CALLS]); start the server with --tool-call-parser."
+        "<tool_call>, llama3_json, mistral [TOOL_CALLS], harmony <|channel|>); start the server with "
+        "--tool-call-parser."
     )
 
 
@@ -105,9 +108,25 @@ def _call_schema(fmt: ToolFormat, tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _header_options(fmt: ToolFormat, tools: list[dict[str, Any]]) -> GrammarSpec:
+    """A format that names the function in the call's header (harmony): one alternative per tool, its own header
+    then JSON of its own parameters, so the name and the arguments always belong together."""
+    options = [
+        {
+            "prefix": fmt.call_prefix.replace("{name}", t["function"]["name"]),
+            "schema": t["function"]["parameters"],
+            "suffix": fmt.call_suffix,
+        }
+        for t in tools
+    ]
+    return GrammarSpec("wrapped_json", json.dumps({"options": options}), "tool_choice")
+
+
 def call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> GrammarSpec:
     """The grammar of the call a ``required`` or named ``tool_choice`` asks for: exactly one call of one of
     ``tools`` (in Mistral's array too), so that a model cannot run on adding calls; ``auto`` parses any number."""
+    if fmt.name_in_header:
+        return _header_options(fmt, tools)
     options = [_call_schema(fmt, t) for t in tools]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     if fmt.array:

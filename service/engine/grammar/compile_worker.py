@@ -19,6 +19,16 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 
+def _wrapped(xgrammar: Any, parts: dict[str, Any]) -> Any:
+    """Literal text, a value of the schema, literal text (one alternative of a ``wrapped_json`` job)."""
+    pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
+    if parts.get("prefix"):
+        pieces.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['prefix'])}"))
+    if parts.get("suffix"):
+        pieces.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['suffix'])}"))
+    return pieces[0] if len(pieces) == 1 else xgrammar.Grammar.concat(*pieces)
+
+
 def compile_job(compiler: Any, kind: str, value: str) -> Any:
     """xgrammar's compilation of one job (the kinds of :class:`service.engine.structured_output.GrammarSpec`)."""
     import xgrammar
@@ -29,13 +39,8 @@ def compile_job(compiler: Any, kind: str, value: str) -> Any:
         return compiler.compile_json_schema(value, any_whitespace=False)
     if kind == "wrapped_json":
         parts = json.loads(value)
-        pieces = [xgrammar.Grammar.from_json_schema(json.dumps(parts["schema"]), any_whitespace=False)]
-        if parts.get("prefix"):
-            pieces.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['prefix'])}"))
-        if parts.get("suffix"):
-            pieces.append(xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(parts['suffix'])}"))
-        grammar = pieces[0] if len(pieces) == 1 else xgrammar.Grammar.concat(*pieces)
-        return compiler.compile_grammar(grammar)
+        options = [_wrapped(xgrammar, part) for part in parts.get("options", [parts])]
+        return compiler.compile_grammar(options[0] if len(options) == 1 else xgrammar.Grammar.union(*options))
     if kind == "ebnf":
         return compiler.compile_grammar(value)
     return compiler.compile_regex(value)

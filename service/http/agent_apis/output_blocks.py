@@ -102,7 +102,12 @@ def whole_blocks(final: FinishEvent, shape: ChatShape) -> tuple[list[Block], lis
     """A finished sequence's blocks, read as chat completions reads it (only calls whose arguments parse)."""
     tools = shape.tools
     reasoning, content, calls = read_whole(
-        final_text(final), shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None
+        final_text(final),
+        shape.prompt_text,
+        shape.thinks,
+        tools.fmt if tools else None,
+        tools.names if tools else None,
+        shape.harmony,
     )
     blocks: list[Block] = []
     if reasoning:
@@ -124,7 +129,9 @@ def matched_stop(final: FinishEvent, stops: tuple[str, ...]) -> str | None:
 
 def reader_for(shape: ChatShape) -> OutputReader:
     tools = shape.tools
-    return OutputReader(shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None)
+    return OutputReader(
+        shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None, shape.harmony
+    )
 
 
 async def sequence_pieces(

@@ -1,9 +1,10 @@
 """``POST /v1/chat/completions``: chat in OpenAI's shape, with tool calls and reasoning read out of the text.
 
-Each choice's output goes through an :class:`~service.tools.output_reader.OutputReader`: ``<think>`` blocks become
-``reasoning_content``, tool calls in the template's format become ``tool_calls`` (``finish_reason:
-"tool_calls"``), and in streams they come as OpenAI's deltas (the call's index, id and name once, then argument
-fragments); text that may begin a tool call is held back, so no call's text leaks into ``content``.
+Each choice's output goes through an :class:`~service.tools.output_reader.OutputReader`: ``<think>`` blocks (and
+harmony's analysis channel) become ``reasoning_content``, tool calls in the template's format become
+``tool_calls`` (``finish_reason: "tool_calls"``), and in streams they come as OpenAI's deltas (the call's index,
+id and name once, then argument fragments); text that may begin a tool call is held back, so no call's text leaks
+into ``content``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
 
 def _reader(shape: ChatShape) -> OutputReader:
     tools = shape.tools
-    return OutputReader(shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None)
+    return OutputReader(
+        shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None, shape.harmony
+    )
 
 
 def _message(final: FinishEvent, shape: ChatShape) -> tuple[dict[str, Any], str]:
@@ -59,6 +62,7 @@ def _message(final: FinishEvent, shape: ChatShape) -> tuple[dict[str, Any], str]
         shape.thinks,
         tools.fmt if tools else None,
         tools.names if tools else None,
+        shape.harmony,
     )
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:

@@ -1,7 +1,7 @@
 """Tool calls, reasoning and the new sampling fields on /v1/chat/completions, with the openai client and LangChain,
-against real servers whose tiny random models carry chat templates shaped like Qwen2.5's, Qwen3's, Llama 3.1's
-and Mistral's. Random weights write no calls of their own: ``tool_choice`` required or named drives the output
-through the grammar, and the server must then parse what its template's format says."""
+against real servers whose tiny random models carry chat templates shaped like Qwen2.5's, Qwen3's, Llama 3.1's,
+Mistral's and gpt-oss's (harmony). Random weights write no calls of their own: ``tool_choice`` required or named
+drives the output through the grammar, and the server must then parse what its template's format says."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _serve(family: str, **kw) -> LiveServer:
     return LiveServer(settings).start()
 
 
-@pytest.fixture(scope="module", params=["qwen25", "llama31", "mistral"])
+@pytest.fixture(scope="module", params=["qwen25", "llama31", "mistral", "harmony"])
 def family_server(request) -> Iterator[tuple[str, LiveServer]]:
     server = _serve(request.param)
     yield request.param, server

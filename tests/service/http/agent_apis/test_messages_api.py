@@ -1,8 +1,8 @@
 """``POST /v1/messages`` with the real ``anthropic`` client against a real server: tiny random models whose chat
-templates write Hermes (Qwen2.5's), Llama 3.1's JSON and Mistral's [TOOL_CALLS] calls. ``tool_choice`` any or tool
-drives the output through the grammar. The 2.x client no longer sends temperature, top_p or top_k (Anthropic
-deprecated them), so tests pass them as ``extra_body``; the server takes them. Greedy text must equal
-/v1/chat/completions' for the same conversation."""
+templates write Hermes (Qwen2.5's), Llama 3.1's JSON, Mistral's [TOOL_CALLS] and gpt-oss's harmony calls.
+``tool_choice`` any or tool drives the output through the grammar. The 2.x client no longer sends temperature,
+top_p or top_k (Anthropic deprecated them), so tests pass them as ``extra_body``; the server takes them. Greedy
+text must equal /v1/chat/completions' for the same conversation."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ TIME = _anthropic(TIME_TOOL)
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen25", "llama31", "mistral"])
+@pytest.fixture(scope="module", params=["qwen25", "llama31", "mistral", "harmony"])
 def server(request) -> Iterator[LiveServer]:
     settings = settings_for(
         chat_model_dir(request.param),
