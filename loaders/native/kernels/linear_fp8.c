@@ -84,6 +84,126 @@ typedef __m512 vec_t;
 #define VFMA(a, s, c) _mm512_fmadd_ps(a, _mm512_set1_ps(s), c)
 #define VSUM _mm512_reduce_add_ps
 
+/* bfloat16 x where the CPU has VBMI (Ice Lake, Sapphire Rapids, Zen 4): every e4m3 value is exactly a bfloat16
+ * (4 significant bits, exponents 2^-9 .. 2^8), so the weights become bf16 by two 128-entry byte tables (vpermt2b,
+ * indexed by the byte's low 7 bits; the sign bit is copied over) and meet x in AVX512-BF16 dot products: 64 weights
+ * in about 8 instructions instead of 18. unpacklo/hi interleave the two table bytes within each 128-bit lane, so x
+ * is laid out in that order once per call (xb). The products and float32 sums are those of the float path; only
+ * the order of summation differs (pairs, then lanes). A CPU without VBMI takes the float path for bf16 x too. */
+#define VBMI_FN __attribute__((target("avx512vbmi"))) LM_ALWAYS_INLINE
+
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1; /* low and high bytes of the bf16 bits of e4m3 magnitudes 0..63 and 64..127 */
+} bf16_tables;
+
+static bf16_tables make_tables(void) {
+    uint8_t lo[128], hi[128];
+    for (int i = 0; i < 128; i++) {
+        const float v = _cvtsh_ss((unsigned short)(i << 7)) * 256.0f; /* exact; its low 16 bits are zero */
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        lo[i] = (uint8_t)(u >> 16);
+        hi[i] = (uint8_t)(u >> 24);
+    }
+    bf16_tables t;
+    t.lo0 = _mm512_loadu_si512((const void *)lo);
+    t.lo1 = _mm512_loadu_si512((const void *)(lo + 64));
+    t.hi0 = _mm512_loadu_si512((const void *)hi);
+    t.hi1 = _mm512_loadu_si512((const void *)(hi + 64));
+    return t;
+}
+
+/* 64 e4m3 bytes as two vectors of 32 bf16 weights, in unpack order (see above). */
+static VBMI_FN void fp8x64_bf16(const bf16_tables *t, __m512i v, __m512bh *w0, __m512bh *w1) {
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, v, t->lo1);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, v, t->hi1);
+    hi = _mm512_ternarylogic_epi32(hi, v, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (v & 0x80) */
+    *w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+/* As span_dot, for bf16 x in unpack order (xb, row stride ldx in elements). */
+static VBMI_FN void span_dot_bf16(const bf16_tables *t, const uint16_t *xb, long ldx, const uint8_t *wr, int k0,
+                                  int k1, __m512 *sum, const int NM) {
+    __m512 a0[MAXM], a1[MAXM];
+    for (int m = 0; m < NM; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int k = k0; k < k1; k += 64) {
+        const int n = k1 - k < 64 ? k1 - k : 64;
+        const __m512i v = n == 64 ? _mm512_loadu_si512((const void *)(wr + k))
+                                  : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << n) - 1ULL), (const void *)(wr + k));
+        lm_prefetch(wr + k + LM_PREFETCH_AHEAD);
+        __m512bh w0, w1;
+        fp8x64_bf16(t, v, &w0, &w1);
+        for (int m = 0; m < NM; m++) {
+            const uint16_t *xr = xb + m * ldx + k;
+            a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_load_si512((const void *)xr));
+            a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_load_si512((const void *)(xr + 32)));
+        }
+    }
+    for (int m = 0; m < NM; m++) sum[m] = _mm512_add_ps(a0[m], a1[m]);
+}
+
+static __attribute__((target("avx512vbmi"))) LM_ALWAYS_INLINE void row_out_bf16(
+    const bf16_tables *t, const uint16_t *xb, long ldxb, const uint8_t *wr, const float *sr, int bk, int K, float bias,
+    void *y, long ldy, long n, int m0, const int NM) {
+    __m512 tot[MAXM], sum[MAXM];
+    for (int m = 0; m < NM; m++) tot[m] = _mm512_setzero_ps();
+    for (int k0 = 0, s = 0; k0 < K; k0 += bk, s++) {
+        const int k1 = K - k0 < bk ? K : k0 + bk;
+        span_dot_bf16(t, xb + (long)m0 * ldxb, ldxb, wr, k0, k1, sum, NM);
+        for (int m = 0; m < NM; m++) tot[m] = _mm512_fmadd_ps(sum[m], _mm512_set1_ps(sr[s]), tot[m]);
+    }
+    for (int m = 0; m < NM; m++) lm_store(y, 1, (long)(m0 + m) * ldy + n, _mm512_reduce_add_ps(tot[m]) + bias);
+}
+
+/* The whole product for bf16 x on the table path: x laid out in unpack order, then the tiles as lm_linear_fp8's. */
+static __attribute__((target("avx512vbmi"))) int linear_fp8_bf16(const uint16_t *x, long ldx, const uint8_t *w,
+                                                                 long ldw, const float *scale, long lds, int bn,
+                                                                 int bk, const void *bias, void *y, long ldy, int M,
+                                                                 int N, int K, int threads) {
+    const long ldxb = ((long)K + 63) / 64 * 64;
+    uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)M * (size_t)ldxb);
+    if (!xb) return 3;
+    for (int m = 0; m < M; m++) { /* chunk of 64: [lane L: 16L..16L+7 for L = 0..3], then [16L+8..16L+15] */
+        uint16_t *dst = xb + (long)m * ldxb;
+        const uint16_t *src = x + (long)m * ldx;
+        for (long k = 0; k < ldxb; k++) {
+            const long c = k & ~63L, j = k & 63, half = j >> 5, lane = (j & 31) >> 3, e = j & 7;
+            const long from = c + lane * 16 + half * 8 + e;
+            dst[k] = from < K ? src[from] : 0;
+        }
+    }
+    const bf16_tables t = make_tables();
+    const int ntiles = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int tile = 0; tile < ntiles; tile++) {
+        const int n0 = tile * ROWS;
+        const int n1 = N - n0 < ROWS ? N : n0 + ROWS;
+        for (int m0 = 0; m0 < M; m0 += MAXM) {
+            const int nm = M - m0 < MAXM ? M - m0 : MAXM;
+            for (long n = n0; n < n1; n++) {
+                const uint8_t *wr = w + n * ldw;
+                const float *sr = scale + (n / bn) * lds;
+                const float b = bias ? lm_bf16_to_f32(((const uint16_t *)bias)[n]) : 0.0f;
+                switch (nm) {
+                case 1: row_out_bf16(&t, xb, ldxb, wr, sr, bk, K, b, y, ldy, n, m0, 1); break;
+                case 2: row_out_bf16(&t, xb, ldxb, wr, sr, bk, K, b, y, ldy, n, m0, 2); break;
+                case 3: row_out_bf16(&t, xb, ldxb, wr, sr, bk, K, b, y, ldy, n, m0, 3); break;
+                default: row_out_bf16(&t, xb, ldxb, wr, sr, bk, K, b, y, ldy, n, m0, 4); break;
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+static int table_path(void) {
+    static int has = -1; /* benign race: every thread computes the same answer */
+    if (has < 0) has = __builtin_cpu_supports("avx512vbmi") ? 1 : 0;
+    return has;
+}
+
 #else /* AVX2 + FMA + F16C */
 #define MAXM 2
 #define STEP 32
@@ -155,6 +275,10 @@ int lm_linear_fp8(const void *x, long ldx, int x_bf16, const uint8_t *w, long ld
     if (ldw < K) return 2;
     if (bk < K && bk % STEP) return 4;
     if (bk > K) bk = K;
+#if defined(__AVX512F__)
+    if (x_bf16 && table_path())
+        return linear_fp8_bf16((const uint16_t *)x, ldx, w, ldw, scale, lds, bn, bk, bias, y, ldy, M, N, K, threads);
+#endif
     const long ldxf = ((long)K + 63) / 64 * 64; /* whole vectors of every width, zero past K */
     float *xf = aligned_alloc(64, sizeof(float) * (size_t)M * (size_t)ldxf);
     if (!xf) return 3;
