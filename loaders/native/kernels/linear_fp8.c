@@ -181,13 +181,23 @@ static __attribute__((target("avx512vbmi"))) int linear_fp8_bf16(const uint16_t 
     const long ldxb = ((long)K + 63) / 64 * 64;
     uint16_t *xb = aligned_alloc(64, sizeof(uint16_t) * (size_t)M * (size_t)ldxb);
     if (!xb) return 3;
-    for (int m = 0; m < M; m++) { /* chunk of 64: [lane L: 16L..16L+7 for L = 0..3], then [16L+8..16L+15] */
+    uint16_t ia[32], ib[32]; /* chunk of 64: [lane L: 16L..16L+7 for L = 0..3], then [16L+8..16L+15] */
+    for (int j = 0; j < 32; j++) {
+        ia[j] = (uint16_t)((j >> 3) * 16 + (j & 7));
+        ib[j] = (uint16_t)(ia[j] + 8);
+    }
+    const __m512i va = _mm512_loadu_si512((const void *)ia), vb = _mm512_loadu_si512((const void *)ib);
+    for (int m = 0; m < M; m++) {
         uint16_t *dst = xb + (long)m * ldxb;
         const uint16_t *src = x + (long)m * ldx;
-        for (long k = 0; k < ldxb; k++) {
-            const long c = k & ~63L, j = k & 63, half = j >> 5, lane = (j & 31) >> 3, e = j & 7;
-            const long from = c + lane * 16 + half * 8 + e;
-            dst[k] = from < K ? src[from] : 0;
+        for (long c = 0; c < ldxb; c += 64) {
+            const long left = K - c; /* zeros past K: masked loads read nothing there */
+            const __mmask32 m0 = left >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << left) - 1u);
+            const __mmask32 m1 = left >= 64 ? 0xFFFFFFFFu : left <= 32 ? 0u : (__mmask32)((1u << (left - 32)) - 1u);
+            const __m512i x0 = _mm512_maskz_loadu_epi16(m0, (const void *)(src + c));
+            const __m512i x1 = _mm512_maskz_loadu_epi16(m1, (const void *)(src + c + 32));
+            _mm512_store_si512((void *)(dst + c), _mm512_permutex2var_epi16(x0, va, x1));
+            _mm512_store_si512((void *)(dst + c + 32), _mm512_permutex2var_epi16(x0, vb, x1));
         }
     }
     const bf16_tables t = make_tables();
