@@ -1,6 +1,6 @@
 """Kernel benchmark: the native CPU kernels on each instruction-set path, side by side, as memory bandwidth.
 
-For each weight format (bf16, fp32, int8, int4) and each path this CPU runs (``avx512``, ``avx2``, forced the way
+For each weight format (bf16, fp32, int8, int4, fp8: e4m3 with a float32 scale per 128x128 block) and each path this CPU runs (``avx512``, ``avx2``, forced the way
 ``LOADMASTER_CPU_ISA`` forces them) plus torch's own kernels (``F.linear`` on the same weights, dequantized once for
 the quantized formats), it times one-row products ``x @ W^T`` over a set of matrices larger than the caches, and
 reports the bandwidth reached: bytes of weights (and scales) read per second. Paths alternate within each round
@@ -23,7 +23,7 @@ import torch
 from bench.common import machine, print_table, write_json
 from loaders.native import kernel_build, operators, quantization
 
-FORMATS = ("bfloat16", "float32", "int8", "int4")
+FORMATS = ("bfloat16", "float32", "int8", "int4", "fp8")
 
 
 def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
@@ -35,6 +35,11 @@ def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
         if fmt in ("bfloat16", "float32"):
             wt = w.to(getattr(torch, fmt))
             out.append({"w": wt, "bytes": wt.numel() * wt.element_size(), "dense": wt})
+        elif fmt == "fp8":
+            s = torch.full((-(-n // 128), -(-k // 128)), 0.02 / 448 * 4)
+            q = (w / s[0, 0]).to(torch.float8_e4m3fn)
+            deq = operators.dequantize_fp8(q, s, 128, 128, torch.bfloat16)
+            out.append({"q": q, "s": s, "bytes": q.numel() + s.numel() * 4, "dense": deq})
         else:
             q, s = quantization.QUANTIZERS[fmt](w)
             deq = (operators.dequantize_int8 if fmt == "int8" else operators.dequantize_int4)(q, s, k, torch.bfloat16)
@@ -49,6 +54,8 @@ def _call(fmt: str, x: torch.Tensor, m: dict, k: int, native: bool) -> torch.Ten
         return torch.nn.functional.linear(x, m["dense"])
     if fmt in ("bfloat16", "float32"):
         return operators.linear(x, m["w"], None)
+    if fmt == "fp8":
+        return operators.linear_fp8(x, m["q"], m["s"], None, 128, 128)
     op = operators.linear_q8 if fmt == "int8" else operators.linear_q4
     return op(x, m["q"], m["s"], None, k)
 

@@ -1,11 +1,15 @@
-"""Quantized CPU decode: int8 and 4-bit (``cpu_quantization=``) against our bf16, side by side, on the ~1B Llama.
+"""Quantized CPU decode: int8 and 4-bit (``cpu_quantization=``) and FP8 checkpoints against our bf16, side by side,
+on the ~1B Llama.
 
 Every contender runs in a fresh process (``bench.common.run_isolated``), fully CPU-resident, with the native
 kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU runs):
 
 - ``bf16``: ``load_model(path, dtype="bfloat16")`` (the native bf16 kernel);
 - ``int8`` / ``int4``: the same, plus ``cpu_quantization=...`` with ``cpu_quantized_dir`` (the first round
-  quantizes and saves; later rounds map the saved file, so their ready time is what a user sees the second time).
+  quantizes and saves; later rounds map the saved file, so their ready time is what a user sees the second time);
+- ``fp8`` (only when named in ``--schemes``): the model written once as a block-wise FP8 checkpoint (DeepSeek-V3 and
+  Qwen3-FP8's layout: e4m3 weights, a float32 ``weight_scale_inv`` per 128x128 block, the rest bf16; round to
+  nearest, :func:`write_fp8`), loaded with ``dtype="bfloat16"``: its linear layers run the native FP8 kernel.
 
 Rounds alternate the contenders (bf16, int8, int4, bf16, ...) so drift on this shared machine hits all alike;
 each figure is the best of the rounds (decode: highest tokens/s; ready: lowest). Decode is greedy from a fixed
@@ -41,6 +45,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_engine_generation, write_json
 
 SCHEMES = ("bf16", "int8", "int4")
+FP8 = "fp8"  # a pre-quantized checkpoint written from the model (write_fp8), not a cpu_quantization scheme
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CT2 = "ctranslate2-int8"  # the peer --peers adds (bench/peers/kernels_ctranslate2.py)
 LLAMACPP = "llama.cpp-q8_0"  # and llama.cpp's 8-bit (bench/peers/llamacpp.py)
 
@@ -60,6 +66,50 @@ def _weight_bytes_per_token(model) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
+
+
+def write_fp8(source: Path, dest: Path, block: int = 128) -> Path:
+    """``source`` written to ``dest`` as an ``fp8`` block-wise checkpoint (see the module docstring); kept if there."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if (dest / "config.json").is_file():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for f in sorted(source.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for key in fh.keys():
+                t = fh.get_tensor(key)
+                mod, _, leaf = key.rpartition(".")
+                if leaf != "weight" or mod.rpartition(".")[2] not in LINEARS:
+                    out[key] = t.to(torch.bfloat16) if t.is_floating_point() else t
+                    continue
+                n, k = t.shape
+                gn, gk = -(-n // block), -(-k // block)
+                w = torch.nn.functional.pad(t.float(), (0, gk * block - k, 0, gn * block - n))
+                blocks = w.view(gn, block, gk, block)
+                s = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [gn, gk]
+                q = (blocks / s[:, None, :, None]).view(gn * block, gk * block)[:n, :k]
+                out[key] = q.to(torch.float8_e4m3fn).contiguous()
+                out[f"{mod}.weight_scale_inv"] = s.contiguous()
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    for f in source.iterdir():
+        if f.suffix not in (".safetensors",) and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dest / f.name)
+    return dest
 
 
 def _cpu_decode_rate(model, new_tokens: int, vocab: int) -> float:
@@ -85,8 +135,9 @@ def worker(spec: dict) -> dict:
     torch.set_num_threads(int(spec["threads"]))
     scheme = spec["scheme"]
     t0 = time.perf_counter()
-    kw = {} if scheme == "bf16" else {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
-    model = loaders.load_model(spec["path"], device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
+    kw = {} if scheme in ("bf16", FP8) else {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
+    path = spec["fp8_path"] if scheme == FP8 else spec["path"]
+    model = loaders.load_model(path, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
     ready = time.perf_counter() - t0
     gen = time_engine_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
     cpu_tok_s = _cpu_decode_rate(model, spec["new_tokens"], model.config.vocab_size)
@@ -172,9 +223,9 @@ def main(argv=None) -> int:
         return 0
     path = args.model or llama_dir("1b", "bfloat16")
     schemes = args.schemes.split(",")
-    bad = [s for s in schemes if s not in SCHEMES]
+    bad = [s for s in schemes if s not in (*SCHEMES, FP8)]
     if bad:
-        raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(SCHEMES)}")
+        raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join((*SCHEMES, FP8))}")
     contenders = list(schemes)
     if args.peers:
         from bench.common import model_cache_dir
@@ -186,6 +237,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
     failed_peers: dict[str, str] = {}  # a peer that crashes is left out of later rounds and named in the output
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
+        fp8_path = write_fp8(Path(path), Path(saved) / "fp8") if FP8 in contenders else None
         for r in range(args.rounds):
             for s in contenders:
                 if s in failed_peers:
@@ -196,6 +248,7 @@ def main(argv=None) -> int:
                     "threads": args.threads,
                     "new_tokens": args.new_tokens,
                     "saved": saved,
+                    "fp8_path": str(fp8_path) if fp8_path else None,
                 }
                 if s in (CT2, LLAMACPP):
                     spec.update(cache=str(model_cache_dir()), prompt_len=16, type="q8_0")
@@ -213,7 +266,7 @@ def main(argv=None) -> int:
                 print(
                     f"round {r + 1} {s}: {res['decode_tok_s']:.2f} tok/s, "
                     f"{res['decode_tok_s_cpu']:.2f} tok/CPU-s, ready {res['ready_s']:.2f}s "
-                    f"({'saved file' if res['from_saved_file'] else 'quantized' if s != 'bf16' else 'bf16'})",
+                    f"({'saved file' if res['from_saved_file'] else 'quantized' if s not in ('bf16', FP8) else s})",
                     flush=True,
                 )
     rows = []
@@ -260,6 +313,12 @@ def main(argv=None) -> int:
     for peer, why in failed_peers.items():
         print(f"{peer} was left out: {why}")
     ours = next((r["decode_tok_s"] for r in rows if r["scheme"] == "int8"), None)
+    fp8 = next((r["decode_tok_s"] for r in rows if r["scheme"] == FP8), None)
+    if fp8 and ours:  # issue 36's FP8 targets: >= 0.9x our int8 and >= 1.8x our bf16
+        payload["fp8_vs_int8"] = round(fp8 / ours, 3)
+        print(f"fp8 against our int8: {fp8 / ours:.2f}x  (target >= 0.9x)")
+    if fp8 and base:
+        print(f"fp8 against our bf16: {fp8 / base:.2f}x  (target >= 1.8x)")
     for peer in (CT2, LLAMACPP):  # the 8-bit target: at least 0.9x each peer's 8-bit
         theirs = next((r["decode_tok_s"] for r in rows if r["scheme"] == peer), None)
         if ours and theirs:

@@ -10,7 +10,8 @@ step is ~33 ms. :class:`NativeDecoder` runs the same arithmetic as a short list 
     -> down -> (h += down at the next layer's norm)
 
 on preallocated buffers (:data:`MAX_ROWS` decode rows), the products on the same kernels the modules use
-(``loaders.native.linear``'s float kernels, ``loaders.native.quantization``'s int8 and 4-bit ones, q/k/v and gate/up in one
+(``loaders.native.linear``'s float kernels, ``loaders.native.quantization``'s int8 and 4-bit ones, the FP8 one of
+``loaders.native.fp8_linear``, q/k/v and gate/up in one
 call each where the float kernel takes them together), the element-wise steps in ``kernels/decoder_ops.c``, which
 rounds as the modules do in torch (see there).
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from loaders.native import kernel_build
+from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.linear import NativeCPULinear
 from loaders.native.quantization import QuantizedCPULinear
 
@@ -266,6 +268,8 @@ class _KernelBinder:
                     raise RuntimeError("the native linear kernel rejected a decode step's shapes")
 
             return _Product(call)
+        if isinstance(linear, Fp8CPULinear):
+            return self._fp8_product(linear, x, out, bias)
         if not isinstance(linear, QuantizedCPULinear):
             raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
         if linear.in_features != k or linear.out_features != n:
@@ -289,6 +293,22 @@ class _KernelBinder:
                 raise RuntimeError("the native quantized kernel rejected a decode step's shapes")
 
         return _Product(qcall)
+
+    def _fp8_product(self, linear: Fp8CPULinear, x: torch.Tensor, out: torch.Tensor, bias: int | None) -> _Product:
+        """``out = x @ W^T (+ b)`` on the FP8 kernel, reading the layer's stored e4m3 bytes."""
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
+        if linear.in_features != k or linear.out_features != n:
+            raise NotNativeDecodable("an FP8 layer's shape differs from the model's")
+        w, sc, bf16 = linear.weight, linear.scales, self.geometry.bf16
+        args = (w.data_ptr(), w.stride(0), sc.data_ptr(), sc.stride(0), linear.block_rows, linear.block_cols)
+        fn = kernel_build.function("linear_fp8")
+
+        def call(m: int, threads: int) -> None:
+            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
+                raise RuntimeError("the native FP8 kernel rejected a decode step's shapes")
+
+        return _Product(call)
 
 
 class NativeDecoder:

@@ -1,5 +1,5 @@
 """The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8``,
-``linear_q4`` and ``decode_attention``.
+``linear_q4``, ``linear_fp8`` and ``decode_attention``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
 checked by the dispatcher), a Meta implementation (shapes and dtypes propagate through the meta device and fake
@@ -31,6 +31,9 @@ _lib.define("linear_multi(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tenso
 _lib.define("linear_q8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int in_features) -> Tensor")
 _lib.define("linear_q4(Tensor x, Tensor packed, Tensor scales, Tensor? bias, int in_features) -> Tensor")
 _lib.define("linear_q4z(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Tensor? bias, int in_features) -> Tensor")
+_lib.define(
+    "linear_fp8(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int block_rows, int block_cols) -> Tensor"
+)
 _lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
@@ -214,12 +217,16 @@ def _groups(in_features: int) -> int:
     return (in_features + GROUP - 1) // GROUP
 
 
+#: Rows each quantized kernel takes, by symbol name (``linear_q4z`` is the 4-bit kernel's).
+_QUANT_MAX_ROWS = {k.name: k.max_rows for k in QUANT_KERNELS.values()} | {"linear_q4z": QUANT_KERNELS["int4"].max_rows}
+
+
 def _call_quant(name: str, x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int, args) -> torch.Tensor | None:
     """Run a quantized kernel, or return ``None`` for the torch fallback."""
     fn = _fn(name)
     x2 = _rows(x, k)
     m = x2.shape[0]
-    if fn is None or not 0 < m <= QUANT_KERNELS["int8" if name == "linear_q8" else "int4"].max_rows:
+    if fn is None or not 0 < m <= _QUANT_MAX_ROWS[name]:
         return None
     out = torch.empty((m, n), dtype=x.dtype)
     bias_ptr = None
@@ -288,6 +295,108 @@ def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
     torch._check(x.shape[-1] == in_features, lambda: "x's last dimension must equal in_features")
     torch._check(x.dtype in (torch.float32, torch.bfloat16), lambda: "x must be float32 or bfloat16")
     return x.new_empty(_out_shape(x, qweight.shape[0]))
+
+
+# -- FP8 e4m3 weights as checkpoints store them ------------------------------------------------------------------
+#: Bytes of float32 weight one step of :func:`linear_fp8_torch` dequantizes: bounds its temporaries.
+FP8_TILE_BYTES = 16 << 20
+#: Inputs per scale span the kernel takes when a row has several spans (``kernels/linear_fp8.c``).
+FP8_SPAN_MULTIPLE = 64
+
+
+def dequantize_fp8(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    dtype: torch.dtype,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The float weight (rows ``rows`` of ``[N, K]``) that e4m3 codes and their float32 scales stand for:
+    ``W[n, k] = code[n, k] * scales[n // block_rows, k // block_cols]``, rounded to ``dtype``. Native
+    (``lm_dequantize_fp8``, the same values) for float32 and bfloat16 where the kernels are loaded."""
+    n0, n1 = rows or (0, weight.shape[0])
+    k = weight.shape[1]
+    native = dtype in (torch.float32, torch.bfloat16) and weight.stride(1) == 1 and scales.is_contiguous()
+    fn = _fn("dequantize_fp8") if native and scales.dtype is torch.float32 else None
+    if fn is not None and n1 > n0 and k > 0:
+        out = torch.empty((n1 - n0, k), dtype=dtype)
+        rc = fn(
+            weight.data_ptr(),
+            weight.stride(0),
+            scales.data_ptr(),
+            scales.stride(0),
+            block_rows,
+            min(block_cols, k),
+            n0,
+            n1 - n0,
+            k,
+            out.data_ptr(),
+            out.stride(0),
+            int(dtype is torch.bfloat16),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"lm_dequantize_fp8 failed ({rc}) for a weight of shape {tuple(weight.shape)}")
+        return out
+    s = scales.index_select(0, torch.arange(n0, n1) // block_rows)
+    if s.shape[1] > 1:
+        s = s.repeat_interleave(block_cols, 1)[:, :k]
+    return (weight[n0:n1].to(torch.float32) * s).to(dtype)
+
+
+def linear_fp8_torch(x, weight, scales, bias, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``loadmaster::linear_fp8`` on torch's GEMM: the weight dequantized to x's dtype a tile of output rows at a
+    time (:data:`FP8_TILE_BYTES`), each tile's product written into its columns of the result. Prompts and the
+    fallback where the native kernels are not loaded take this."""
+    n, k = weight.shape
+    rows = max(1, FP8_TILE_BYTES // (4 * max(k, 1)))
+    if rows >= n:
+        return F.linear(x, dequantize_fp8(weight, scales, block_rows, block_cols, x.dtype), bias)
+    out = x.new_empty(_out_shape(x, n))
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = dequantize_fp8(weight, scales, block_rows, block_cols, x.dtype, (n0, n1))
+        out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return out
+
+
+def _check_fp8(x, weight, scales, block_rows: int, block_cols: int) -> None:
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        raise ValueError(f"loadmaster::linear_fp8 takes float32 or bfloat16 x, not {x.dtype}")
+    if weight.dtype is not torch.float8_e4m3fn or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"loadmaster::linear_fp8: weight must be float8_e4m3fn [N, K] with contiguous rows, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"loadmaster::linear_fp8: x has {x.shape[-1]} features, the weight {k}")
+    if block_rows < 1 or block_cols < 1 or (block_cols < k and block_cols % FP8_SPAN_MULTIPLE):
+        raise ValueError(
+            f"loadmaster::linear_fp8: a scale block of {block_rows}x{block_cols}; rows >= 1, and columns a multiple "
+            f"of {FP8_SPAN_MULTIPLE} or the whole row ({k})"
+        )
+    want = (-(-n // block_rows), -(-k // block_cols))
+    if scales.dtype is not torch.float32 or tuple(scales.shape) != want or not scales.is_contiguous():
+        raise ValueError(
+            f"loadmaster::linear_fp8: scales must be contiguous float32 {want}, got {scales.dtype} {tuple(scales.shape)}"
+        )
+
+
+def _linear_fp8_cpu(x, weight, scales, bias, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``x @ (scales * W)^T (+ bias)`` on the native kernel up to its row limit, else :func:`linear_fp8_torch`."""
+    _check_fp8(x, weight, scales, block_rows, block_cols)
+    n, k = weight.shape
+    args = (weight.data_ptr(), weight.stride(0), scales.data_ptr(), scales.stride(0), block_rows, min(block_cols, k))
+    out = _call_quant("linear_fp8", x, bias, n, k, args)
+    if out is None:
+        out = linear_fp8_torch(x, weight, scales, bias, block_rows, block_cols)
+    return out
+
+
+def _fp8_fake(x, weight, scales, bias, block_rows: int, block_cols: int) -> torch.Tensor:
+    return _quant_fake(x, weight, scales, bias, weight.shape[1])
 
 
 # -- attention over the slot cache ---------------------------------------------------------------------------------
@@ -387,6 +496,7 @@ _lib.impl("linear_multi", _linear_multi_cpu, "CPU")
 _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
 _lib.impl("linear_q4z", _linear_q4z_cpu, "CPU")
+_lib.impl("linear_fp8", _linear_fp8_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 # Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
 # caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
@@ -396,6 +506,7 @@ _lib.impl("linear_multi", _linear_multi_fake, "Meta")
 _lib.impl("linear_q8", _quant_fake, "Meta")
 _lib.impl("linear_q4", _quant_fake, "Meta")
 _lib.impl("linear_q4z", _quant_z_fake, "Meta")
+_lib.impl("linear_fp8", _fp8_fake, "Meta")
 _lib.impl("decode_attention", _decode_attention_fake, "Meta")
 
 linear = torch.ops.loadmaster.linear.default
@@ -403,6 +514,7 @@ linear_multi = torch.ops.loadmaster.linear_multi.default
 linear_q8 = torch.ops.loadmaster.linear_q8.default
 linear_q4 = torch.ops.loadmaster.linear_q4.default
 linear_q4z = torch.ops.loadmaster.linear_q4z.default
+linear_fp8 = torch.ops.loadmaster.linear_fp8.default
 decode_attention = torch.ops.loadmaster.decode_attention.default
 
 

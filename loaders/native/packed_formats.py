@@ -11,8 +11,12 @@ Every format is first read into one form: integer codes ``[N, K]``, a scale and 
   (compressed-tensors' bfloat16 scales are exact in float16 unless below 2^-14; the log says if any were not);
 - 8-bit per channel: the native int8 layout (one float32 scale per row). Exact except codes of -128, which the
   int8 kernel does not take: they become -127 (one step; the log counts them);
-- everything else (8-bit in groups, FP8): dequantized to the compute dtype, and the log says so, since the native
-  kernels have no layout for it yet.
+- FP8 (compressed-tensors ``float-quantized``, ``fp8`` block-wise): kept as stored, e4m3 bytes and float32 scales,
+  for the native FP8 kernel (:class:`~loaders.native.fp8_linear.Fp8CPULinear`), which reads one byte per weight in
+  place (a disk layer's from the shard's map). A grid the kernel lacks (a block of inputs not a multiple of 64) is
+  dequantized, and the log says so;
+- everything else (8-bit in groups): dequantized to the compute dtype, and the log says so, since the native
+  kernels have no layout for it yet. On a GPU (``native=False``) every layer is dequantized on its device.
 
 Reference layouts (the format's own packing, each checked in tests against the package where it installs):
 GPTQ ``qweight`` int32 ``[K*b/32, N]`` packed along inputs, low bits first, ``qzeros`` int32 ``[G, N*b/32]`` along
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from loaders.native.fp8_linear import FP8_LAYOUTS, Fp8CPULinear
 from loaders.native.operators import GROUP
 from loaders.native.quantization import QuantizedCPULinear
 from planner.model.packed_linear import PackedLinear
@@ -189,7 +194,12 @@ def dequantize_fp8(m: PackedLinear, fmt: QuantFormat) -> torch.Tensor:
         s = m.weight_scale_inv.to(torch.float32)
         return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     s = m.weight_scale.to(torch.float32)
-    return w * (s.reshape(n, 1) if s.numel() == n else s.reshape(1, 1))
+    if s.numel() == 1:
+        return w * s.reshape(1, 1)
+    s = s.reshape(n, -1)  # per channel, or per group of inputs
+    if s.shape[1] == 1:
+        return w * s
+    return w * s.repeat_interleave(fmt.group_size if fmt.group_size > 0 else -(-k // s.shape[1]), 1)[:, :k]
 
 
 def _dequantized(m: PackedLinear, weight: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
@@ -204,11 +214,14 @@ def repack(m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool
     """The runnable layer for one stored layer, and the kind it became (``native``: False on a GPU, where every
     layer is dequantized)."""
     fmt = m.fmt
-    if fmt.layout in ("ct-fp8", "fp8-block") or not native:
-        if fmt.layout not in ("ct-fp8", "fp8-block"):
-            weight = dequantize_grid(_GRIDS[fmt.layout](m, fmt), m.in_features)
-            return _dequantized(m, weight, dtype), f"int{fmt.bits} -> {str(dtype).removeprefix('torch.')}"
+    if fmt.layout in FP8_LAYOUTS:
+        layer = Fp8CPULinear.from_packed(m) if native else None
+        if layer is not None:
+            return layer, "fp8"
         return _dequantized(m, dequantize_fp8(m, fmt), dtype), f"fp8 -> {str(dtype).removeprefix('torch.')}"
+    if not native:
+        weight = dequantize_grid(_GRIDS[fmt.layout](m, fmt), m.in_features)
+        return _dequantized(m, weight, dtype), f"int{fmt.bits} -> {str(dtype).removeprefix('torch.')}"
     grid = _GRIDS[fmt.layout](m, fmt)
     per_channel = grid.group >= m.in_features
     if grid.bits == 4 and (per_channel or grid.group % GROUP == 0):

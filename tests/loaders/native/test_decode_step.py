@@ -277,3 +277,23 @@ def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path)
         for b, (_, prompt, token) in enumerate(rows):
             ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
             assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "ct-fp8"])
+def test_pre_quantized_fp8_layers_run_their_kernel(native_path, tmp_path, fmt):
+    """FP8 checkpoints (128x128 blocks; per channel) decode on ``linear_fp8`` as the model's forward does, to float32
+    summation order: the kernel converts each stored byte exactly."""
+    from loaders.native.fp8_linear import Fp8CPULinear
+    from tests.quant_checkpoints import write_quantized
+
+    write_quantized(tiny_llama_dir(), tmp_path / fmt, fmt)
+    model = loaders.load_model(tmp_path / fmt, device_map={"": "cpu"}, show_progress=False, dtype="float32")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8CPULinear)
+    decoder = NativeDecoder(model)
+    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
+    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
+    logits = _step(decoder, rows, keys, values)
+    with torch.inference_mode():
+        for b, (_, prompt, token) in enumerate(rows):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())

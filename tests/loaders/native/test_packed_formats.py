@@ -3,7 +3,8 @@ on the CPU and from disk with their grid repacked exactly, logits within toleran
 
 Tolerance: the native int8/int4 kernels quantize each 64-input group of activations to int8 (docs/kernels.md),
 so logits of the tiny Llama differ from the float32 reference by up to ~1.5% of the largest logit; 3% is allowed.
-Dequantized layers (FP8, 8-bit in groups) match the float32 reference to 1e-5."""
+FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32) and dequantized layers (8-bit in
+groups) match the float32 reference to 1e-5."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from loaders import load_model
+from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.quantization import QuantizedCPULinear
 from planner.errors import PlanError
 from planner.model.skeleton import skeleton_from_dir
@@ -39,7 +41,7 @@ CASES = {
     "fp8-block": ("fp8", {}),
 }
 #: What each case's linear layers become at load.
-NATIVE = {"gptq8-group": None, "ct-fp8": None, "fp8-block": None, "gptq8-channel": "int8", "ct-pack8": "int8"}
+NATIVE = {"gptq8-group": None, "ct-fp8": "fp8", "fp8-block": "fp8", "gptq8-channel": "int8", "ct-pack8": "int8"}
 NATIVE["ct-naive8"] = "int8"
 
 
@@ -111,6 +113,10 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
         if name == "gptq8-group" and mod.in_features <= 64:  # one group spans the row: per channel after all
             kind = "int8"
         want = ref_sd[f"{mname}.weight"]
+        if kind == "fp8":  # the stored bytes, kept as stored; their scales exactly
+            assert isinstance(mod, Fp8CPULinear) and mod.weight.dtype == torch.float8_e4m3fn, mname
+            assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
+            continue
         if kind is None:
             assert type(mod) is torch.nn.Linear or not isinstance(mod, QuantizedCPULinear)
             torch.testing.assert_close(mod.weight.float(), want, rtol=0, atol=1e-6)
@@ -126,11 +132,24 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
     with torch.no_grad():
         got = model(ids).logits
     want = _reference_logits(ref_sd, ids)
-    tol = 1e-5 if NATIVE.get(name, "int4") is None and name != "gptq8-group" else 0.03
+    tol = 1e-5 if NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group" else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
+    if NATIVE.get(name) == "fp8":
+        assert model._loadmaster_packed_stats.kinds == {"fp8": 28}
 
 
-@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block"])
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (Linux ``/proc/self/maps``), None if anonymous memory."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8"])
 def test_loads_with_layers_on_disk(written, name, tmp_path):
     d, ref_sd = written[name]
     dmap = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
@@ -141,8 +160,12 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
     with torch.no_grad():
         got = model(ids).logits
     want = _reference_logits(ref_sd, ids)
-    tol = 1e-5 if name == "fp8-block" else 0.03
+    tol = 1e-5 if NATIVE.get(name) == "fp8" else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
+    if NATIVE.get(name) == "fp8":  # a disk layer's kernel reads the stored bytes from the shard's map, in place
+        on_disk = model.model.layers[1].mlp.down_proj
+        assert isinstance(on_disk, Fp8CPULinear)
+        assert _mapped_file(on_disk.weight.data_ptr()) == str((d / "model.safetensors").resolve())
 
 
 def _with_config(written, name, tmp_path, **change):
