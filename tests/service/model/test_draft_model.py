@@ -97,3 +97,25 @@ def test_a_draft_that_would_stream_from_disk_is_refused(tiny_llama: Path):
         plan_draft(tiny_llama, tight)
     with pytest.raises(PlanError, match="does not fit"):
         plan_draft(tiny_llama, replace(tight, max_memory={"cpu": "1MiB", "disk": "1GiB"}))
+
+
+def test_the_served_target_makes_room_for_its_draft_in_a_tight_box(tiny_llama: Path, tiny_draft_llama: Path):
+    """The server's own load (:func:`load_model`): in a 3 MiB box the tiny Llama is resident alone; beside its draft
+    the target's plan reserves the draft's bytes first and streams part of itself from disk instead, its CPU budget
+    still within the box, and the draft is loaded whole on the CPU as its own plan says."""
+    from service.model.background_load import load_model
+
+    def load(**kw: Any):
+        box = dict(max_memory=["cpu=3MiB", "disk=1GiB"], max_total_tokens=512, max_input_tokens=256)
+        return load_model(ServiceSettings(model=str(tiny_llama), **box, **kw), lambda _update: None)
+
+    alone, beside = load(), load(draft_model=str(tiny_draft_llama))
+    assert alone.plan is not None and beside.plan is not None
+    assert alone.plan.offloaded_bytes == 0 and alone.draft is None
+    cpu = beside.plan.budget("cpu")
+    assert cpu is not None and cpu.draft > 0 and cpu.total <= cpu.capacity == 3 * 2**20
+    assert beside.plan.offloaded_bytes > 0  # what the draft took, the target streams
+    assert beside.draft is not None and beside.draft.reserved == cpu.draft and beside.draft.nbytes < cpu.draft
+    assert set(beside.draft.model.hf_device_map.values()) == {"cpu"}
+    assert beside.draft.cost is not None and "target weights on cpu -" in beside.draft.cost
+    assert beside.draft.cost.endswith(f"on disk +{beside.plan.offloaded_bytes / 2**10:.1f}KiB")
