@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from planner.errors import PlanError
 from planner.placement.advice import explain_no_fit
 from planner.placement.assemble import assemble
-from planner.placement.inputs import PlanInputs, resolve_inputs
+from planner.placement.draft_budget import draft_cost_reason
+from planner.placement.inputs import PlanInputs, ResolvedInputs, resolve_inputs
 from planner.placement.solve import solve
+from planner.placement.strategies import compute_loads
 from planner.types import Hardware, Plan
 
 
@@ -76,7 +79,22 @@ def plan_inputs(model: Any, inputs: PlanInputs, *, hardware: Hardware | None = N
     solution = solve(resolved)
     if not solution.fits:
         raise PlanError(explain_no_fit(resolved, solution, advise))
-    return assemble(resolved.skeleton, solution, resolved.workload)
+    the_plan = assemble(resolved.skeleton, solution, resolved.workload)
+    if resolved.workload.draft is not None:
+        the_plan.reasons.append(_draft_cost(resolved, the_plan))
+    return the_plan
+
+
+def _draft_cost(resolved: ResolvedInputs, the_plan: Plan) -> str:
+    """What the draft model costs the target's residency: the target planned again without it (it fits, with more
+    room), and its weights per device compared."""
+    workload = resolved.workload
+    assert workload.draft is not None
+    alone = solve(replace(resolved, workload=replace(workload, draft=None)))
+    assignment = alone.fill.assignment
+    without = {} if assignment is None else (alone.fill.loads or compute_loads(alone.problem, assignment)).weights
+    with_draft = {b.device: b.weights for b in the_plan.budgets}
+    return draft_cost_reason(workload.draft, workload, with_draft, without)
 
 
 def fits(model: Any, **kwargs: Any) -> bool:

@@ -126,7 +126,7 @@ class ClusterPlan:
         return cls(
             model=d["model"],
             architecture=d["architecture"],
-            workload=Workload(**d["workload"]),
+            workload=Workload.from_dict(d["workload"]),
             micro_batches=int(d["micro_batches"]),
             micro_batch_size=int(d["micro_batch_size"]),
             inter_host_bandwidth=float(d["inter_host_bandwidth"]),

@@ -168,6 +168,10 @@ class Hardware:
     link_bandwidth: float = 2.5e10
     #: How detected capacities were bounded (e.g. a container's memory limit); they open the plan's reasons.
     notes: tuple[str, ...] = ()
+    #: (device, bytes) already taken off that device's capacity for a draft model
+    #: (:mod:`planner.placement.draft_budget`), so that reserving for another workload gives them back first
+    #: instead of taking them twice.
+    draft_held: tuple[DeviceId, int] | None = None
 
     @property
     def gpus(self) -> tuple[Device, ...]:
@@ -190,6 +194,28 @@ PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)
+class DraftBudget:
+    """A speculative decoding draft model as the target's plan makes room for it: what the draft holds resident on
+    ``device`` whatever the batch (``weights``, and ``working``: the activations of its own forwards), and its KV
+    cache, ``kv_per_token`` bytes for each token of each sequence (one slot per engine slot, the served context).
+    The target's plan takes these bytes off ``device`` before placing its own weights, so the draft never pushes
+    the box past its memory: the target streams more instead (:mod:`planner.placement.draft_budget`)."""
+
+    #: What drafts, in words: "int4 copy", "draft model tiny-draft".
+    label: str
+    device: DeviceId = "cpu"
+    weights: int = 0
+    working: int = 0
+    kv_per_token: int = 0
+
+    def kv_bytes(self, batch_size: int, context: int) -> int:
+        return self.kv_per_token * batch_size * context
+
+    def total(self, batch_size: int, context: int) -> int:
+        return self.weights + self.working + self.kv_bytes(batch_size, context)
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the plan must leave room for besides the weights."""
 
@@ -202,6 +228,17 @@ class Workload:
     #: Prompt tokens one forward prefills: the serving engine's :data:`PREFILL_CHUNK`, or None for a whole-batch
     #: prefill of ``batch_size x context`` tokens at once (transformers' ``generate`` on a loaded model).
     prefill_chunk: int | None = None
+    #: Speculative decoding's draft model, reserved beside the target (None: no draft model).
+    draft: DraftBudget | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Workload:
+        draft = d.get("draft")
+        return cls(**{**d, "draft": DraftBudget(**draft) if isinstance(draft, dict) else draft})
+
+    def draft_bytes(self) -> int:
+        """Bytes the draft model holds at this batch and context (0 without one)."""
+        return self.draft.total(self.batch_size, self.context) if self.draft is not None else 0
 
     def step_tokens(self) -> int:
         """The most tokens one forward computes: a whole-batch prefill, or a chunk plus one decode row per sequence."""
@@ -220,10 +257,13 @@ class DeviceBudget:
     activations: int = 0
     reserve: int = 0
     blocks: list[str] = field(default_factory=list)
+    #: Held for speculative decoding's draft model (its weights, working memory and KV): taken off the capacity
+    #: before the target's blocks were placed.
+    draft: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.reserve
+        return self.weights + self.kv_cache + self.activations + self.reserve + self.draft
 
     @property
     def free(self) -> int:
@@ -288,7 +328,7 @@ class Plan:
             model=d["model"],
             architecture=d["architecture"],
             strategy=d["strategy"],
-            workload=Workload(**d["workload"]),
+            workload=Workload.from_dict(d["workload"]),
             device_map=dict(d["device_map"]),
             budgets=budgets,
             offloaded_bytes=int(d["offloaded_bytes"]),

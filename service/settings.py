@@ -142,6 +142,12 @@ class ServiceSettings(BaseSettings):
         "weights quantized at load and kept on the CPU as the draft model; needs a CPU/disk plan), or off.",
     )
     speculate_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens a row proposes per verify pass.")
+    draft_model: str | None = Field(
+        None,
+        description="A smaller checkpoint with the target's tokenizer (directory: safetensors + config + tokenizer) "
+        "that drafts for it; placed by the planner beside the target, resident, its KV budgeted. Implies model "
+        "drafting: --speculate stays off.",
+    )
     max_input_tokens: int | None = Field(None, ge=1, description="Longest prompt (default min(1024, total - 1)).")
     max_total_tokens: int = Field(2048, ge=2, description="Prompt + generated tokens of one request.")
     default_max_new_tokens: int = Field(100, ge=1)
@@ -202,6 +208,8 @@ class ServiceSettings(BaseSettings):
                 "--speculate does not apply to a --pipeline (its ranks run one token a row); serve without "
                 "--speculate, or serve one process"
             )
+        if self.draft_model is not None:
+            self._check_draft_model(self.draft_model)
         if self.speculate in ("int4", "int8"):
             # the copy drafts on the CPU's native kernels: a target on GPUs decodes faster than it drafts
             gpu_flag = "--gpus" if self.gpus else "--quantization" if self.quantization else None
@@ -212,6 +220,26 @@ class ServiceSettings(BaseSettings):
                     "that copy drafts: use --speculate ngram or off there"
                 )
         return self
+
+    def _check_draft_model(self, draft: str) -> None:
+        """``--draft-model`` is its own draft kind: refused beside another (``--speculate``) and in a pipeline."""
+        if self.speculate != "off":
+            raise ValueError(
+                f"--draft-model drafts with the model it names; --speculate {self.speculate} drafts another way. "
+                "Give one of them: --draft-model DIR alone, or --speculate without --draft-model"
+            )
+        if self.pipeline:
+            raise ValueError(
+                "--draft-model does not apply to a --pipeline (its ranks run one token a row); serve without "
+                "--draft-model, or serve one process"
+            )
+        if not draft.strip():
+            raise ValueError("--draft-model is empty; give the draft model's directory, or leave it unset")
+
+    @property
+    def speculation_mode(self) -> Literal["off", "ngram", "int4", "int8", "model"]:
+        """How the engine drafts: ``model`` with ``--draft-model``, else ``--speculate``'s mode."""
+        return "model" if self.draft_model is not None else self.speculate
 
     @model_validator(mode="after")
     def _check_limits(self) -> ServiceSettings:

@@ -84,6 +84,11 @@ def tiny_llama() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_llama() -> Path:
+    return models.tiny_draft_llama_dir()
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2() -> Path:
     return models.tiny_gpt2_dir()
 

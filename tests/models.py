@@ -30,6 +30,11 @@ def tiny_llama_dir() -> Path:
     return build_model("llama", cache_dir() / "tiny-llama", size="tiny")
 
 
+def tiny_draft_llama_dir() -> Path:
+    """Llama, 1 layer of width 32, the tiny Llama's tokenizer: a ``--draft-model`` for it (~0.2 MB fp32, sharded)."""
+    return build_model("llama", cache_dir() / "tiny-draft-llama", size="draft")
+
+
 def tiny_gpt2_dir() -> Path:
     """GPT-2, 4 layers, lm_head tied to transformer.wte; ~1.5 MB fp32, sharded."""
     return build_model("gpt2", cache_dir() / "tiny-gpt2", size="tiny")

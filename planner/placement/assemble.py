@@ -13,6 +13,7 @@ from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.model.moe import unquantized_experts_warning
 from planner.placement.cost_model import compute_dtype, predict
+from planner.placement.draft_budget import held_for_draft
 from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
 from planner.placement.solve import Solution, lone_speed, make_problem
@@ -121,16 +122,19 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
 def _budgets(placed: _Placed) -> list[DeviceBudget]:
     """Each device's planned bytes by kind, against its capacity, and the blocks it holds."""
     budgets = []
-    for d in placed.problem.hardware.devices:
+    hardware = placed.problem.hardware
+    for d in hardware.devices:
+        draft = held_for_draft(hardware, d.id)  # taken off the capacity the blocks were placed in: given back here
         budgets.append(
             DeviceBudget(
                 device=d.id,
-                capacity=d.capacity,
+                capacity=d.capacity + draft,
                 weights=placed.loads.weights.get(d.id, 0),
                 kv_cache=placed.loads.kv.get(d.id, 0),
                 activations=placed.loads.activations.get(d.id, 0),
                 reserve=placed.loads.reserve.get(d.id, 0),
                 blocks=[n for n, dev in zip(placed.names, placed.assignment) if dev == d.id],
+                draft=draft,
             )
         )
     return budgets

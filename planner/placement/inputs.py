@@ -24,7 +24,7 @@ from planner.hardware.devices import is_gpu, parse_device
 from planner.hardware.units import parse_size
 from planner.model.skeleton import load_skeleton
 from planner.placement.sizing import normalize_cpu_quantization, normalize_dtype, normalize_quantization
-from planner.types import DeviceId, Hardware, Skeleton, Workload
+from planner.types import DeviceId, DraftBudget, Hardware, Skeleton, Workload
 
 DEFAULT_CONTEXT = 2048
 
@@ -114,6 +114,9 @@ class PlanInputs:
     #: The devices, already resolved once: a server measures its box once, so that the choices it makes from one
     #: plan and the plan it loads see the same capacities (the process's footprint grows while it loads).
     resolved_hardware: Hardware | None = None
+    #: Speculative decoding's draft model, whose bytes the plan reserves beside the target's
+    #: (:mod:`planner.placement.draft_budget`); None without one.
+    draft: DraftBudget | None = None
 
     @classmethod
     def from_text(
@@ -169,6 +172,7 @@ class PlanInputs:
             self.context,
             self.cpu_quantization,
             self.prefill_chunk,
+            self.draft,
         )
 
     def checked_strategy(self) -> Strategy:
@@ -205,6 +209,7 @@ def make_workload(
     context: int | None = None,
     cpu_quantization: str | None = None,
     prefill_chunk: int | None = None,
+    draft: DraftBudget | None = None,
 ) -> Workload:
     """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32).
 
@@ -240,6 +245,7 @@ def make_workload(
         context=context if context is not None else DEFAULT_CONTEXT,
         cpu_quantization=cpu_quant,
         prefill_chunk=prefill_chunk,
+        draft=draft,
     )
 
 

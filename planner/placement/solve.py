@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from planner.errors import PlanError
 from planner.hardware.devices import device_label, is_gpu
 from planner.placement.cost_model import compute_dtype, predict
+from planner.placement.draft_budget import reserve_draft
 from planner.placement.hf_device_map import resolve_custom_map
 from planner.placement.inputs import ResolvedInputs, Strategy
 from planner.placement.sizing import activation_bytes, logits_bytes, size_blocks
@@ -111,8 +112,10 @@ def lone_speed(solution: Solution, lone_problem: Problem, dtype: str | None) -> 
 def make_problem(
     skeleton: Skeleton, hardware: Hardware, workload: Workload, pinned: Mapping[int, DeviceId] | None = None
 ) -> Problem:
-    """Every block sized for the workload, on this hardware: what the strategies fill."""
+    """Every block sized for the workload, on this hardware less what the workload's draft model holds there
+    (:func:`~planner.placement.draft_budget.reserve_draft`): what the strategies fill."""
     pinned = dict(pinned or {})
+    hardware = reserve_draft(hardware, workload)
     follows = tied_follows(skeleton)
     companions = {i: j for i, j in computed_companions(skeleton).items() if i not in pinned and i not in follows}
     return Problem(

@@ -117,6 +117,13 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"
     )
     g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="draft with this smaller checkpoint (safetensors + config + the target's tokenizer): placed by the "
+        "planner beside the target, resident, its KV budgeted; refused with --speculate and --pipeline",
+    )
+    g.add_argument(
         "--api-key",
         action="append",
         default=None,

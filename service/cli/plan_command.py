@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,11 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"offloaded: {format_bytes(plan.offloaded_bytes)}",
+        *(
+            f"draft model: {format_bytes(b.draft)} held on {device_label(b.device)} (in its total; why: says the cost)"
+            for b in plan.budgets
+            if b.draft
+        ),
         f"predicted load: {p.load_seconds:.1f} s   decode: {p.decode_tokens_per_s:.3g} tokens/s (batch {w.batch_size})"
         + (
             f", {p.lone_decode_tokens_per_s:.3g} for one stream alone"
@@ -179,15 +185,38 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.nodes != 1 or args.micro_batches is not None or args.inter_host_bandwidth is not None:
         from service.cli.cluster_plan_command import cluster_plan_from_args, format_cluster_plan
 
+        if args.speculate != "off" or args.draft_model is not None:
+            raise PlanError("--speculate and --draft-model plan a draft beside one host's model; leave out --nodes")
         if args.svg or args.html:
             raise PlanError("--svg and --html draw one host's plan; leave them out with --nodes")
         cluster = cluster_plan_from_args(args, inputs_from_args(args))
         sys.stdout.write((cluster.to_json() if args.json else format_cluster_plan(cluster)) + "\n")
         return 0
-    result = plan_inputs(args.model, inputs_from_args(args))
+    result = plan_inputs(args.model, with_draft(args, inputs_from_args(args)))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)
     return 0
+
+
+def with_draft(args: argparse.Namespace, inputs: PlanInputs) -> PlanInputs:
+    """``serve``'s draft flags on ``plan``: the inputs with room reserved for the draft as ``serve`` reserves it
+    (:mod:`planner.placement.draft_budget`), so the plan shows what the draft costs before anything loads. An int4
+    or int8 copy is sized from the model's Skeleton; a ``--draft-model`` is planned first, on the same devices."""
+    from service.model.draft_copy import DRAFT_SCHEMES, copy_budget
+
+    if args.draft_model is not None and args.speculate != "off":
+        raise PlanError(f"--draft-model and --speculate {args.speculate} are two drafts; give one of them")
+    if args.speculate in DRAFT_SCHEMES:
+        return replace(inputs, draft=copy_budget(args.model, args.speculate, inputs))
+    if args.draft_model is None:
+        return inputs
+    from service.model.draft_model import draft_budget, plan_draft
+
+    path = Path(args.draft_model).expanduser()
+    if not path.is_dir():
+        raise PlanError(f"--draft-model {str(path)!r} is not a directory; give the draft checkpoint's directory")
+    inputs = replace(inputs, resolved_hardware=inputs.hardware())  # the draft and the model on the same devices
+    return replace(inputs, draft=draft_budget(path, plan_draft(path, inputs)))
 
 
 def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:
@@ -239,6 +268,19 @@ def register(subparsers: Any) -> None:
         "org/name[@revision] (reads config.json and the shard headers only)",
     )
     add_planner_flags(p)
+    p.add_argument(
+        "--speculate",
+        default="off",
+        choices=["off", "ngram", "int4", "int8"],
+        help="plan room for serve's draft: int4/int8 reserve the model's own quantized copy and its KV (ngram and "
+        "off need none)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="plan room for serve --draft-model DIR: the draft planned first, resident, and reserved with its KV",
+    )
     p.add_argument("--json", action="store_true", help="print the Plan as JSON (what /plan returns)")
     p.add_argument("--svg", default=None, metavar="FILE", help="also write the plan's picture as SVG")
     p.add_argument(

@@ -73,8 +73,9 @@ class Engine:
     ``workload.prefill_chunk``; a tight box plans a smaller one). ``speculate="ngram"`` has rows draft up to
     ``speculate_tokens`` tokens by prompt lookup and verify them in the same forward
     (:mod:`service.engine.speculation.verification`); ``speculate="int4"``/``"int8"`` drafts with ``draft_model``,
-    the target's own weights quantized and resident (:mod:`service.engine.speculation.model_drafter`), which those
-    modes need and the others refuse. Greedy output stays the same token for token, sampled output keeps its
+    the target's own weights quantized and resident, and ``speculate="model"`` with a smaller checkpoint's model
+    (``--draft-model``), both through :mod:`service.engine.speculation.model_drafter`, which those modes need and
+    the others refuse. Greedy output stays the same token for token, sampled output keeps its
     distribution.
     """
 

@@ -112,7 +112,7 @@ class Runtime:
             prefix_cache=s.prefix_cache,
             threads=self.threads,
             prefill_chunk=engine_prefill_chunk(loaded),
-            speculate=s.speculate,
+            speculate=s.speculation_mode,
             speculate_tokens=s.speculate_tokens,
             draft_model=loaded.draft.model if loaded.draft is not None else None,
         )

@@ -339,7 +339,7 @@ async def info(request: Request) -> dict[str, Any]:
         "model_id": None,
         "prefix_cache": s.prefix_cache,
         "cpu_threads": cpu_threads_report(runtime),
-        "speculation": {"mode": s.speculate, "draft_tokens": s.speculate_tokens},
+        "speculation": {"mode": s.speculation_mode, "draft_tokens": s.speculate_tokens},
     }
     if loaded is None:
         return out
@@ -365,7 +365,7 @@ async def info(request: Request) -> dict[str, Any]:
     if runtime.engine is not None:  # the micro-batch schedule over this host's GPUs: on or off, and why
         out["device_pipeline"] = runtime.engine.device_pipeline.to_dict()
         out["speculation"].update(runtime.engine.speculator.report())
-    if loaded.draft is not None:  # --speculate int4|int8: the resident copy and what it holds
+    if loaded.draft is not None:  # --speculate int4|int8's copy or --draft-model's: what it holds and costs
         out["speculation"]["draft_model"] = loaded.draft.to_dict()
     if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction
         out["pipeline"] = model.pipeline_report()

@@ -19,7 +19,8 @@ from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
 from planner.placement.served_shape import choose_slots, choose_step
 from planner.types import PREFILL_CHUNK, Plan
-from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy, load_draft_copy
+from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy
+from service.model.draft_model import draft_dir, load_drafting, plan_drafting
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
 from service.model.storage_rate import with_disk_rate
@@ -44,7 +45,8 @@ class LoadedModel:
     quantization: str | None
     #: What the load placed where, typed: ``/info`` and ``/metrics`` read memory per device from it.
     load_stats: LoadStats
-    #: ``--speculate int4|int8``'s draft model: the same checkpoint quantized, CPU-resident (else None).
+    #: The draft model: ``--speculate int4|int8``'s (the same checkpoint quantized, CPU-resident) or
+    #: ``--draft-model``'s (else None).
     draft: DraftCopy | None = None
 
 
@@ -62,7 +64,7 @@ class LoadState:
     """Progress of the background load. Written by the loading thread, read by the routes."""
 
     #: starting | building demo model | downloading | the loader's phases (validating, building, planning, loading,
-    #: offloading, dispatching) | loading draft copy | warming | ready | failed
+    #: offloading, dispatching) | loading draft copy | loading draft model | warming | ready | failed
     phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
@@ -96,7 +98,8 @@ class LoadState:
 
 def check_model_source(settings: ServiceSettings) -> None:
     """Refuse a model that cannot be served before the server starts: a missing directory, or a Hub id that is
-    gated, missing, pickled-only, unreachable without a cache, or too big for the disk (nothing downloaded yet)."""
+    gated, missing, pickled-only, unreachable without a cache, or too big for the disk (nothing downloaded yet); and
+    a ``--draft-model`` that is missing, no safetensors checkpoint, or outside the allowed roots."""
     hub = hub_ref(settings)
     if hub is not None:
         from loaders.checkpoint.hub_download import prepare_download
@@ -104,6 +107,8 @@ def check_model_source(settings: ServiceSettings) -> None:
         prepare_download(hub)
     elif not settings.demo:
         resolve_model_dir(settings)
+    if settings.draft_model is not None:
+        draft_dir(settings, ALLOWED_ROOT_OPTION)
 
 
 def hub_ref(settings: ServiceSettings) -> Any:
@@ -178,11 +183,16 @@ def load_flags(settings: ServiceSettings) -> dict[str, Any]:
 
 
 def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, list[str]]:
-    """What the served model is planned for, and the reasons of what was chosen for it: the context the model's
-    positions allow, the disk tier (a folder under the cache for what must be cast; the rest is read in place from
-    the shards) where the machine's memory is detected, the engine's prefill step, and, unless ``--batch-size`` was
-    given, as many KV slots as fit without slowing a lone stream (:mod:`planner.placement.served_shape`; the engine
-    then runs that many sequences at once, each step prefilling at most that many prompt tokens)."""
+    """What the served model is planned for, and the reasons of what was chosen for it: the box
+    (:func:`box_inputs`), then the engine's shape on it (:func:`shaped_inputs`)."""
+    inputs, reasons = box_inputs(settings, path)
+    return shaped_inputs(settings, path, inputs, reasons)
+
+
+def box_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, list[str]]:
+    """The box the served model is planned on: the context the model's positions allow, and the disk tier (a folder
+    under the cache for what must be cast; the rest is read in place from the shards) where the machine's memory is
+    detected, its devices measured once (a draft model is planned on the same)."""
     inputs = settings.plan_inputs()
     inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
     if inputs.offload_folder is None and inputs.max_memory is None:
@@ -191,10 +201,20 @@ def served_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, li
         inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # measured once: every choice below sees it
     inputs, disk_reason = with_disk_rate(inputs, path)
+    return inputs, [] if disk_reason is None else [disk_reason]
+
+
+def shaped_inputs(
+    settings: ServiceSettings, path: Path, inputs: PlanInputs, reasons: list[str]
+) -> tuple[PlanInputs, list[str]]:
+    """The engine's shape on the box ``inputs`` resolved (beside the draft model they reserve for, if any): its
+    prefill step and, unless ``--batch-size`` was given, as many KV slots as fit without slowing a lone stream
+    (:mod:`planner.placement.served_shape`; the engine then runs that many sequences at once, each step
+    prefilling at most that many prompt tokens)."""
     # the step for the slots the server is told, else for the floor of one sequence (the slots follow the step)
     step = choose_step(path, inputs if settings.batch_size is not None else replace(inputs, batch_size=1))
     inputs = replace(inputs, prefill_chunk=step.prefill_chunk)
-    reasons = [step.reason] if disk_reason is None else [disk_reason, step.reason]
+    reasons = [*reasons, step.reason]
     if settings.batch_size is None:
         slots = choose_slots(path, inputs, settings.max_batch_size)
         inputs = replace(inputs, batch_size=slots.batch_size)
@@ -222,17 +242,24 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     else:
         path = resolve_model_dir(settings)
     tokenizer = load_tokenizer(path)  # a directory without one fails before any weight is read
-    inputs, shape_reasons = served_inputs(settings, path)  # after the tokenizer: the box's footprint holds it
+    inputs, box_reasons = box_inputs(settings, path)  # after the tokenizer: the box's footprint holds it
+    # the draft first (planned on the same box, its tokenizer checked), so that the target's plan reserves for it
+    drafting = plan_drafting(settings, path, tokenizer, inputs, ALLOWED_ROOT_OPTION)
+    if drafting is not None:
+        inputs = replace(inputs, draft=drafting.budget)
+    inputs, shape_reasons = shaped_inputs(settings, path, inputs, box_reasons)
     result = load_checkpoint(path, device_map=inputs, progress=progress, **load_flags(settings))
     result.model.eval()
     the_plan = result.plan
     assert the_plan is not None, "a load from plan inputs carries its plan"
     the_plan.reasons.extend(shape_reasons)
     draft = None
-    if settings.speculate in DRAFT_SCHEMES:
-        refuse_draft_beside_gpus(settings.speculate, result.device_map)
-        progress(LoadPhase(phase="loading draft copy"))
-        draft = load_draft_copy(path, settings.speculate, the_plan.workload.dtype)
+    if drafting is not None:
+        copy = drafting.scheme in DRAFT_SCHEMES
+        if copy:
+            refuse_draft_beside_gpus(drafting.scheme, result.device_map)
+        progress(LoadPhase(phase="loading draft copy" if copy else "loading draft model"))
+        draft = load_drafting(drafting, path, the_plan)
     name = settings.served_names()[0] if settings.served_model_name else (hub.repo_id if hub is not None else path.name)
     return LoadedModel(
         model=result.model,

@@ -6,8 +6,9 @@ tokens, needs no second checkpoint, and shares its tokenizer by construction. It
 1/4 (int8) of fp32 for the linear layers; the embeddings and norms stay in the run dtype. It is held resident (its
 pages locked like the target's CPU weights), so a draft never waits on the disk the target streams from.
 
-The target's plan does not budget the copy's bytes yet: they are measured here and reported (``/info``'s
-speculation section), and the operator leaves room for them.
+The target's plan reserves the copy's bytes (:func:`copy_budget`: the quantized size of every layer, the working
+memory of its drafting chunk, and its KV for every slot), so in a box smaller than the model the target streams
+that much more instead of the box running out; ``/info`` reports what the load measured beside what was reserved.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from planner.placement.draft_budget import copy_draft_budget
+from planner.placement.inputs import PlanInputs, make_workload
+from planner.types import DraftBudget
 
 log = logging.getLogger(__name__)
 
@@ -28,21 +33,43 @@ DRAFT_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class DraftCopy:
-    """The loaded copy: the model, its scheme and dtype, and the bytes it holds in memory (weights and buffers)."""
+    """The loaded draft model: the model, its scheme (``int4``/``int8`` for a copy of the target, ``model`` for
+    ``--draft-model``) and dtype, the bytes it holds in memory (weights and buffers), its name (``--draft-model``'s
+    directory), and what the target's plan reserved for it (bytes on its device, and the plan's sentence on what
+    that cost the target)."""
 
     model: Any
     scheme: str
     dtype: str
     nbytes: int
+    name: str | None = None
+    reserved: int = 0
+    cost: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "dtype": self.dtype, "bytes": self.nbytes}
+        out: dict[str, Any] = {"scheme": self.scheme, "dtype": self.dtype, "bytes": self.nbytes}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.cost is not None:
+            out["reserved_bytes"] = self.reserved
+            out["cost"] = self.cost
+        return out
 
 
 def draft_dtype(target_dtype: str | None) -> str:
     """The copy's activation dtype: the target's when the quantized kernels run it (float32, bfloat16), else
     bfloat16 (a float16 target: the kernels have no float16 path, and bfloat16 keeps its range)."""
     return target_dtype if target_dtype in DRAFT_DTYPES else "bfloat16"
+
+
+def copy_budget(path: str | Path, scheme: str, inputs: PlanInputs) -> DraftBudget:
+    """What the target's plan reserves for its ``scheme`` copy: the copy's quantized bytes, in the dtype it will
+    draft in (:func:`draft_dtype` of the dtype the target is planned in), from the target's Skeleton."""
+    from planner.model.skeleton import load_skeleton  # the config and shard headers, read on the loading thread
+
+    skeleton = load_skeleton(path)
+    target = make_workload(skeleton, inputs.dtype, inputs.quantization).dtype
+    return copy_draft_budget(skeleton, scheme, draft_dtype(target))
 
 
 def load_draft_copy(path: str | Path, scheme: str, target_dtype: str | None) -> DraftCopy:

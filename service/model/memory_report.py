@@ -34,6 +34,7 @@ def planned_bytes_by_device(plan: Plan | None) -> dict[str, dict[str, int]]:
             "kv_cache": b.kv_cache,
             "activations": b.activations,
             "reserve": b.reserve,
+            "draft": b.draft,
             "total": b.total,
         }
         for b in plan.budgets

@@ -33,6 +33,15 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
         num_key_value_heads=2,
         max_position_embeddings=1024,
     ),
+    # a draft for the tiny Llama (same tokenizer, one small layer): speculative decoding's --draft-model tests
+    ("llama", "draft"): dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+    ),
     ("llama", "100m"): dict(
         hidden_size=768,
         intermediate_size=2560,
@@ -76,7 +85,7 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 # How many shards a default build aims for: even tiny models must exercise the sharded-index path.
-TARGET_SHARDS = {"tiny": 3, "100m": 4, "1b": 5}
+TARGET_SHARDS = {"tiny": 3, "draft": 2, "100m": 4, "1b": 5}
 
 
 def transformers_version() -> str:
@@ -221,7 +230,7 @@ def build_model(
     The folder holds sharded safetensors with ``model.safetensors.index.json``, ``config.json``,
     ``generation_config.json`` and the tokenizer, loadable by plain ``from_pretrained``. The same
     arguments always give the same bytes; a folder already holding that build is returned untouched.
-    Sizes: "tiny" for every kind; "100m" and "1b" for "llama" (benchmarks).
+    Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m" and "1b" for "llama".
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if (kind, size) not in MODEL_SPECS:

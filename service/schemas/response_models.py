@@ -259,18 +259,27 @@ class DevicePipelineInfo(_Answer):
 
 
 class DraftModelInfo(_Answer):
-    """``--speculate int4|int8``'s draft model: the served checkpoint loaded again, quantized, on the CPU."""
+    """The draft model: ``--speculate int4|int8``'s (the served checkpoint loaded again, quantized, on the CPU) or
+    ``--draft-model``'s (a smaller checkpoint with the same tokenizer, placed by its own plan)."""
 
-    scheme: str = Field(description="int4 or int8: the native CPU quantization of its linear layers.")
-    dtype: str = Field(description="The activations it computes with (float32 or bfloat16).")
+    scheme: str = Field(
+        description="int4 or int8: the native CPU quantization of the copy's linear layers; model: --draft-model."
+    )
+    dtype: str = Field(description="The activations it computes with.")
     bytes: int = Field(description="Bytes of weights and buffers it holds in memory.")
+    name: str | None = Field(None, description="--draft-model: the draft checkpoint's directory name.")
+    reserved_bytes: int | None = Field(
+        None, description="Bytes the target's plan reserved on the draft's device for it (weights, working memory, KV)."
+    )
+    cost: str | None = Field(None, description="The plan's sentence on what the draft costs the target's residency.")
 
 
 class SpeculationInfo(_Answer):
     """Speculative decoding (``service.engine.speculation.verification``): the mode, its limit and what it achieved so far."""
 
     mode: str = Field(
-        description="off, ngram (prompt lookup), or int4/int8 (the model's own weights quantized as the draft model)."
+        description="off, ngram (prompt lookup), int4/int8 (the model's own weights quantized as the draft model), "
+        "or model (--draft-model)."
     )
     draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")
     proposed: int = 0
@@ -279,7 +288,7 @@ class SpeculationInfo(_Answer):
     acceptance_rate: float | None = Field(None, description="Accepted over proposed draft tokens (none yet: null).")
     tokens_per_pass: float | None = Field(None, description="Tokens a verify pass produced on average.")
     draft_model: DraftModelInfo | None = Field(
-        None, description="int4/int8: the CPU-resident quantized copy that drafts (scheme, dtype, bytes it holds)."
+        None, description="The draft model (int4/int8 copy or --draft-model): what it holds and what it costs."
     )
 
 
@@ -313,6 +322,16 @@ class InfoResponse(_Answer):
 # -- /plan -------------------------------------------------------------------------------------------------------
 
 
+class PlanDraft(_Answer):
+    """Speculative decoding's draft model as the plan reserved room for it (``planner.types.DraftBudget``)."""
+
+    label: str = Field(description="What drafts: 'int4 copy', 'int8 copy', or 'draft model NAME'.")
+    device: int | str = Field(description="Where it is held, and where its bytes were reserved.")
+    weights: int = Field(description="Its resident weights, bytes.")
+    working: int = Field(description="The activations of its own forwards, bytes.")
+    kv_per_token: int = Field(description="Its KV cache per token of one sequence, bytes (times slots x context).")
+
+
 class PlanWorkload(_Answer):
     dtype: str
     quantization: str | None
@@ -320,6 +339,7 @@ class PlanWorkload(_Answer):
     context: int
     cpu_quantization: str | None = None
     prefill_chunk: int | None = None
+    draft: PlanDraft | None = Field(None, description="The draft model the plan reserves room for, if any.")
 
 
 class PlanBudget(_Answer):
@@ -330,6 +350,7 @@ class PlanBudget(_Answer):
     activations: int
     reserve: int
     blocks: list[str]
+    draft: int = Field(0, description="Held for the draft model (weights, working memory, KV), inside the total.")
     total: int
     free: int
 

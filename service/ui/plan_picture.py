@@ -85,8 +85,9 @@ def describe(plan: Plan) -> str:
         parts.append(
             f"{device_label(b.device)}: {format_bytes(b.total)} of {format_bytes(b.capacity)} "
             f"(weights {format_bytes(b.weights)}, KV cache {format_bytes(b.kv_cache)}, "
-            f"activations {format_bytes(b.activations)}, reserve {format_bytes(b.reserve)}); "
-            f"{len(b.blocks)} blocks."
+            f"activations {format_bytes(b.activations)}, reserve {format_bytes(b.reserve)}"
+            + (f", draft model {format_bytes(b.draft)}" if b.draft else "")
+            + f"); {len(b.blocks)} blocks."
         )
     blocks = layer_blocks(plan)
     parts.append(f"{len(blocks)} blocks, {len(hops(blocks))} hops between devices.")

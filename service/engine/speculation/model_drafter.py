@@ -1,4 +1,6 @@
-"""Drafts from a cheap copy of the target: its own weights quantized to int4 or int8 (``--speculate int4|int8``).
+"""Drafts from a cheap copy of the target: its own weights quantized to int4 or int8 (``--speculate int4|int8``), or
+from a smaller checkpoint with its tokenizer (``--draft-model``, :mod:`service.model.draft_model`): any causal LM
+with the target's vocabulary runs here the same way.
 
 A model read from disk pays its weight reads once per forward whatever the row width, so a pass that verifies ``k``
 drafts costs about what a pass that decodes one token costs. Prompt lookup (:mod:`.ngram_drafter`) only drafts
@@ -31,12 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+from planner.placement.draft_budget import DRAFT_PREFILL_CHUNK
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import ModelRunner, Row
 from service.engine.prefix_index import common_prefix
 
-#: Most tokens one forward of the copy feeds, all rows together (bounds its activations on long prompts).
-PREFILL_CHUNK = 512
+#: Most tokens one forward of the copy feeds, all rows together (bounds its activations on long prompts; the
+#: target's plan reserves the draft's working memory for this many).
+PREFILL_CHUNK = DRAFT_PREFILL_CHUNK
 #: New tokens beyond which a draft prefills them in a forward of their own, timed apart (a verify pass emits at most
 #: ``k + 1``; more means the row rested or starts).
 CATCH_UP = 17

@@ -49,11 +49,13 @@ from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
 from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter, RowDraft
 
-#: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model.
-SpeculationMode = Literal["off", "ngram", "int4", "int8"]
-SPECULATION_MODES: tuple[str, ...] = ("off", "ngram", "int4", "int8")
-#: The modes whose drafts come from a quantized copy of the target (:mod:`.model_drafter`).
-MODEL_DRAFTS: tuple[str, ...] = ("int4", "int8")
+#: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model;
+#: ``model``: a smaller checkpoint with the target's tokenizer (``--draft-model``).
+SpeculationMode = Literal["off", "ngram", "int4", "int8", "model"]
+SPECULATION_MODES: tuple[str, ...] = ("off", "ngram", "int4", "int8", "model")
+#: The modes whose drafts come from a draft model (:mod:`.model_drafter`): a quantized copy of the target, or
+#: another checkpoint.
+MODEL_DRAFTS: tuple[str, ...] = ("int4", "int8", "model")
 
 #: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
 DEFAULT_DRAFT_TOKENS = 4
@@ -250,8 +252,8 @@ class _RowState:
 
 @dataclass
 class Speculator:
-    """The engine's drafting policy: ``mode`` (``off``, ``ngram``, or ``int4``/``int8`` with the ``model`` drafter
-    over the quantized copy, which those modes need and the others refuse) and at most ``tokens`` drafts a row per
+    """The engine's drafting policy: ``mode`` (``off``, ``ngram``, or ``int4``/``int8``/``model`` with the ``model``
+    drafter over the quantized copy or the draft checkpoint, which those modes need and the others refuse) and at most ``tokens`` drafts a row per
     pass. Keeps each running sequence's :class:`DraftLength` and drafter state (n-gram index or the copy's KV),
     the engine's :class:`SpeculationStats`, and the seconds this step spent drafting (``step_draft_seconds``: the
     gate weighs a drafting step with them, since a draft model's forwards are not free)."""
@@ -270,9 +272,12 @@ class Speculator:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"unknown speculation mode {self.mode!r}; use one of {', '.join(SPECULATION_MODES)}")
         if self.mode in MODEL_DRAFTS and self.model is None:
-            raise ValueError(f"speculation mode {self.mode!r} drafts with a quantized copy of the target; pass it")
+            what = "a draft model" if self.mode == "model" else "a quantized copy of the target"
+            raise ValueError(f"speculation mode {self.mode!r} drafts with {what}; pass it")
         if self.mode not in MODEL_DRAFTS and self.model is not None:
-            raise ValueError(f"speculation mode {self.mode!r} drafts without a model; a draft model needs int4 or int8")
+            raise ValueError(
+                f"speculation mode {self.mode!r} drafts without a model; a draft model needs int4, int8 or model"
+            )
         if self.tokens < 1:
             raise ValueError(f"speculation needs at least one draft token a pass (got {self.tokens})")
 

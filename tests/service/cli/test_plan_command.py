@@ -250,3 +250,23 @@ def test_plan_caps_the_context_at_the_positions_and_refuses_beyond(tiny_llama, c
     assert main(["plan", str(tiny_llama), "--max-memory", "cpu=1GiB", "--context", "4096"]) == 2
     err = capsys.readouterr().err
     assert "--context 4096 is more than the 1024 positions" in err, err
+
+
+def test_plan_reserves_room_for_serves_draft_and_says_what_it_costs(tiny_llama, tiny_draft_llama):
+    """``--speculate int4`` and ``--draft-model DIR`` on ``plan``: the plan serve would make beside its draft, with the
+    draft's bytes in the CPU's budget and the cost in its reasons; the two drafts together are refused."""
+    box = ("--max-memory", "cpu=16MiB", "--context", "512")
+    for draft, label in (
+        (("--speculate", "int4"), "int4 copy"),
+        (("--draft-model", str(tiny_draft_llama)), "draft model"),
+    ):
+        r = run("plan", str(tiny_llama), *box, *draft, "--json")
+        assert r.returncode == 0, r.stderr
+        plan = Plan.from_json(r.stdout)
+        cpu = plan.budget("cpu")
+        assert cpu is not None and cpu.draft > 0 and cpu.total <= cpu.capacity
+        assert any(reason.startswith(f"draft: {label}") for reason in plan.reasons), plan.reasons
+    table = run("plan", str(tiny_llama), *box, "--draft-model", str(tiny_draft_llama))
+    assert table.returncode == 0 and "draft model: " in table.stdout and "held on cpu" in table.stdout
+    both = run("plan", str(tiny_llama), *box, "--draft-model", str(tiny_draft_llama), "--speculate", "int8")
+    assert both.returncode == 2 and "two drafts" in both.stderr and "Traceback" not in both.stderr

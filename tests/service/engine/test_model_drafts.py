@@ -154,6 +154,11 @@ def test_a_server_drafting_with_its_int8_copy_reports_it_in_info(tiny_llama: Pat
     assert spec["draft_model"]["scheme"] == "int8" and spec["draft_model"]["dtype"] == "float32"
     checkpoint = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))  # fp32
     assert 0 < spec["draft_model"]["bytes"] < checkpoint
+    # the target's plan reserved the copy (weights, working memory, KV) and says what that cost
+    cpu = next(b for b in info["plan"]["budgets"] if b["device"] == "cpu")
+    assert spec["draft_model"]["reserved_bytes"] == cpu["draft"] > spec["draft_model"]["bytes"]
+    cost = spec["draft_model"]["cost"]
+    assert cost.startswith("draft: int8 copy") and cost in info["plan"]["reasons"]
     assert spec["proposed"] > 0 and spec["verify_passes"] > 0
 
 
