@@ -206,6 +206,23 @@ class ShardReader:
                 return False
         return True
 
+    def drop_mapped(self, path: str, start: int, end: int) -> None:
+        """Give back ``[start, end)`` of a mapped shard: unmap its pages from this process (``MADV_DONTNEED``; the
+        next touch faults them in again from the file) and drop them from the page cache (``POSIX_FADV_DONTNEED``,
+        which skips pages still mapped, hence the unmap first). Best effort: errors are ignored."""
+        mm = self._maps.get(path)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        lo = (start // PAGE) * PAGE
+        hi = min(len(mm), end)
+        if hi <= lo:
+            return
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            return
+        _drop_cached(self._fd(path), lo, hi - lo)
+
     def advise_willneed(self, path: str, start: int, end: int) -> None:
         """Ask the kernel to start reading ``[start, end)`` of a mapped shard now (readahead for the next block)."""
         mm = self._maps.get(path)

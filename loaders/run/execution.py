@@ -32,6 +32,7 @@ from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, nati
 from loaders.run.readahead import DiskReadahead, merge_ranges
 from loaders.run.streaming import host_lookup_modules
 from planner.errors import PlanError
+from planner.hardware.device_inventory import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def apply_execution(
         by_entry.setdefault(entry, []).append(rng)
     if by_entry:
         blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
-        readahead = DiskReadahead(placed.reader, blocks)
+        readahead = DiskReadahead(placed.reader, blocks, drop_behind=_disk_outgrows_cache(blocks))
         readahead.install(model)
         model._loadmaster_readahead = readahead
     quant_stats = None
@@ -103,6 +104,15 @@ def apply_execution(
     native = use_native_linears(model, cpu_kernels)
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
+
+
+def _disk_outgrows_cache(blocks: list[tuple[str, list[tuple[str, int, int]]]]) -> bool:
+    """Whether the disk blocks cannot stay in the page cache between tokens: more bytes than half the memory left
+    now that the resident weights are in (the KV cache and activations are still to come). Then every disk page is
+    read again each token anyway, and dropping each block behind it (:class:`DiskReadahead`) spares the box reclaim;
+    otherwise the pages stay and later tokens read them at memory speed."""
+    disk = sum(end - start for _, ranges in blocks for _, start, end in ranges)
+    return disk > host_memory().available // 2
 
 
 def _compute_dtype(model) -> torch.dtype:

@@ -2,6 +2,14 @@
 at first use. As disk block i starts, a forward pre-hook asks the kernel to read block i's bytes and block i+1's
 (``madvise(WILLNEED)``), so cold-cache decoding overlaps reads with compute; a few-page ``mincore`` probe skips the
 advice when the bytes are already cached.
+
+Where the disk share is larger than the memory left for the page cache (a model bigger than its box), every page
+is evicted before the next token wants it again, whatever is kept: a cyclic scan over more than the cache holds
+misses every time under LRU. Left to the kernel, that eviction is reclaim in the box's own allocations: each page
+read ahead for block i+1 must first push out a page of an earlier block (still mapped, and recently used, so the
+reclaimer scans past it), and read-ahead pages not yet used are evicted too and faulted in again one by one. With
+``drop_behind``, block i's pre-hook gives block i-1's pages back at once (:meth:`ShardReader.drop_mapped`), so
+read-ahead finds free memory and the disk streams at its own rate.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ from loaders.checkpoint.device_order import module_for_entry
 class DiskReadahead:
     """Forward pre-hooks that, as disk block i starts, ask the kernel to read its bytes and block i+1's ahead."""
 
-    def __init__(self, reader, blocks: list[tuple[str, list[tuple[str, int, int]]]]):
+    def __init__(self, reader, blocks: list[tuple[str, list[tuple[str, int, int]]]], drop_behind: bool = False):
         self.reader = reader
         self.blocks = blocks
         self.handles = []
+        #: Whether each block's pre-hook drops the previous block's pages (see the module docstring).
+        self.drop_behind = drop_behind and len(blocks) > 1
 
     def install(self, model: torch.nn.Module) -> None:
         for i, (key, own) in enumerate(self.blocks):
@@ -26,12 +36,15 @@ class DiskReadahead:
             # Its own bytes first (a no-op when cached; after eviction it turns 4 KiB faults into large reads),
             # then the next block's, which the kernel reads while this block computes.
             ranges = own + nxt if len(self.blocks) > 1 else own
-            self.handles.append(mod.register_forward_pre_hook(self._hook(ranges)))
+            done = self.blocks[i - 1][1] if self.drop_behind else []  # block i-1, cyclically: computed by now
+            self.handles.append(mod.register_forward_pre_hook(self._hook(ranges, done)))
 
-    def _hook(self, ranges):
+    def _hook(self, ranges, done):
         reader = self.reader
 
         def prefetch_next(module, args):
+            for path, start, end in done:
+                reader.drop_mapped(path, start, end)
             for path, start, end in ranges:
                 try:
                     # A warm block needs no advice, and advising one costs ~0.3 ms a block (every page is looked

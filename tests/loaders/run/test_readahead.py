@@ -9,6 +9,7 @@ import torch
 
 import loaders
 from loaders.checkpoint.shard_reader import ShardReader
+from loaders.run.readahead import DiskReadahead
 from tests.loaders.helpers import copy_checkpoint
 
 MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4; Python < 3.12 lacks the constant
@@ -93,3 +94,27 @@ def test_an_embedding_on_disk_is_looked_up_not_read_ahead(tiny_llama, tmp_path):
     ids = torch.arange(1, 10).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_drop_behind_gives_back_each_block_once_the_next_starts(tiny_llama, tmp_path):
+    """A disk share larger than the cache room: each block's pre-hook drops the previous block's pages, so after a
+    forward the middle disk block is gone from the cache and the last is still there (the first was read ahead
+    again for the next token, asynchronously: not checked), and the logits are those of the resident load."""
+    path = copy_checkpoint(tiny_llama, tmp_path / "model")
+    for f in path.glob("*.safetensors"):
+        _sync(f)  # dirty pages cannot be dropped
+    dm = {"model.layers.1": "disk", "model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
+    model = loaders.load_model(path, device_map=dm, offload_folder=tmp_path / "off", show_progress=False)
+    kept = model._loadmaster_readahead
+    assert not kept.drop_behind, "a tiny disk share fits the cache: its pages stay"
+    kept.remove()
+    ra = DiskReadahead(kept.reader, kept.blocks, drop_behind=True)
+    ra.install(model)
+    reader = model._loadmaster_reader
+    reference = loaders.load_model(path, device_map={"": "cpu"}, show_progress=False)
+    ids = torch.arange(1, 10).unsqueeze(0)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+            cached = [all(reader.is_cached(p, s, e) for p, s, e in ranges) for _, ranges in ra.blocks]
+            assert cached[1:] == [False, True], cached
