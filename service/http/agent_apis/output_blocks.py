@@ -16,10 +16,10 @@ from typing import Literal
 from service.engine.requests import ErrorEvent, FinishEvent, TokenEvent
 from service.engine.stop_matcher import StopHoldback
 from service.http.admission import EngineStream, merged_events
-from service.http.openai_apis.v1_common import final_text
+from service.http.openai_apis.v1_common import chat_output_reader, final_text, read_chat_output
 from service.schemas.openai_requests import ChatShape
 from service.tools.call_parser import ToolCall
-from service.tools.output_reader import OutputPiece, OutputReader, read_whole
+from service.tools.output_reader import OutputPiece
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -100,15 +100,7 @@ class OutputBlocks:
 
 def whole_blocks(final: FinishEvent, shape: ChatShape) -> tuple[list[Block], list[ToolCall]]:
     """A finished sequence's blocks, read as chat completions reads it (only calls whose arguments parse)."""
-    tools = shape.tools
-    reasoning, content, calls = read_whole(
-        final_text(final),
-        shape.prompt_text,
-        shape.thinks,
-        tools.fmt if tools else None,
-        tools.names if tools else None,
-        shape.harmony,
-    )
+    reasoning, content, calls = read_chat_output(final, shape)
     blocks: list[Block] = []
     if reasoning:
         blocks.append(Block(index=len(blocks), kind="reasoning", text=reasoning))
@@ -127,20 +119,13 @@ def matched_stop(final: FinishEvent, stops: tuple[str, ...]) -> str | None:
     return next((s for s in stops if rest.startswith(s)), None)
 
 
-def reader_for(shape: ChatShape) -> OutputReader:
-    tools = shape.tools
-    return OutputReader(
-        shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None, shape.harmony
-    )
-
-
 async def sequence_pieces(
     stream: EngineStream, shape: ChatShape
 ) -> AsyncIterator[OutputPiece | FinishEvent | ErrorEvent]:
     """One sequence's output as it comes: pieces read past the stop-sequence holdback, then its
     :class:`FinishEvent` (or an :class:`ErrorEvent`). Closes the stream (cancelling it) however the caller stops."""
     hold = StopHoldback(stream.request.stop)
-    reader = reader_for(shape)
+    reader = chat_output_reader(shape)
     try:
         async for _, ev in merged_events([stream]):
             if isinstance(ev, ErrorEvent):

@@ -20,9 +20,10 @@ from service.http.admission import request_id_of, runtime_of
 from service.http.openai_apis.v1_common import (
     FINISH,
     V1_ERRORS,
+    chat_output_reader,
     check_model,
-    final_text,
     finals_or_response,
+    read_chat_output,
     start_request,
     stream_response,
     usage_of,
@@ -30,7 +31,7 @@ from service.http.openai_apis.v1_common import (
 from service.schemas.openai_requests import ChatCompletionRequest, ChatShape, prepare_chat
 from service.schemas.openapi_responses import GENERATION_ERRORS, errors, streamed
 from service.schemas.response_models import ChatCompletionChunk, ChatCompletionResponse, OpenAIErrorEnvelope
-from service.tools.output_reader import OutputReader, read_whole
+from service.tools.output_reader import OutputReader
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -46,24 +47,9 @@ def _chat_logprob(ev: TokenEvent) -> dict[str, Any]:
     }
 
 
-def _reader(shape: ChatShape) -> OutputReader:
-    tools = shape.tools
-    return OutputReader(
-        shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None, shape.harmony
-    )
-
-
 def _message(final: FinishEvent, shape: ChatShape) -> tuple[dict[str, Any], str]:
     """A choice's message and finish reason."""
-    tools = shape.tools
-    reasoning, content, calls = read_whole(
-        final_text(final),
-        shape.prompt_text,
-        shape.thinks,
-        tools.fmt if tools else None,
-        tools.names if tools else None,
-        shape.harmony,
-    )
+    reasoning, content, calls = read_chat_output(final, shape)
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -120,7 +106,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     cid, created = f"chatcmpl-{rid}", int(time.time())
 
     if body.stream:
-        readers = [_reader(shape) for _ in streams]
+        readers = [chat_output_reader(shape) for _ in streams]
 
         def chunk(i: int, text: str, finish: str | None, ev: TokenEvent | None) -> dict[str, Any] | None:
             delta, finish = _delta(readers[i], text, finish) if ev is not None else ({}, finish)

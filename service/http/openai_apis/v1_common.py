@@ -28,8 +28,11 @@ from service.http.admission import (
     wait_all,
 )
 from service.http.event_stream import event_stream, json_event, text_event
+from service.schemas.openai_requests import ChatShape
 from service.schemas.openapi_responses import BODY_ERRORS
 from service.schemas.response_models import openai_error_body
+from service.tools.call_parser import ToolCall
+from service.tools.output_reader import OutputReader, read_whole
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,28 @@ def _openai_error_of(message: str, error_type: str, status: int) -> dict[str, An
 
 def final_text(final: FinishEvent) -> str:
     return final.text[: final.stop_at] if final.stop_at is not None else final.text
+
+
+def chat_output_reader(shape: ChatShape) -> OutputReader:
+    """A streamed chat sequence's reader (reasoning, content, tool calls), as every chat-shaped API reads it."""
+    tools = shape.tools
+    return OutputReader(
+        shape.prompt_text, shape.thinks, tools.fmt if tools else None, tools.names if tools else None, shape.harmony
+    )
+
+
+def read_chat_output(final: FinishEvent, shape: ChatShape) -> tuple[str | None, str, list[ToolCall]]:
+    """A finished chat sequence's (reasoning or ``None``, content, tool calls): the whole-text twin of
+    :func:`chat_output_reader`."""
+    tools = shape.tools
+    return read_whole(
+        final_text(final),
+        shape.prompt_text,
+        shape.thinks,
+        tools.fmt if tools else None,
+        tools.names if tools else None,
+        shape.harmony,
+    )
 
 
 def usage_of(finals: list[FinishEvent], per_prompt: int) -> dict[str, int]:

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from service.engine.requests import FinishEvent
-from service.http.agent_apis.output_blocks import OutputBlocks, reader_for, whole_blocks
+from service.http.agent_apis.output_blocks import OutputBlocks, whole_blocks
+from service.http.openai_apis.v1_common import chat_output_reader
 from service.schemas.openai_requests import ChatShape
 from service.tools.tool_requests import plan_tools
 
@@ -32,7 +33,7 @@ def test_streamed_blocks_add_up_to_the_whole_ones(thinks: bool) -> None:
     assert len(calls) == 1 and json.loads(whole[-1].text) == {"city": "Paris"} and whole[-1].name == "w"
     assert whole[-1].arguments() == {"city": "Paris"}
 
-    reader, blocks, events = reader_for(_shape(thinks)), OutputBlocks(), []
+    reader, blocks, events = chat_output_reader(_shape(thinks)), OutputBlocks(), []
     for i, ch in enumerate(OUTPUT):
         events += blocks.take(reader.feed(ch, final=i == len(OUTPUT) - 1))
     events += blocks.close()
