@@ -55,6 +55,11 @@ def llama_100m_dir(dtype: str = "float32") -> Path:
     return build_model("llama", cache_dir() / f"llama-100m-{dtype}", size="100m", dtype=dtype)
 
 
+def llama_300m_dir(dtype: str = "float32") -> Path:
+    """Llama with ~300M parameters (~1.2 GB in fp32): the Docker smoke test's model bigger than its container."""
+    return build_model("llama", cache_dir() / f"llama-300m-{dtype}", size="300m", dtype=dtype)
+
+
 def llama_1b_dir(dtype: str = "bfloat16") -> Path:
     """Llama with ~1B parameters in >= 4 shards (benchmarks only; ~2 GB in bf16, ~4 GB in fp32)."""
     return build_model("llama", cache_dir() / f"llama-1b-{dtype}", size="1b", dtype=dtype)

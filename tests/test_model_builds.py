@@ -151,7 +151,7 @@ def test_two_processes_building_the_same_folder_both_get_a_complete_build(tmp_pa
     assert shard_digests(out) == shard_digests(build_model("gpt2", tmp_path / "solo"))
 
 
-@pytest.mark.parametrize(("size", "low", "high"), [("100m", 90e6, 120e6), ("1b", 0.9e9, 1.2e9)])
+@pytest.mark.parametrize(("size", "low", "high"), [("100m", 90e6, 120e6), ("300m", 270e6, 340e6), ("1b", 0.9e9, 1.2e9)])
 def test_benchmark_recipes_have_their_advertised_size(size: str, low: float, high: float):
     config = random_models.make_config(
         "llama", random_models.MODEL_SPECS[("llama", size)], make_tokenizer(), "bfloat16"

@@ -2,9 +2,10 @@
 
 Models are real transformers classes (Llama, GPT-2, Mixtral) with weights from a fixed seed, saved by
 ``save_pretrained`` as *sharded* safetensors with an index, exactly as a downloaded checkpoint would look, with the
-shared tokenizer (:mod:`service.model.corpus_tokenizer`). The "tiny" recipes are what the tests load; "100m" and "1b" are
-the benchmarks' models. Builds go through :mod:`service.model.build_folders`: atomic, and reused when already complete. The
-demo model (:mod:`service.model.demo_model`) starts from :func:`instantiate` and trains.
+shared tokenizer (:mod:`service.model.corpus_tokenizer`). The "tiny" recipes are what the tests load; "100m" and "1b"
+are the benchmarks' models; "300m" is the Docker smoke test's model bigger than its container. Builds go through
+:mod:`service.model.build_folders`: atomic, and reused when already complete. The demo model
+(:mod:`service.model.demo_model`) starts from :func:`instantiate` and trains.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
         num_key_value_heads=4,
         max_position_embeddings=4096,
     ),
+    # bigger than a small container: the Docker smoke test serves it in a box smaller than its 1.2 GB in fp32
+    ("llama", "300m"): dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=20,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
     ("llama", "1b"): dict(
         hidden_size=2048,
         intermediate_size=5632,
@@ -85,7 +95,7 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 # How many shards a default build aims for: even tiny models must exercise the sharded-index path.
-TARGET_SHARDS = {"tiny": 3, "draft": 2, "100m": 4, "1b": 5}
+TARGET_SHARDS = {"tiny": 3, "draft": 2, "100m": 4, "300m": 4, "1b": 5}
 
 
 def transformers_version() -> str:
@@ -230,7 +240,7 @@ def build_model(
     The folder holds sharded safetensors with ``model.safetensors.index.json``, ``config.json``,
     ``generation_config.json`` and the tokenizer, loadable by plain ``from_pretrained``. The same
     arguments always give the same bytes; a folder already holding that build is returned untouched.
-    Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m" and "1b" for "llama".
+    Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m", "300m" and "1b" for "llama".
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if (kind, size) not in MODEL_SPECS:
