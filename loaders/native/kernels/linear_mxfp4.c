@@ -97,10 +97,15 @@ static LM_ALWAYS_INLINE void row_dot(const int8_t *xp, const float *dxb, const f
     const __m256i first_run = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     for (int c0 = 0; c0 < NB; c0 += CHUNK) {
         const int nb = NB - c0 < CHUNK ? NB - c0 : CHUNK;
-        uint8_t e8[CHUNK] = {0};
-        memcpy(e8, sr + c0, (size_t)nb);
-        const __m256 ws = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e8)), 23));
+        __m128i e8;
+        if (nb == CHUNK) {
+            e8 = _mm_loadl_epi64((const __m128i *)(sr + c0));
+        } else { /* the row's last blocks: a copy, so nothing past the row is read */
+            uint8_t tail[CHUNK] = {0};
+            memcpy(tail, sr + c0, (size_t)nb);
+            e8 = _mm_loadl_epi64((const __m128i *)tail);
+        }
+        const __m256 ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e8), 23));
         __m256 sc[MAXM];
         for (int m = 0; m < NM; m++) {
             sc[m] = _mm256_mul_ps(ws, _mm256_load_ps(dxb + (long)m * NBp + c0));
