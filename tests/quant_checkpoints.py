@@ -4,7 +4,9 @@ Round-to-nearest quantization (not GPTQ's or AWQ's search: the layout is what is
 stores it: GPTQ and AWQ by this module, following their documented packing; compressed-tensors through the
 ``compressed-tensors`` package's own ``pack_to_int32`` where it installs; MXFP4 in the gpt-oss layout applied to
 linear layers (``weight_blocks`` / ``weight_scales``), its reference weights dequantized by transformers' own
-MXFP4 dequantizer (``convert_moe_packed_tensors``). :func:`write_quantized` returns the
+MXFP4 dequantizer (``convert_moe_packed_tensors``); bitsandbytes ``load_in_8bit`` quantized and dequantized by
+bitsandbytes' own ``int8_vectorwise_quant`` / ``int8_vectorwise_dequant`` (its CPU backend), saved under the keys
+``Linear8bitLt`` writes (``weight``, ``SCB``, ``weight_format``). :func:`write_quantized` returns the
 folder and the dequantized float32 weights, which a reference model loads to give the logits a load must match.
 The output head stays unquantized (``modules_to_not_convert`` / ``ignore``).
 """
@@ -180,6 +182,14 @@ def _mxfp4_layer(w):
     return {"weight_blocks": blocks, "weight_scales": scales}, mxfp4_reference(blocks, scales)
 
 
+def _bnb_int8_layer(w):
+    from bitsandbytes.functional import int8_vectorwise_dequant, int8_vectorwise_quant
+
+    cb, scb, _ = int8_vectorwise_quant(w.float())
+    t = {"weight": cb, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}
+    return t, int8_vectorwise_dequant(cb, scb).float()
+
+
 def _quant_config(fmt: str, **o) -> dict:
     if fmt == "gptq":
         return {
@@ -192,6 +202,8 @@ def _quant_config(fmt: str, **o) -> dict:
         }
     if fmt == "awq":
         return {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": o["group"], "zero_point": True}
+    if fmt == "bnb-int8":
+        return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False, "llm_int8_threshold": 6.0}
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     if fmt == "fp8":
@@ -212,7 +224,7 @@ def _quant_config(fmt: str, **o) -> dict:
 
 def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.Tensor]:
     """Write ``source`` (a saved Llama) to ``dest`` as ``fmt`` (``gptq``, ``awq``, ``ct-pack``, ``ct-int``,
-    ``ct-fp8``, ``fp8``, ``mxfp4``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
+    ``ct-fp8``, ``fp8``, ``mxfp4``, ``bnb-int8``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted(source.glob("*.safetensors")):
         state.update(load_file(f))
@@ -231,6 +243,8 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
             packed, deq = _awq_layer(w, o["group"], True)
         elif fmt == "mxfp4":
             packed, deq = _mxfp4_layer(w)
+        elif fmt == "bnb-int8":
+            packed, deq = _bnb_int8_layer(w)
         elif fmt in ("ct-pack", "ct-int"):
             packed, deq = _ct_int_layer(w, o["bits"], o.get("group", -1), o.get("sym", True), fmt == "ct-pack")
         else:

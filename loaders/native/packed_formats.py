@@ -18,6 +18,8 @@ Every format is first read into one form: integer codes ``[N, K]``, a scale and 
 - MXFP4 (e2m1 blocks of 32 with e8m0 scales, the gpt-oss layout on linear layers): kept as stored, blocks and
   scale bytes, for the native MXFP4 kernel (:class:`~loaders.native.mxfp4_linear.Mxfp4CPULinear`), which reads half
   a byte per weight in place (a disk layer's from the shard's map). No repacking, no dequantization on the CPU;
+- bitsandbytes ``load_in_8bit`` (``weight`` int8 and ``SCB``): the native int8 layout, scale ``SCB / 127`` per
+  row: exactly our int8 grid (bitsandbytes writes codes -127..127);
 - everything else (8-bit in groups): dequantized to the compute dtype, and the log says so, since the native
   kernels have no layout for it yet. On a GPU (``native=False``) every layer is dequantized on its device.
 
@@ -143,7 +145,19 @@ def _ct_int_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
     return Grid(codes, scales, zeros, group, b)
 
 
-_GRIDS = {"gptq": _gptq_grid, "awq": _awq_grid, "ct-pack": _ct_int_grid, "ct-int": _ct_int_grid}
+def _bnb_int8_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
+    """bitsandbytes ``load_in_8bit`` as saved: int8 codes, each row's absmax ``SCB`` (the scale ``SCB / 127``)."""
+    scales = (m.SCB.to(torch.float32) / 127.0).reshape(-1, 1)
+    return Grid(m.weight.to(torch.int32), scales, torch.zeros_like(scales), m.in_features, 8)
+
+
+_GRIDS = {
+    "gptq": _gptq_grid,
+    "awq": _awq_grid,
+    "ct-pack": _ct_int_grid,
+    "ct-int": _ct_int_grid,
+    "bnb-int8": _bnb_int8_grid,
+}
 
 
 def _per_native_group(t: torch.Tensor, group: int, k: int) -> torch.Tensor:

@@ -21,7 +21,10 @@ Supported (anything else is a :class:`PlanError` naming the field and what is su
   layers: ``<module>.weight_blocks`` uint8 ``[N, K/32, 16]`` (two codes a byte, the even input in the low nibble)
   and ``<module>.weight_scales`` uint8 ``[N, K/32]``; ``in_features`` a multiple of 32. gpt-oss's own fused MoE
   experts (``experts.gate_up_proj_blocks``, ...) are not read yet: :mod:`planner.model.packed_linear` refuses
-  MXFP4 blocks that belong to no linear layer.
+  MXFP4 blocks that belong to no linear layer;
+- ``bitsandbytes`` saved already quantized with ``load_in_8bit``: ``weight`` int8 ``[N, K]`` and ``SCB`` float32
+  ``[N]`` (each row's absmax, the scale ``SCB / 127``), as ``Linear8bitLt`` saves them. ``load_in_4bit`` (nf4/fp4)
+  is refused by that field: its tensors (``weight.absmax``, ``weight.quant_map``, ...) are not loaded yet.
 
 Not a torch import here: the planner's core reads this.
 """
@@ -35,9 +38,9 @@ from typing import Any
 from planner.errors import PlanError
 
 #: The ``quant_method`` values this module reads.
-SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
+SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4", "bitsandbytes (load_in_8bit)")
 #: Known methods that loadmaster does not load yet (their checkpoints are refused with this said).
-NOT_YET = ("bitsandbytes", "hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
+NOT_YET = ("hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
 #: Inputs per group of the native 4-bit layout: a format's group must be a whole number of them.
 NATIVE_GROUP = 64
 #: Inputs per MXFP4 block (one e8m0 scale byte and 16 bytes of e2m1 codes).
@@ -49,7 +52,7 @@ class QuantFormat:
     """One checkpoint's quantization, as the loader repacks it.
 
     ``layout`` names the stored layout (``gptq``, ``awq``, ``ct-pack``, ``ct-int``, ``ct-fp8``, ``fp8-block``,
-    ``mxfp4``);
+    ``mxfp4``, ``bnb-int8``);
     ``marker`` the tensor suffix whose presence makes a linear layer quantized; ``group_size`` is -1 per output
     channel, 0 per tensor, else inputs per group; ``block`` the FP8 ``[rows, cols]`` scale block."""
 
@@ -198,7 +201,33 @@ def _mxfp4(cfg: Mapping[str, Any]) -> QuantFormat:
     )
 
 
-_READERS = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8, "mxfp4": _mxfp4}
+def _bitsandbytes(cfg: Mapping[str, Any]) -> QuantFormat:
+    if cfg.get("load_in_4bit"):
+        raise _fail(
+            "load_in_4bit",
+            True,
+            "load_in_8bit (bitsandbytes nf4/fp4 checkpoints are known but not loaded by loadmaster yet)",
+        )
+    if not cfg.get("load_in_8bit"):
+        raise _fail("load_in_8bit", cfg.get("load_in_8bit"), "true (a checkpoint saved already quantized in 8 bits)")
+    return QuantFormat(
+        "bitsandbytes",
+        "bnb-int8",
+        "SCB",
+        8,
+        -1,
+        ignore=tuple(cfg.get("llm_int8_skip_modules") or ()),
+    )
+
+
+_READERS = {
+    "gptq": _gptq,
+    "awq": _awq,
+    "compressed-tensors": _compressed_tensors,
+    "fp8": _fp8,
+    "mxfp4": _mxfp4,
+    "bitsandbytes": _bitsandbytes,
+}
 
 
 def quant_format(doc: Mapping[str, Any]) -> QuantFormat | None:
@@ -237,6 +266,8 @@ def expected_shapes(fmt: QuantFormat, out_features: int, in_features: int) -> di
         return {"weight_packed": (n, -(-k * fmt.bits // 32))}
     if fmt.layout in ("ct-int", "ct-fp8"):
         return {"weight": (n, k)}
+    if fmt.layout == "bnb-int8":
+        return {"weight": (n, k), "SCB": (n,)}
     if fmt.layout == "mxfp4":
         nb = k // MXFP4_BLOCK
         return {"weight_blocks": (n, nb, MXFP4_BLOCK // 2), "weight_scales": (n, nb)}

@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8, MXFP4): planned to the byte from their headers, loaded
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8, MXFP4, bitsandbytes int8): planned to the byte from their headers, loaded
 on the CPU and from disk with their grid repacked exactly, logits within tolerance of the dequantized reference.
 
 Tolerance: the native int8/int4 kernels quantize each 64-input group of activations to int8 (docs/kernels.md),
@@ -42,11 +42,13 @@ CASES = {
     "ct-fp8": ("ct-fp8", {}),
     "fp8-block": ("fp8", {}),
     "mxfp4": ("mxfp4", {}),
+    "bnb-int8": ("bnb-int8", {}),
 }
 #: What each case's linear layers become at load.
 NATIVE = {"gptq8-group": None, "ct-fp8": "fp8", "fp8-block": "fp8", "gptq8-channel": "int8", "ct-pack8": "int8"}
 NATIVE["ct-naive8"] = "int8"
 NATIVE["mxfp4"] = "mxfp4"
+NATIVE["bnb-int8"] = "int8"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def written(tmp_path_factory):
 
 def _header_bytes(d) -> int:
     with safe_open(d / "model.safetensors", "pt") as f:
-        return sum(f.get_slice(k).get_shape() and math.prod(f.get_slice(k).get_shape()) * _size(f, k) for k in f.keys())
+        return sum(math.prod(f.get_slice(k).get_shape()) * _size(f, k) for k in f.keys())
 
 
 def _size(f, key) -> int:
@@ -133,6 +135,8 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
         got = mod.dequantized_weight(torch.float32)
         if kind == "int4":
             assert torch.equal(got, want), mname  # bit for bit
+        elif name == "bnb-int8":  # bitsandbytes' codes as they are; SCB / 127 against its own SCB * (1/127)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         else:  # codes of -128 become -127: at most one step, nothing else moves
             step = mod.scales[:, None]
             assert ((got - want).abs() <= step * 1.0001).all() and (got != want).float().mean() < 0.01
@@ -157,7 +161,7 @@ def _mapped_file(address: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4"])
+@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4", "bnb-int8"])
 def test_loads_with_layers_on_disk(written, name, tmp_path):
     d, ref_sd = written[name]
     dmap = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
@@ -198,7 +202,8 @@ def _with_config(written, name, tmp_path, **change):
     ("name", "change", "field"),
     [
         ("gptq4-sym", {"quant_method": "sparse-magic"}, "quant_method"),
-        ("gptq4-sym", {"quant_method": "bitsandbytes"}, "quant_method"),
+        ("gptq4-sym", {"quant_method": "hqq"}, "quant_method"),
+        ("bnb-int8", {"load_in_8bit": False, "load_in_4bit": True}, "load_in_4bit"),
         ("mxfp4", {"block_size": 16}, "block_size"),
         ("gptq4-sym", {"bits": 3}, "bits"),
         ("gptq4-sym", {"group_size": 32}, "group_size"),
