@@ -1,6 +1,7 @@
 """Kernel benchmark: the native CPU kernels on each instruction-set path, side by side, as memory bandwidth.
 
-For each weight format (bf16, fp32, int8, int4, fp8: e4m3 with a float32 scale per 128x128 block) and each path this CPU runs (``avx512``, ``avx2``, forced the way
+For each weight format (bf16, fp32, int8, int4, fp8: e4m3 with a float32 scale per 128x128 block, mxfp4: e2m1
+blocks of 32 with an e8m0 scale byte each, as checkpoints store them) and each path this CPU runs (``avx512``, ``avx2``, forced the way
 ``LOADMASTER_CPU_ISA`` forces them) plus torch's own kernels (``F.linear`` on the same weights, dequantized once for
 the quantized formats), it times one-row products ``x @ W^T`` over a set of matrices larger than the caches, and
 reports the bandwidth reached: bytes of weights (and scales) read per second. Paths alternate within each round
@@ -23,7 +24,7 @@ import torch
 from bench.common import machine, print_table, write_json
 from loaders.native import kernel_build, operators, quantization
 
-FORMATS = ("bfloat16", "float32", "int8", "int4", "fp8")
+FORMATS = ("bfloat16", "float32", "int8", "int4", "fp8", "mxfp4")
 
 
 def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
@@ -40,6 +41,11 @@ def _weights(fmt: str, n: int, k: int, count: int, seed: int = 0) -> list[dict]:
             q = (w / s[0, 0]).to(torch.float8_e4m3fn)
             deq = operators.dequantize_fp8(q, s, 128, 128, torch.bfloat16)
             out.append({"q": q, "s": s, "bytes": q.numel() + s.numel() * 4, "dense": deq})
+        elif fmt == "mxfp4":  # random codes, one scale for all (k must be a multiple of 32)
+            q = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g)
+            s = torch.full((n, k // 32), 127 - 8, dtype=torch.uint8)
+            deq = operators.dequantize_mxfp4(q, s, torch.bfloat16)
+            out.append({"q": q, "s": s, "bytes": q.numel() + s.numel(), "dense": deq})
         else:
             q, s = quantization.QUANTIZERS[fmt](w)
             deq = (operators.dequantize_int8 if fmt == "int8" else operators.dequantize_int4)(q, s, k, torch.bfloat16)
@@ -56,6 +62,8 @@ def _call(fmt: str, x: torch.Tensor, m: dict, k: int, native: bool) -> torch.Ten
         return operators.linear(x, m["w"], None)
     if fmt == "fp8":
         return operators.linear_fp8(x, m["q"], m["s"], None, 128, 128)
+    if fmt == "mxfp4":
+        return operators.linear_mxfp4(x, m["q"], m["s"], None)
     op = operators.linear_q8 if fmt == "int8" else operators.linear_q4
     return op(x, m["q"], m["s"], None, k)
 

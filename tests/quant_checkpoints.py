@@ -2,7 +2,11 @@
 
 Round-to-nearest quantization (not GPTQ's or AWQ's search: the layout is what is tested), packed as each format
 stores it: GPTQ and AWQ by this module, following their documented packing; compressed-tensors through the
-``compressed-tensors`` package's own ``pack_to_int32`` where it installs. :func:`write_quantized` returns the
+``compressed-tensors`` package's own ``pack_to_int32`` where it installs; MXFP4 in the gpt-oss layout applied to
+linear layers (``weight_blocks`` / ``weight_scales``), its reference weights dequantized by transformers' own
+MXFP4 dequantizer (``convert_moe_packed_tensors``); bitsandbytes ``load_in_8bit`` quantized and dequantized by
+bitsandbytes' own ``int8_vectorwise_quant`` / ``int8_vectorwise_dequant`` (its CPU backend), saved under the keys
+``Linear8bitLt`` writes (``weight``, ``SCB``, ``weight_format``). :func:`write_quantized` returns the
 folder and the dequantized float32 weights, which a reference model loads to give the logits a load must match.
 The output head stays unquantized (``modules_to_not_convert`` / ``ignore``).
 """
@@ -147,6 +151,45 @@ def _fp8_layer(w, block):
     return {"weight": q, "weight_scale_inv": s}, q.float() * full
 
 
+#: The e2m1 magnitudes of codes 0..7 (codes 8..15 are their negatives).
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` as MXFP4 ``(blocks uint8 [N, K/32, 16], scales uint8 [N, K/32])``: per block of 32 the
+    smallest power-of-two scale that puts its largest magnitude within 6, each value rounded to the nearest e2m1."""
+    n, k = w.shape
+    wb = w.float().reshape(n, k // 32, 32)
+    amax = wb.abs().amax(-1).clamp(min=2.0**-100)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
+    v = wb / torch.exp2(e)[..., None]
+    mag = (v.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude's code, 0..7
+    codes = (mag + 8 * (v < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (e + 127).to(torch.uint8)
+
+
+def mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight transformers' MXFP4 dequantizer gives (it takes gpt-oss's expert tensors,
+    ``[E, N, K/32, 16]``, and returns them transposed: one expert here, transposed back)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].t().contiguous()
+
+
+def _mxfp4_layer(w):
+    blocks, scales = mxfp4_quantize(w)
+    return {"weight_blocks": blocks, "weight_scales": scales}, mxfp4_reference(blocks, scales)
+
+
+def _bnb_int8_layer(w):
+    from bitsandbytes.functional import int8_vectorwise_dequant, int8_vectorwise_quant
+
+    cb, scb, _ = int8_vectorwise_quant(w.float())
+    t = {"weight": cb, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}
+    return t, int8_vectorwise_dequant(cb, scb).float()
+
+
 def _quant_config(fmt: str, **o) -> dict:
     if fmt == "gptq":
         return {
@@ -159,6 +202,10 @@ def _quant_config(fmt: str, **o) -> dict:
         }
     if fmt == "awq":
         return {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": o["group"], "zero_point": True}
+    if fmt == "bnb-int8":
+        return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False, "llm_int8_threshold": 6.0}
+    if fmt == "mxfp4":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     if fmt == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     strategy = "channel" if o.get("group", -1) == -1 else "group"
@@ -177,7 +224,7 @@ def _quant_config(fmt: str, **o) -> dict:
 
 def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.Tensor]:
     """Write ``source`` (a saved Llama) to ``dest`` as ``fmt`` (``gptq``, ``awq``, ``ct-pack``, ``ct-int``,
-    ``ct-fp8``, ``fp8``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
+    ``ct-fp8``, ``fp8``, ``mxfp4``, ``bnb-int8``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted(source.glob("*.safetensors")):
         state.update(load_file(f))
@@ -194,6 +241,10 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
             packed, deq = _gptq_layer(w, o["bits"], o["group"], o["sym"], o["act_order"], len(out), o.get("v2"))
         elif fmt == "awq":
             packed, deq = _awq_layer(w, o["group"], True)
+        elif fmt == "mxfp4":
+            packed, deq = _mxfp4_layer(w)
+        elif fmt == "bnb-int8":
+            packed, deq = _bnb_int8_layer(w)
         elif fmt in ("ct-pack", "ct-int"):
             packed, deq = _ct_int_layer(w, o["bits"], o.get("group", -1), o.get("sym", True), fmt == "ct-pack")
         else:

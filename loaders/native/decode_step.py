@@ -11,7 +11,7 @@ step is ~33 ms. :class:`NativeDecoder` runs the same arithmetic as a short list 
 
 on preallocated buffers (:data:`MAX_ROWS` decode rows), the products on the same kernels the modules use
 (``loaders.native.linear``'s float kernels, ``loaders.native.quantization``'s int8 and 4-bit ones, the FP8 one of
-``loaders.native.fp8_linear``, q/k/v and gate/up in one
+``loaders.native.fp8_linear``, the MXFP4 one of ``loaders.native.mxfp4_linear``, q/k/v and gate/up in one
 call each where the float kernel takes them together), the element-wise steps in ``kernels/decoder_ops.c``, which
 rounds as the modules do in torch (see there).
 
@@ -39,6 +39,7 @@ from torch import nn
 from loaders.native import kernel_build
 from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.linear import NativeCPULinear
+from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.quantization import QuantizedCPULinear
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,8 @@ class _KernelBinder:
             return _Product(call)
         if isinstance(linear, Fp8CPULinear):
             return self._fp8_product(linear, x, out, bias)
+        if isinstance(linear, Mxfp4CPULinear):
+            return self._mxfp4_product(linear, x, out, bias)
         if not isinstance(linear, QuantizedCPULinear):
             raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
         if linear.in_features != k or linear.out_features != n:
@@ -307,6 +310,22 @@ class _KernelBinder:
         def call(m: int, threads: int) -> None:
             if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
                 raise RuntimeError("the native FP8 kernel rejected a decode step's shapes")
+
+        return _Product(call)
+
+    def _mxfp4_product(self, linear: Mxfp4CPULinear, x: torch.Tensor, out: torch.Tensor, bias: int | None) -> _Product:
+        """``out = x @ W^T (+ b)`` on the MXFP4 kernel, reading the layer's stored blocks and e8m0 scales."""
+        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
+        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
+        if linear.in_features != k or linear.out_features != n:
+            raise NotNativeDecodable("an MXFP4 layer's shape differs from the model's")
+        bl, sc, bf16 = linear.blocks, linear.scales, self.geometry.bf16
+        args = (bl.data_ptr(), bl.stride(0), sc.data_ptr(), sc.stride(0))
+        fn = kernel_build.function("linear_mxfp4")
+
+        def call(m: int, threads: int) -> None:
+            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
+                raise RuntimeError("the native MXFP4 kernel rejected a decode step's shapes")
 
         return _Product(call)
 

@@ -4,9 +4,9 @@ Why native code: at decode time a linear layer multiplies one row (or a few) by 
 once per token, so its speed is the memory bandwidth it reaches. torch's CPU paths reach about half of it for
 bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. The sources in ``kernels/`` read the
 weight rows in place and get close to the streaming rate; because they read a weight where it lies, a weight
-that is a view of a safetensors file mapping stays zero-copy. Five linear kernels: bf16, fp32, weight-only int8
-and 4-bit (:mod:`loaders.native.quantization` lays those weights out), and FP8 e4m3 as checkpoints store it
-(:mod:`loaders.native.fp8_linear`); and decode attention over the slot cache (:mod:`loaders.native.attention`).
+that is a view of a safetensors file mapping stays zero-copy. Six linear kernels: bf16, fp32, weight-only int8
+and 4-bit (:mod:`loaders.native.quantization` lays those weights out), and FP8 e4m3 and MXFP4 as checkpoints store
+them (:mod:`loaders.native.fp8_linear`, :mod:`loaders.native.mxfp4_linear`); and decode attention over the slot cache (:mod:`loaders.native.attention`).
 
 **Instruction sets.** Every source has an AVX-512 path and an AVX2 (+FMA, F16C) path. The path is picked from the
 CPU's flags (:func:`select_isa`), or forced with ``LOADMASTER_CPU_ISA=avx512|avx2|torch``; anywhere else (no
@@ -58,6 +58,7 @@ SOURCES = (
     "linear_q8.c",
     "linear_q4.c",
     "linear_fp8.c",
+    "linear_mxfp4.c",
     "quantize_weights.c",
     "attention_decode.c",
     "decoder_ops.c",
@@ -133,11 +134,13 @@ KERNELS: dict[torch.dtype, Kernel] = {
 #: prefills too (up to 4096 rows), so a row's result never depends on how many rows came with it: a grouped prefill
 #: in the server gives the same tokens as a lone one. torch (on the dequantized weight) runs only beyond that. The
 #: FP8 one computes in float32, so, like the float kernels, it takes decode rows and torch's GEMM runs prompts
-#: (:mod:`loaders.native.fp8_linear`).
+#: (:mod:`loaders.native.fp8_linear`); so does the MXFP4 one (:mod:`loaders.native.mxfp4_linear`), whose prompts run
+#: on tiles dequantized by torch.
 QUANT_KERNELS: dict[str, Kernel] = {
     "int8": Kernel("linear_q8", max_rows=4096),
     "int4": Kernel("linear_q4", max_rows=4096),
     "fp8": Kernel("linear_fp8", max_rows=32),
+    "mxfp4": Kernel("linear_mxfp4", max_rows=32),
 }
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -154,6 +157,8 @@ _ARGTYPES = {
     # x, ldx, bf16, e4m3 weight, ldw, float32 scales, their row stride, rows and inputs per scale, bias, y, ldy,
     # M, N, K, threads
     "linear_fp8": [_P, _L, _I, _P, _L, _P, _L, _I, _I, _P, _P, _L, _I, _I, _I, _I],
+    # x, ldx, bf16, MXFP4 blocks (bytes), ldw, e8m0 scales (bytes), lds, bias, y, ldy, M, N, K, threads
+    "linear_mxfp4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
     # e4m3 weight, ldw, scales, lds, bn, bk, first row, rows, K, out, ldo, bf16, threads
     "dequantize_fp8": [_P, _L, _P, _L, _I, _I, _I, _I, _I, _P, _L, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],

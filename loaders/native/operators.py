@@ -1,5 +1,5 @@
 """The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8``,
-``linear_q4``, ``linear_fp8`` and ``decode_attention``.
+``linear_q4``, ``linear_fp8``, ``linear_mxfp4`` and ``decode_attention``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
 checked by the dispatcher), a Meta implementation (shapes and dtypes propagate through the meta device and fake
@@ -34,6 +34,7 @@ _lib.define("linear_q4z(Tensor x, Tensor packed, Tensor scales, Tensor zeros, Te
 _lib.define(
     "linear_fp8(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int block_rows, int block_cols) -> Tensor"
 )
+_lib.define("linear_mxfp4(Tensor x, Tensor blocks, Tensor scales, Tensor? bias) -> Tensor")
 _lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
@@ -399,6 +400,84 @@ def _fp8_fake(x, weight, scales, bias, block_rows: int, block_cols: int) -> torc
     return _quant_fake(x, weight, scales, bias, weight.shape[1])
 
 
+# -- MXFP4 (e2m1 codes in blocks of 32, one e8m0 scale each) as checkpoints store them --------------------------
+#: Inputs per MXFP4 block (one e8m0 scale byte, 16 bytes of codes).
+MXFP4_BLOCK = 32
+#: The e2m1 value of each 4-bit code (OCP microscaling; codes 8..15 are the negatives of 0..7).
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: Each byte's two values, the low nibble's (the even input) first: one lookup per byte in the torch path.
+_MXFP4_PAIRS = torch.tensor([[MXFP4_VALUES[b & 15], MXFP4_VALUES[b >> 4]] for b in range(256)], dtype=torch.float32)
+
+
+def mxfp4_scales(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes as float32 ``2^(e - 127)``, built as the kernel builds them (``e << 23`` read as a float): exact
+    for e = 1..254; e = 0 reads as 0 (not 2^-127) and e = 255 (NaN in the format) as infinity."""
+    return (scales.to(torch.int32) << 23).view(torch.float32)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The float weight (rows ``rows`` of ``[N, K]``) that MXFP4 ``blocks`` ``[N, K/32, 16]`` and e8m0 ``scales``
+    ``[N, K/32]`` stand for: ``W[n, 32b + i] = e2m1(code) * 2^(e[n, b] - 127)``, the even input in a byte's low
+    nibble. Exact in float32 and bfloat16 (a code's two significant bits times a power of two)."""
+    n0, n1 = rows or (0, blocks.shape[0])
+    r, nb = n1 - n0, blocks.shape[1]
+    pairs = _MXFP4_PAIRS.index_select(0, blocks[n0:n1].reshape(-1).to(torch.int32))
+    w = pairs.view(r, nb, MXFP4_BLOCK) * mxfp4_scales(scales[n0:n1])[..., None]
+    return w.view(r, nb * MXFP4_BLOCK).to(dtype)
+
+
+def linear_mxfp4_torch(x, blocks, scales, bias) -> torch.Tensor:
+    """``loadmaster::linear_mxfp4`` on torch's GEMM: the weight dequantized to x's dtype a tile of output rows at a
+    time (:data:`FP8_TILE_BYTES` of float32), each tile's product written into its columns of the result. Prompts,
+    products beyond the kernel's rows and the fallback where the native kernels are not loaded take this."""
+    n, k = blocks.shape[0], blocks.shape[1] * MXFP4_BLOCK
+    rows = max(1, FP8_TILE_BYTES // (4 * max(k, 1)))
+    if rows >= n:
+        return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
+    out = x.new_empty(_out_shape(x, n))
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = dequantize_mxfp4(blocks, scales, x.dtype, (n0, n1))
+        out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+    return out
+
+
+def _check_mxfp4(x, blocks, scales) -> None:
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        raise ValueError(f"loadmaster::linear_mxfp4 takes float32 or bfloat16 x, not {x.dtype}")
+    shape_ok = blocks.dim() == 3 and blocks.shape[2] == MXFP4_BLOCK // 2
+    if blocks.dtype is not torch.uint8 or not shape_ok or blocks.stride(2) != 1 or blocks.stride(1) != blocks.shape[2]:
+        raise ValueError(
+            "loadmaster::linear_mxfp4: blocks must be uint8 [N, K/32, 16] with contiguous rows, got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
+    n, nb = blocks.shape[0], blocks.shape[1]
+    if x.shape[-1] != nb * MXFP4_BLOCK:
+        raise ValueError(f"loadmaster::linear_mxfp4: x has {x.shape[-1]} features, the blocks {nb * MXFP4_BLOCK}")
+    if scales.dtype is not torch.uint8 or tuple(scales.shape) != (n, nb) or scales.stride(1) != 1:
+        raise ValueError(
+            f"loadmaster::linear_mxfp4: scales must be uint8 [{n}, {nb}] (one e8m0 byte per block) with contiguous "
+            f"rows, got {scales.dtype} {tuple(scales.shape)}"
+        )
+
+
+def _linear_mxfp4_cpu(x, blocks, scales, bias) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on the native kernel up to its row limit, else :func:`linear_mxfp4_torch`."""
+    _check_mxfp4(x, blocks, scales)
+    n, k = blocks.shape[0], blocks.shape[1] * MXFP4_BLOCK
+    args = (blocks.data_ptr(), blocks.stride(0), scales.data_ptr(), scales.stride(0))
+    out = _call_quant("linear_mxfp4", x, bias, n, k, args)
+    if out is None:
+        out = linear_mxfp4_torch(x, blocks, scales, bias)
+    return out
+
+
+def _mxfp4_fake(x, blocks, scales, bias) -> torch.Tensor:
+    return x.new_empty(_out_shape(x, blocks.shape[0]))
+
+
 # -- attention over the slot cache ---------------------------------------------------------------------------------
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
     b, h, width, d = query.shape
@@ -497,6 +576,7 @@ _lib.impl("linear_q8", _linear_q8_cpu, "CPU")
 _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
 _lib.impl("linear_q4z", _linear_q4z_cpu, "CPU")
 _lib.impl("linear_fp8", _linear_fp8_cpu, "CPU")
+_lib.impl("linear_mxfp4", _linear_mxfp4_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 # Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
 # caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
@@ -507,6 +587,7 @@ _lib.impl("linear_q8", _quant_fake, "Meta")
 _lib.impl("linear_q4", _quant_fake, "Meta")
 _lib.impl("linear_q4z", _quant_z_fake, "Meta")
 _lib.impl("linear_fp8", _fp8_fake, "Meta")
+_lib.impl("linear_mxfp4", _mxfp4_fake, "Meta")
 _lib.impl("decode_attention", _decode_attention_fake, "Meta")
 
 linear = torch.ops.loadmaster.linear.default
@@ -515,6 +596,7 @@ linear_q8 = torch.ops.loadmaster.linear_q8.default
 linear_q4 = torch.ops.loadmaster.linear_q4.default
 linear_q4z = torch.ops.loadmaster.linear_q4z.default
 linear_fp8 = torch.ops.loadmaster.linear_fp8.default
+linear_mxfp4 = torch.ops.loadmaster.linear_mxfp4.default
 decode_attention = torch.ops.loadmaster.decode_attention.default
 
 

@@ -15,6 +15,11 @@ Every format is first read into one form: integer codes ``[N, K]``, a scale and 
   for the native FP8 kernel (:class:`~loaders.native.fp8_linear.Fp8CPULinear`), which reads one byte per weight in
   place (a disk layer's from the shard's map). A grid the kernel lacks (a block of inputs not a multiple of 64) is
   dequantized, and the log says so;
+- MXFP4 (e2m1 blocks of 32 with e8m0 scales, the gpt-oss layout on linear layers): kept as stored, blocks and
+  scale bytes, for the native MXFP4 kernel (:class:`~loaders.native.mxfp4_linear.Mxfp4CPULinear`), which reads half
+  a byte per weight in place (a disk layer's from the shard's map). No repacking, no dequantization on the CPU;
+- bitsandbytes ``load_in_8bit`` (``weight`` int8 and ``SCB``): the native int8 layout, scale ``SCB / 127`` per
+  row: exactly our int8 grid (bitsandbytes writes codes -127..127);
 - everything else (8-bit in groups): dequantized to the compute dtype, and the log says so, since the native
   kernels have no layout for it yet. On a GPU (``native=False``) every layer is dequantized on its device.
 
@@ -24,7 +29,9 @@ outputs (stored minus one in the original ``gptq`` format), ``scales`` ``[G, N]`
 ``qweight`` int32 ``[K, N/8]`` with the nibbles of each word holding outputs 0, 2, 4, 6, 1, 3, 5, 7, ``qzeros``
 alike, ``scales`` ``[G, N]``; compressed-tensors ``weight_packed`` int32 ``[N, K*b/32]`` along inputs, codes
 offset by ``2^(b-1)``, ``weight_scale`` ``[N, G]``, ``weight_zero_point`` packed along outputs; FP8 ``weight``
-e4m3 ``[N, K]`` times ``weight_scale`` (per channel or tensor) or ``weight_scale_inv`` per block.
+e4m3 ``[N, K]`` times ``weight_scale`` (per channel or tensor) or ``weight_scale_inv`` per block; MXFP4
+``weight_blocks`` uint8 ``[N, K/32, 16]``, the even input in the low nibble, times ``2^(weight_scales - 127)``
+(checked in tests against transformers' own dequantizer, ``convert_moe_packed_tensors``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import torch
 from torch import nn
 
 from loaders.native.fp8_linear import FP8_LAYOUTS, Fp8CPULinear
-from loaders.native.operators import GROUP
+from loaders.native.mxfp4_linear import MXFP4_LAYOUT, Mxfp4CPULinear
+from loaders.native.operators import GROUP, dequantize_mxfp4
 from loaders.native.quantization import QuantizedCPULinear
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import QuantFormat
@@ -137,7 +145,19 @@ def _ct_int_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
     return Grid(codes, scales, zeros, group, b)
 
 
-_GRIDS = {"gptq": _gptq_grid, "awq": _awq_grid, "ct-pack": _ct_int_grid, "ct-int": _ct_int_grid}
+def _bnb_int8_grid(m: PackedLinear, fmt: QuantFormat) -> Grid:
+    """bitsandbytes ``load_in_8bit`` as saved: int8 codes, each row's absmax ``SCB`` (the scale ``SCB / 127``)."""
+    scales = (m.SCB.to(torch.float32) / 127.0).reshape(-1, 1)
+    return Grid(m.weight.to(torch.int32), scales, torch.zeros_like(scales), m.in_features, 8)
+
+
+_GRIDS = {
+    "gptq": _gptq_grid,
+    "awq": _awq_grid,
+    "ct-pack": _ct_int_grid,
+    "ct-int": _ct_int_grid,
+    "bnb-int8": _bnb_int8_grid,
+}
 
 
 def _per_native_group(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
@@ -219,6 +239,11 @@ def repack(m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool
         if layer is not None:
             return layer, "fp8"
         return _dequantized(m, dequantize_fp8(m, fmt), dtype), f"fp8 -> {str(dtype).removeprefix('torch.')}"
+    if fmt.layout == MXFP4_LAYOUT:
+        if native:
+            return Mxfp4CPULinear.from_packed(m), "mxfp4"
+        weight = dequantize_mxfp4(m.weight_blocks, m.weight_scales, torch.float32)
+        return _dequantized(m, weight, dtype), f"mxfp4 -> {str(dtype).removeprefix('torch.')}"
     if not native:
         weight = dequantize_grid(_GRIDS[fmt.layout](m, fmt), m.in_features)
         return _dequantized(m, weight, dtype), f"int{fmt.bits} -> {str(dtype).removeprefix('torch.')}"

@@ -3,7 +3,7 @@
 :func:`swap_packed_linears` replaces every ``nn.Linear`` whose checkpoint stores its format's marker tensor
 (:mod:`planner.model.quant_config`) with a :class:`PackedLinear` on the meta device: one buffer per stored tensor
 under the layer's name (``qweight``, ``qzeros``, ``scales``, ``g_idx``; ``weight_packed``, ``weight_scale``;
-``weight``, ``weight_scale_inv``, ...), in the stored shape and dtype. The walk (:mod:`planner.model.meta_skeleton`)
+``weight``, ``weight_scale_inv``; ``weight_blocks``, ``weight_scales``, ...), in the stored shape and dtype. The walk (:mod:`planner.model.meta_skeleton`)
 marks them ``packed``, so the plan sizes them to the byte as stored, and the loader fills them from the shards
 like any tensor (a disk layer's are maps of the shard) and then repacks each layer once
 (:mod:`loaders.native.packed_formats`). Imports torch: only the meta walk reads this.
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from planner.errors import PlanError
 from planner.model.quant_config import QuantFormat, check_stored_shapes
 from planner.model.safetensors_header import HeaderTensor
 
@@ -77,4 +78,26 @@ def swap_packed_linears(model: nn.Module, fmt: QuantFormat, headers: Mapping[str
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, packed)
         swapped += 1
+    if fmt.layout == "mxfp4":
+        _refuse_stray_blocks(keys_by_module, model)
     return swapped
+
+
+def _refuse_stray_blocks(keys_by_module: Mapping[str, list[str]], model: nn.Module) -> None:
+    """MXFP4 blocks stored for something other than a linear layer's weight (gpt-oss's fused MoE experts store
+    ``experts.gate_up_proj_blocks``): a :class:`PlanError` naming the tensor, since nothing would load them."""
+    for mod, suffixes in keys_by_module.items():
+        for suffix in suffixes:
+            if suffix.endswith("_blocks") and not isinstance(_find(model, mod), PackedLinear):
+                raise PlanError(
+                    f"{mod}.{suffix}: MXFP4 blocks of something other than an nn.Linear weight (fused MoE experts, "
+                    "as gpt-oss stores them) are not loaded by loadmaster yet; supported: <linear>.weight_blocks and "
+                    "<linear>.weight_scales."
+                )
+
+
+def _find(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

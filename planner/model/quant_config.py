@@ -1,6 +1,6 @@
 """Pre-quantized checkpoints: what a ``quantization_config`` in ``config.json`` says, checked, as plain data.
 
-GPTQ, AWQ, compressed-tensors and FP8 checkpoints store each quantized linear layer as packed tensors next to
+GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 checkpoints store each quantized linear layer as packed tensors next to
 its module name (``q_proj.qweight``, ``q_proj.scales``, ...) instead of a ``weight``. The planner sizes those
 tensors as stored (:mod:`planner.model.packed_linear` puts them in the meta model, the walk marks them
 ``packed``, :func:`planner.placement.sizing.tensor_bytes` keeps their stored bytes); the loader repacks them
@@ -16,7 +16,15 @@ Supported (anything else is a :class:`PlanError` naming the field and what is su
 - ``compressed-tensors``: ``format`` ``pack-quantized`` (int4/int8), ``naive-quantized`` / ``int-quantized``
   (int8), ``float-quantized`` (FP8 e4m3, per channel or per tensor); weights strategy ``channel``, ``group``
   (a multiple of 64) or ``tensor``;
-- ``fp8``: ``fmt`` e4m3, ``weight_block_size`` (``weight_scale_inv`` per block, as DeepSeek-V3 and Qwen3-FP8 ship).
+- ``fp8``: ``fmt`` e4m3, ``weight_block_size`` (``weight_scale_inv`` per block, as DeepSeek-V3 and Qwen3-FP8 ship);
+- ``mxfp4``: e2m1 codes in blocks of 32 inputs with one e8m0 scale each, in the gpt-oss layout applied to linear
+  layers: ``<module>.weight_blocks`` uint8 ``[N, K/32, 16]`` (two codes a byte, the even input in the low nibble)
+  and ``<module>.weight_scales`` uint8 ``[N, K/32]``; ``in_features`` a multiple of 32. gpt-oss's own fused MoE
+  experts (``experts.gate_up_proj_blocks``, ...) are not read yet: :mod:`planner.model.packed_linear` refuses
+  MXFP4 blocks that belong to no linear layer;
+- ``bitsandbytes`` saved already quantized with ``load_in_8bit``: ``weight`` int8 ``[N, K]`` and ``SCB`` float32
+  ``[N]`` (each row's absmax, the scale ``SCB / 127``), as ``Linear8bitLt`` saves them. ``load_in_4bit`` (nf4/fp4)
+  is refused by that field: its tensors (``weight.absmax``, ``weight.quant_map``, ...) are not loaded yet.
 
 Not a torch import here: the planner's core reads this.
 """
@@ -30,18 +38,21 @@ from typing import Any
 from planner.errors import PlanError
 
 #: The ``quant_method`` values this module reads.
-SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4", "bitsandbytes (load_in_8bit)")
 #: Known methods that loadmaster does not load yet (their checkpoints are refused with this said).
-NOT_YET = ("mxfp4", "bitsandbytes", "hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
+NOT_YET = ("hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
 #: Inputs per group of the native 4-bit layout: a format's group must be a whole number of them.
 NATIVE_GROUP = 64
+#: Inputs per MXFP4 block (one e8m0 scale byte and 16 bytes of e2m1 codes).
+MXFP4_BLOCK = 32
 
 
 @dataclass(frozen=True)
 class QuantFormat:
     """One checkpoint's quantization, as the loader repacks it.
 
-    ``layout`` names the stored layout (``gptq``, ``awq``, ``ct-pack``, ``ct-int``, ``ct-fp8``, ``fp8-block``);
+    ``layout`` names the stored layout (``gptq``, ``awq``, ``ct-pack``, ``ct-int``, ``ct-fp8``, ``fp8-block``,
+    ``mxfp4``, ``bnb-int8``);
     ``marker`` the tensor suffix whose presence makes a linear layer quantized; ``group_size`` is -1 per output
     channel, 0 per tensor, else inputs per group; ``block`` the FP8 ``[rows, cols]`` scale block."""
 
@@ -61,6 +72,8 @@ class QuantFormat:
         group = {-1: "per channel", 0: "per tensor"}.get(self.group_size, f"group {self.group_size}")
         if self.block:
             group = f"blocks {self.block[0]}x{self.block[1]}"
+        if self.layout == "mxfp4":
+            return f"{self.method} e2m1 blocks of {MXFP4_BLOCK}"
         kind = "fp8" if self.layout in ("ct-fp8", "fp8-block") else f"int{self.bits}"
         return f"{self.method} {kind} {group}{'' if self.sym else ' asymmetric'}{' act-order' if self.desc_act else ''}"
 
@@ -174,7 +187,47 @@ def _fp8(cfg: Mapping[str, Any]) -> QuantFormat:
     )
 
 
-_READERS = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}
+def _mxfp4(cfg: Mapping[str, Any]) -> QuantFormat:
+    block = cfg.get("block_size", cfg.get("group_size", MXFP4_BLOCK))  # not written by gpt-oss: 32 is the format's
+    if block is None or int(block) != MXFP4_BLOCK:
+        raise _fail("block_size", block, f"{MXFP4_BLOCK} (the MX format's block)")
+    return QuantFormat(
+        "mxfp4",
+        "mxfp4",
+        "weight_blocks",
+        4,
+        MXFP4_BLOCK,
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+def _bitsandbytes(cfg: Mapping[str, Any]) -> QuantFormat:
+    if cfg.get("load_in_4bit"):
+        raise _fail(
+            "load_in_4bit",
+            True,
+            "load_in_8bit (bitsandbytes nf4/fp4 checkpoints are known but not loaded by loadmaster yet)",
+        )
+    if not cfg.get("load_in_8bit"):
+        raise _fail("load_in_8bit", cfg.get("load_in_8bit"), "true (a checkpoint saved already quantized in 8 bits)")
+    return QuantFormat(
+        "bitsandbytes",
+        "bnb-int8",
+        "SCB",
+        8,
+        -1,
+        ignore=tuple(cfg.get("llm_int8_skip_modules") or ()),
+    )
+
+
+_READERS = {
+    "gptq": _gptq,
+    "awq": _awq,
+    "compressed-tensors": _compressed_tensors,
+    "fp8": _fp8,
+    "mxfp4": _mxfp4,
+    "bitsandbytes": _bitsandbytes,
+}
 
 
 def quant_format(doc: Mapping[str, Any]) -> QuantFormat | None:
@@ -213,12 +266,22 @@ def expected_shapes(fmt: QuantFormat, out_features: int, in_features: int) -> di
         return {"weight_packed": (n, -(-k * fmt.bits // 32))}
     if fmt.layout in ("ct-int", "ct-fp8"):
         return {"weight": (n, k)}
+    if fmt.layout == "bnb-int8":
+        return {"weight": (n, k), "SCB": (n,)}
+    if fmt.layout == "mxfp4":
+        nb = k // MXFP4_BLOCK
+        return {"weight_blocks": (n, nb, MXFP4_BLOCK // 2), "weight_scales": (n, nb)}
     assert fmt.block is not None
     return {"weight": (n, k), "weight_scale_inv": (-(-n // fmt.block[0]), -(-k // fmt.block[1]))}
 
 
 def check_stored_shapes(fmt: QuantFormat, module: str, out_features: int, in_features: int, stored) -> None:
     """A :class:`PlanError` when a packed tensor's stored shape disagrees with the config's layer."""
+    if fmt.layout == "mxfp4" and in_features % MXFP4_BLOCK:
+        raise PlanError(
+            f"{module}.weight_blocks: the layer has in_features={in_features}, not a multiple of {MXFP4_BLOCK}, so it "
+            f"cannot hold whole MXFP4 blocks of {MXFP4_BLOCK}: the checkpoint disagrees with config.json."
+        )
     for suffix, shape in expected_shapes(fmt, out_features, in_features).items():
         got = stored.get(suffix)
         if got is not None and tuple(got) != shape:

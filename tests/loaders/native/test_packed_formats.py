@@ -1,8 +1,9 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8): planned to the byte from their headers, loaded
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8, MXFP4, bitsandbytes int8): planned to the byte from their headers, loaded
 on the CPU and from disk with their grid repacked exactly, logits within tolerance of the dequantized reference.
 
 Tolerance: the native int8/int4 kernels quantize each 64-input group of activations to int8 (docs/kernels.md),
 so logits of the tiny Llama differ from the float32 reference by up to ~1.5% of the largest logit; 3% is allowed.
+MXFP4 layers run on a kernel that does the same (its codes are integers times a power of two): 3% as well.
 FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32) and dequantized layers (8-bit in
 groups) match the float32 reference to 1e-5."""
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from loaders import load_model
 from loaders.native.fp8_linear import Fp8CPULinear
+from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.quantization import QuantizedCPULinear
 from planner.errors import PlanError
 from planner.model.skeleton import skeleton_from_dir
@@ -39,10 +41,14 @@ CASES = {
     "ct-naive8": ("ct-int", dict(bits=8)),
     "ct-fp8": ("ct-fp8", {}),
     "fp8-block": ("fp8", {}),
+    "mxfp4": ("mxfp4", {}),
+    "bnb-int8": ("bnb-int8", {}),
 }
 #: What each case's linear layers become at load.
 NATIVE = {"gptq8-group": None, "ct-fp8": "fp8", "fp8-block": "fp8", "gptq8-channel": "int8", "ct-pack8": "int8"}
 NATIVE["ct-naive8"] = "int8"
+NATIVE["mxfp4"] = "mxfp4"
+NATIVE["bnb-int8"] = "int8"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def written(tmp_path_factory):
 
 def _header_bytes(d) -> int:
     with safe_open(d / "model.safetensors", "pt") as f:
-        return sum(f.get_slice(k).get_shape() and math.prod(f.get_slice(k).get_shape()) * _size(f, k) for k in f.keys())
+        return sum(math.prod(f.get_slice(k).get_shape()) * _size(f, k) for k in f.keys())
 
 
 def _size(f, key) -> int:
@@ -117,6 +123,10 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
             assert isinstance(mod, Fp8CPULinear) and mod.weight.dtype == torch.float8_e4m3fn, mname
             assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
             continue
+        if kind == "mxfp4":  # the stored blocks and scale bytes, kept as stored: transformers' dequantized weight
+            assert isinstance(mod, Mxfp4CPULinear) and mod.blocks.dtype == torch.uint8, mname
+            assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
+            continue
         if kind is None:
             assert type(mod) is torch.nn.Linear or not isinstance(mod, QuantizedCPULinear)
             torch.testing.assert_close(mod.weight.float(), want, rtol=0, atol=1e-6)
@@ -125,6 +135,8 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
         got = mod.dequantized_weight(torch.float32)
         if kind == "int4":
             assert torch.equal(got, want), mname  # bit for bit
+        elif name == "bnb-int8":  # bitsandbytes' codes as they are; SCB / 127 against its own SCB * (1/127)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         else:  # codes of -128 become -127: at most one step, nothing else moves
             step = mod.scales[:, None]
             assert ((got - want).abs() <= step * 1.0001).all() and (got != want).float().mean() < 0.01
@@ -134,8 +146,8 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
     want = _reference_logits(ref_sd, ids)
     tol = 1e-5 if NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group" else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
-    if NATIVE.get(name) == "fp8":
-        assert model._loadmaster_packed_stats.kinds == {"fp8": 28}
+    if NATIVE.get(name) in ("fp8", "mxfp4"):
+        assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
 
 
 def _mapped_file(address: int) -> str | None:
@@ -149,7 +161,7 @@ def _mapped_file(address: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8"])
+@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4", "bnb-int8"])
 def test_loads_with_layers_on_disk(written, name, tmp_path):
     d, ref_sd = written[name]
     dmap = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
@@ -166,6 +178,12 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
         on_disk = model.model.layers[1].mlp.down_proj
         assert isinstance(on_disk, Fp8CPULinear)
         assert _mapped_file(on_disk.weight.data_ptr()) == str((d / "model.safetensors").resolve())
+    if NATIVE.get(name) == "mxfp4":  # likewise the MXFP4 blocks and scales
+        on_disk = model.model.layers[2].self_attn.o_proj
+        assert isinstance(on_disk, Mxfp4CPULinear)
+        for t in (on_disk.blocks, on_disk.scales):
+            assert _mapped_file(t.data_ptr()) == str((d / "model.safetensors").resolve())
+        assert isinstance(model.model.layers[0].mlp.down_proj, Mxfp4CPULinear)
 
 
 def _with_config(written, name, tmp_path, **change):
@@ -184,7 +202,9 @@ def _with_config(written, name, tmp_path, **change):
     ("name", "change", "field"),
     [
         ("gptq4-sym", {"quant_method": "sparse-magic"}, "quant_method"),
-        ("gptq4-sym", {"quant_method": "mxfp4"}, "quant_method"),
+        ("gptq4-sym", {"quant_method": "hqq"}, "quant_method"),
+        ("bnb-int8", {"load_in_8bit": False, "load_in_4bit": True}, "load_in_4bit"),
+        ("mxfp4", {"block_size": 16}, "block_size"),
         ("gptq4-sym", {"bits": 3}, "bits"),
         ("gptq4-sym", {"group_size": 32}, "group_size"),
         ("awq4", {"version": "gemv"}, "version"),
@@ -196,3 +216,45 @@ def test_unsupported_configs_name_the_field(written, tmp_path, name, change, fie
     d = _with_config(written, name, tmp_path, **change)
     with pytest.raises(PlanError, match=f"{field}.*supported|{field} is stored as"):
         skeleton_from_dir(d)
+
+
+def test_mxfp4_blocks_disagreeing_with_the_layer_are_refused(written, tmp_path):
+    """Blocks stored flat (``[N, K/2]``, not gpt-oss's ``[N, K/32, 16]``): the plan names the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d, _ = written["mxfp4"]
+    out = tmp_path / "flat"
+    shutil.copytree(d, out)
+    state = load_file(out / "model.safetensors")
+    key = "model.layers.1.mlp.up_proj.weight_blocks"
+    state[key] = state[key].reshape(state[key].shape[0], -1).contiguous()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PlanError, match=f"{key} is stored as"):
+        skeleton_from_dir(out)
+
+
+def test_mxfp4_in_features_must_be_whole_blocks():
+    from planner.model.quant_config import check_stored_shapes, quant_format
+
+    fmt = quant_format({"quantization_config": {"quant_method": "mxfp4"}})
+    assert fmt is not None and fmt.describe == "mxfp4 e2m1 blocks of 32"
+    with pytest.raises(PlanError, match=r"layers\.0\.mlp\.down_proj\.weight_blocks.*in_features=100.*multiple of 32"):
+        check_stored_shapes(fmt, "layers.0.mlp.down_proj", 64, 100, {"weight_blocks": (64, 3, 16)})
+
+
+def test_mxfp4_expert_blocks_of_no_linear_layer_are_refused(written, tmp_path):
+    """gpt-oss's fused MoE experts store ``experts.gate_up_proj_blocks``: nothing would load them, so the plan says so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d, _ = written["mxfp4"]
+    out = tmp_path / "experts"
+    shutil.copytree(d, out)
+    state = load_file(out / "model.safetensors")
+    state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(2, 8, 2, 16, dtype=torch.uint8)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PlanError, match="experts.gate_up_proj_blocks: MXFP4 blocks of something other"):
+        skeleton_from_dir(out)
