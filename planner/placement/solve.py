@@ -18,6 +18,7 @@ from planner.placement.cost_model import compute_dtype, predict
 from planner.placement.draft_budget import reserve_draft
 from planner.placement.hf_device_map import resolve_custom_map
 from planner.placement.inputs import ResolvedInputs, Strategy
+from planner.placement.interleave import interleave_streamed
 from planner.placement.sizing import activation_bytes, logits_bytes, size_blocks
 from planner.placement.strategies import STRATEGIES, FillResult, Problem, compute_loads, sequential
 from planner.placement.sub_layer import experts_on_cpu_candidates, experts_on_cpu_reason
@@ -242,7 +243,15 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
     reasons = (why,)
     if any(it.in_place for it in chosen.problem.items):
         reasons += (experts_on_cpu_reason(skeleton, chosen.problem, chosen.fill.assignment or [], workload),)
-    return Solution(chosen.problem, chosen.fill, f"auto:{chosen.name}", reasons)
+    fill = chosen.fill
+    spread = interleave_streamed(chosen.problem, fill.assignment or [])
+    if spread is not None:
+        fill = replace(fill, assignment=spread, loads=compute_loads(chosen.problem, spread))
+        reasons += (
+            "disk layers spread among the resident ones: each is read from disk while the CPU computes the "
+            "resident layers before it (the same bytes on each device)",
+        )
+    return Solution(chosen.problem, fill, f"auto:{chosen.name}", reasons)
 
 
 def _solve_named(skeleton: Skeleton, problem: Problem, workload: Workload, strategy: str) -> Solution:

@@ -227,3 +227,37 @@ def test_a_custom_map_still_places_the_rotary_embedding_where_it_says():
     dm = {"model.embed_tokens": 0, "model.layers": 0, "model.norm": 1, "model.rotary_emb": 1, "lm_head": 1}
     p = plan(SKEL, max_memory={0: 64 * MiB, 1: 64 * MiB}, strategy=dm, gpu_reserve=0, dtype="fp32", context=64)
     assert p.device_map["model.rotary_emb"] == 1
+
+
+def test_without_gpus_auto_spreads_the_disk_layers_among_the_resident_ones_at_the_same_loads():
+    """Each disk layer should be read while the CPU computes the resident layers before it: auto spreads them evenly,
+    and since only interchangeable layers trade places, every device holds the same bytes as the contiguous fill."""
+    from planner.placement.interleave import interleave_streamed
+    from planner.placement.solve import make_problem, sequential
+
+    box = {"cpu": 6 * MiB, "disk": "1GiB"}
+    p = plan(SKEL, max_memory=box, dtype="fp32", context=64)
+    layers = [b.name for b in SKEL.blocks if ".layers." in b.name]
+    on_disk = [i for i, n in enumerate(layers) if p.placement[n] == "disk"]
+    assert 1 < len(on_disk) < len(layers) - 1
+    gaps = [b - a for a, b in zip(on_disk, on_disk[1:])]
+    assert min(gaps) >= (len(layers) - 1) // len(on_disk), (on_disk, gaps)  # evenly spread, not one run
+    assert any("spread among the resident ones" in r for r in p.reasons)
+    assert all(b.total <= b.capacity for b in p.budgets)
+
+    problem = make_problem(SKEL, build_hardware(box, gpu_reserve=0), p.workload)
+    contiguous = sequential(problem).assignment
+    spread = interleave_streamed(problem, contiguous)
+    assert spread is not None and spread != contiguous
+    before, after = compute_loads(problem, contiguous), compute_loads(problem, spread)
+    for device in ("cpu", "disk"):
+        assert after.total(device) == before.total(device)
+    assert [d for d in spread if d == "disk"] == [d for d in contiguous if d == "disk"]
+
+
+def test_spread_positions_end_each_share():
+    from planner.placement.interleave import spread_positions
+
+    assert spread_positions(10, 3) == [2, 5, 9]
+    assert spread_positions(4, 4) == [0, 1, 2, 3]
+    assert spread_positions(5, 1) == [4]
