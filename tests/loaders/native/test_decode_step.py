@@ -96,6 +96,19 @@ def _step(decoder, rows: list[tuple[int, list[int], int]], keys, values) -> torc
         )
 
 
+def _step_matches_forward(model, relative: float, floor: float = 0.0) -> None:
+    """One native decode step of two prefilled rows against the model's own forward over each whole sequence: the
+    last logits within ``relative`` of the reference's largest (at least ``floor``)."""
+    decoder = NativeDecoder(model)
+    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
+    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
+    logits = _step(decoder, rows, keys, values)
+    with torch.inference_mode():
+        for b, (_, prompt, token) in enumerate(rows):
+            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
+            assert (logits[b] - ref).abs().max().item() <= relative * max(floor, ref.abs().max().item())
+
+
 #: Rows (slot, prompt, next token): different lengths, slots out of order and with gaps (several attention runs).
 ROWS = [(0, list(range(5, 22)), 7), (1, list(range(40, 49)), 11), (3, list(range(9, 40)), 3), (2, [4, 5], 290)]
 
@@ -149,16 +162,9 @@ def test_a_refused_element_step_fails_the_step_not_its_logits(native_path, kerne
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_layers_run_their_kernels(native_path, scheme):
     model = loaders.load_model(tiny_llama_dir(), device_map={"": "cpu"}, show_progress=False, cpu_quantization=scheme)
-    decoder = NativeDecoder(model)
-    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
-    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
-    logits = _step(decoder, rows, keys, values)
-    with torch.inference_mode():
-        for b, (_, prompt, token) in enumerate(rows):
-            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
-            # the same kernels, fed the same activations up to the norms' order of summation; activation
-            # quantization can turn such a difference into one quantum of a product
-            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    # the same kernels, fed the same activations up to the norms' order of summation; activation quantization can
+    # turn such a difference into one quantum of a product
+    _step_matches_forward(model, relative=0.02)
 
 
 def test_pre_hooks_run_at_their_layer(native_path):
@@ -269,14 +275,7 @@ def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path)
     write_quantized(tiny_llama_dir(), tmp_path / "awq", "awq", group=64)
     model = loaders.load_model(tmp_path / "awq", device_map={"": "cpu"}, show_progress=False, dtype="float32")
     assert model.model.layers[0].self_attn.q_proj.zeros is not None
-    decoder = NativeDecoder(model)
-    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
-    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
-    logits = _step(decoder, rows, keys, values)
-    with torch.inference_mode():
-        for b, (_, prompt, token) in enumerate(rows):
-            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
-            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    _step_matches_forward(model, relative=0.02)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "ct-fp8"])
@@ -289,14 +288,7 @@ def test_pre_quantized_fp8_layers_run_their_kernel(native_path, tmp_path, fmt):
     write_quantized(tiny_llama_dir(), tmp_path / fmt, fmt)
     model = loaders.load_model(tmp_path / fmt, device_map={"": "cpu"}, show_progress=False, dtype="float32")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Fp8CPULinear)
-    decoder = NativeDecoder(model)
-    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
-    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
-    logits = _step(decoder, rows, keys, values)
-    with torch.inference_mode():
-        for b, (_, prompt, token) in enumerate(rows):
-            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
-            assert (logits[b] - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    _step_matches_forward(model, relative=1e-5, floor=1.0)
 
 
 def test_pre_quantized_mxfp4_layers_run_their_kernel(native_path, tmp_path):
@@ -309,11 +301,4 @@ def test_pre_quantized_mxfp4_layers_run_their_kernel(native_path, tmp_path):
     write_quantized(tiny_llama_dir(), tmp_path / "mxfp4", "mxfp4")
     model = loaders.load_model(tmp_path / "mxfp4", device_map={"": "cpu"}, show_progress=False, dtype="float32")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Mxfp4CPULinear)
-    decoder = NativeDecoder(model)
-    rows = [(0, list(range(3, 20)), 9), (1, list(range(30, 36)), 100)]
-    keys, values = _prefilled(model, {s: p for s, p, _ in rows})
-    logits = _step(decoder, rows, keys, values)
-    with torch.inference_mode():
-        for b, (_, prompt, token) in enumerate(rows):
-            ref = model(torch.tensor([prompt + [token]])).logits[0, -1]
-            assert (logits[b] - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    _step_matches_forward(model, relative=0.02)
