@@ -299,33 +299,30 @@ class _KernelBinder:
 
     def _fp8_product(self, linear: Fp8CPULinear, x: torch.Tensor, out: torch.Tensor, bias: int | None) -> _Product:
         """``out = x @ W^T (+ b)`` on the FP8 kernel, reading the layer's stored e4m3 bytes."""
-        xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
-        yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
-        if linear.in_features != k or linear.out_features != n:
-            raise NotNativeDecodable("an FP8 layer's shape differs from the model's")
-        w, sc, bf16 = linear.weight, linear.scales, self.geometry.bf16
+        w, sc = linear.weight, linear.scales
         args = (w.data_ptr(), w.stride(0), sc.data_ptr(), sc.stride(0), linear.block_rows, linear.block_cols)
-        fn = kernel_build.function("linear_fp8")
-
-        def call(m: int, threads: int) -> None:
-            if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
-                raise RuntimeError("the native FP8 kernel rejected a decode step's shapes")
-
-        return _Product(call)
+        return self._stored_product("linear_fp8", "FP8", linear, x, out, bias, args)
 
     def _mxfp4_product(self, linear: Mxfp4CPULinear, x: torch.Tensor, out: torch.Tensor, bias: int | None) -> _Product:
         """``out = x @ W^T (+ b)`` on the MXFP4 kernel, reading the layer's stored blocks and e8m0 scales."""
+        bl, sc = linear.blocks, linear.scales
+        args = (bl.data_ptr(), bl.stride(0), sc.data_ptr(), sc.stride(0))
+        return self._stored_product("linear_mxfp4", "MXFP4", linear, x, out, bias, args)
+
+    def _stored_product(
+        self, kernel: str, label: str, linear: nn.Module, x: torch.Tensor, out: torch.Tensor, bias: int | None, args
+    ) -> _Product:
+        """A kernel that reads a checkpoint's stored weight in place (FP8, MXFP4): ``args`` are the weight's
+        pointers and strides, between ``x, ldx, bf16`` and ``bias, y, ldy, M, N, K, threads``."""
         xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
         yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]
         if linear.in_features != k or linear.out_features != n:
-            raise NotNativeDecodable("an MXFP4 layer's shape differs from the model's")
-        bl, sc, bf16 = linear.blocks, linear.scales, self.geometry.bf16
-        args = (bl.data_ptr(), bl.stride(0), sc.data_ptr(), sc.stride(0))
-        fn = kernel_build.function("linear_mxfp4")
+            raise NotNativeDecodable(f"an {label} layer's shape differs from the model's")
+        bf16, fn = self.geometry.bf16, kernel_build.function(kernel)
 
         def call(m: int, threads: int) -> None:
             if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
-                raise RuntimeError("the native MXFP4 kernel rejected a decode step's shapes")
+                raise RuntimeError(f"the native {label} kernel rejected a decode step's shapes")
 
         return _Product(call)
 

@@ -15,6 +15,7 @@ kernel takes (long prefills), where the weight is dequantized for that call and 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
@@ -299,8 +300,8 @@ def _quant_fake(x, qweight, scale, bias, in_features: int) -> torch.Tensor:
 
 
 # -- FP8 e4m3 weights as checkpoints store them ------------------------------------------------------------------
-#: Bytes of float32 weight one step of :func:`linear_fp8_torch` dequantizes: bounds its temporaries.
-FP8_TILE_BYTES = 16 << 20
+#: Bytes of float32 weight one tile of :func:`linear_on_tiles` dequantizes (FP8, MXFP4): bounds its temporaries.
+TILE_BYTES = 16 << 20
 #: Inputs per scale span the kernel takes when a row has several spans (``kernels/linear_fp8.c``).
 FP8_SPAN_MULTIPLE = 64
 
@@ -346,20 +347,27 @@ def dequantize_fp8(
     return (weight[n0:n1].to(torch.float32) * s).to(dtype)
 
 
-def linear_fp8_torch(x, weight, scales, bias, block_rows: int, block_cols: int) -> torch.Tensor:
-    """``loadmaster::linear_fp8`` on torch's GEMM: the weight dequantized to x's dtype a tile of output rows at a
-    time (:data:`FP8_TILE_BYTES`), each tile's product written into its columns of the result. Prompts and the
-    fallback where the native kernels are not loaded take this."""
-    n, k = weight.shape
-    rows = max(1, FP8_TILE_BYTES // (4 * max(k, 1)))
+def linear_on_tiles(
+    x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, dequantize: Callable[[tuple[int, int]], torch.Tensor]
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on torch's GEMM for a stored weight ``[n, k]`` that ``dequantize((n0, n1))`` turns into
+    x's dtype a tile of output rows at a time (:data:`TILE_BYTES` of float32), each tile's product written into its
+    columns of the result: the temporaries stay bounded whatever the layer's size."""
+    rows = max(1, TILE_BYTES // (4 * max(k, 1)))
     if rows >= n:
-        return F.linear(x, dequantize_fp8(weight, scales, block_rows, block_cols, x.dtype), bias)
+        return F.linear(x, dequantize((0, n)), bias)
     out = x.new_empty(_out_shape(x, n))
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        w = dequantize_fp8(weight, scales, block_rows, block_cols, x.dtype, (n0, n1))
-        out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+        out[..., n0:n1] = F.linear(x, dequantize((n0, n1)), None if bias is None else bias[n0:n1])
     return out
+
+
+def linear_fp8_torch(x, weight, scales, bias, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``loadmaster::linear_fp8`` on torch's GEMM over tiles (:func:`linear_on_tiles`). Prompts and the fallback
+    where the native kernels are not loaded take this."""
+    n, k = weight.shape
+    return linear_on_tiles(x, n, k, bias, lambda r: dequantize_fp8(weight, scales, block_rows, block_cols, x.dtype, r))
 
 
 def _check_fp8(x, weight, scales, block_rows: int, block_cols: int) -> None:
@@ -429,19 +437,10 @@ def dequantize_mxfp4(
 
 
 def linear_mxfp4_torch(x, blocks, scales, bias) -> torch.Tensor:
-    """``loadmaster::linear_mxfp4`` on torch's GEMM: the weight dequantized to x's dtype a tile of output rows at a
-    time (:data:`FP8_TILE_BYTES` of float32), each tile's product written into its columns of the result. Prompts,
-    products beyond the kernel's rows and the fallback where the native kernels are not loaded take this."""
+    """``loadmaster::linear_mxfp4`` on torch's GEMM over tiles (:func:`linear_on_tiles`). Prompts, products beyond
+    the kernel's rows and the fallback where the native kernels are not loaded take this."""
     n, k = blocks.shape[0], blocks.shape[1] * MXFP4_BLOCK
-    rows = max(1, FP8_TILE_BYTES // (4 * max(k, 1)))
-    if rows >= n:
-        return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
-    out = x.new_empty(_out_shape(x, n))
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        w = dequantize_mxfp4(blocks, scales, x.dtype, (n0, n1))
-        out[..., n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
-    return out
+    return linear_on_tiles(x, n, k, bias, lambda r: dequantize_mxfp4(blocks, scales, x.dtype, r))
 
 
 def _check_mxfp4(x, blocks, scales) -> None:

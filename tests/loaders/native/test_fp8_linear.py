@@ -98,7 +98,7 @@ def test_prompts_and_long_products_run_torch_on_dequantized_tiles(kernel_path, m
     layer = _layer(300, 96, "block128", seed=5, dtype=dtype)
     x = torch.randn(2, 40, 96).to(dtype)  # 80 rows: beyond the kernel's 32, and a bf16 prompt
     want = F.linear(x, layer.dequantized_weight(dtype), layer.bias)
-    monkeypatch.setattr(operators, "FP8_TILE_BYTES", 4 * 96 * 128)  # tiles of 128 output rows: 3 of them
+    monkeypatch.setattr(operators, "TILE_BYTES", 4 * 96 * 128)  # tiles of 128 output rows: 3 of them
     with torch.no_grad():
         got = layer(x)
     tol = 1e-5 if dtype == torch.float32 else 2**-7
