@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from loaders.native import kernel_build
 from loaders.native.kernel_build import KERNELS, QUANT_KERNELS
+from planner.model.quant_config import MXFP4_BLOCK
 
 GROUP = 64  # inputs per activation group and per 4-bit scale group; LM_GROUP in kernels/common.h
 MULTI_MAX = 8  # products per linear_multi call; LM_MULTI_MAX in kernels/common.h
@@ -409,8 +410,6 @@ def _fp8_fake(x, weight, scales, bias, block_rows: int, block_cols: int) -> torc
 
 
 # -- MXFP4 (e2m1 codes in blocks of 32, one e8m0 scale each) as checkpoints store them --------------------------
-#: Inputs per MXFP4 block (one e8m0 scale byte, 16 bytes of codes).
-MXFP4_BLOCK = 32
 #: The e2m1 value of each 4-bit code (OCP microscaling; codes 8..15 are the negatives of 0..7).
 MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 #: Each byte's two values, the low nibble's (the even input) first: one lookup per byte in the torch path.
