@@ -20,6 +20,8 @@ Method:
   (:func:`loaders.checkpoint.disk_rate.cold_read_rate`). The **ideal** for a box: that rate ÷ (checkpoint bytes − (box −
   1 GiB)) tokens/s, 1 GiB being the process, KV cache and activations; the rest of the weights resident, the
   remainder read from disk once per token. A checkpoint that fits in box − 1 GiB is "resident" (no disk ideal).
+  The shards are also read whole as the disk tier streams them (:func:`~loaders.checkpoint.disk_rate.
+  streamed_read_rate`, the server's probe), and that rate is reported beside the direct one.
 - **Cold cache.** Before each contender: ``sync; echo 3 > /proc/sys/vm/drop_caches``, or where that is refused
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file of the checkpoint.
 - **loadmaster.** ``python -m service.cli serve MODEL --port P`` and nothing else (``HF_HUB_OFFLINE=1``); time to
@@ -61,7 +63,7 @@ from typing import Any
 
 from bench.common import RESULT_PREFIX, ROOT, drop_cache, emit, machine, print_table, write_json
 from bench.memory_box import MemoryBox, cgroup_unavailable, make_box
-from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate
+from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate, streamed_read_rate
 from planner.hardware.units import format_bytes, parse_size
 
 GiB = 1 << 30
@@ -143,10 +145,18 @@ def cold_cache(model: Path) -> str:
 
 
 def disk_rate(model: Path, repeats: int) -> DiskRate:
-    """The device's read rate of the checkpoint's shards, whole, best of ``repeats`` (the server's own probe reads
-    the first 256 MiB of its disk tier the same way)."""
+    """The device's read rate of the checkpoint's shards, whole, ``O_DIRECT``, best of ``repeats``: the ideal's."""
     files = shards(model)
     return max((cold_read_rate(files) for _ in range(max(1, repeats))), key=lambda r: r.bytes_per_s)
+
+
+def streamed_rate(model: Path, repeats: int) -> DiskRate:
+    """The shards read whole as the disk tier streams them (mapped, read ahead), best of ``repeats``: how the
+    server's start-up probe reads, reported beside the direct rate so that a prediction's error can be told apart
+    from the disk's swings."""
+    files = shards(model)
+    size = sum(f.stat().st_size for f in files)
+    return max((streamed_read_rate(files, size) for _ in range(max(1, repeats))), key=lambda r: r.bytes_per_s)
 
 
 def ideal_tok_s(rate: float, checkpoint: int, box: int) -> float | None:
@@ -556,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     limits = [parse_size(b) for b in args.box.split(",")]
     checkpoint = sum(f.stat().st_size for f in shards(model))
     disk = disk_rate(model, args.repeat)
+    streamed = streamed_rate(model, args.repeat)
     print(
-        f"{model.name}: {format_bytes(checkpoint)} of weights; disk {disk.bytes_per_s / 1e9:.2f} GB/s ({disk.method})"
+        f"{model.name}: {format_bytes(checkpoint)} of weights; disk {disk.bytes_per_s / 1e9:.2f} GB/s ({disk.method}), "
+        f"{streamed.bytes_per_s / 1e9:.2f} GB/s streamed ({streamed.method})"
     )
     ids = prompt_ids(model)
     specs = {p: peer_spec(p, model, ids, args.new_tokens, args.peer_timeout) for p in args.peers}
@@ -575,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model),
         "checkpoint_bytes": checkpoint,
         "disk": asdict(disk),
+        "disk_streamed": asdict(streamed),
         "prompt": PROMPT,
         "new_tokens": args.new_tokens,
         "clients": args.clients,

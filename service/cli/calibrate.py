@@ -1,7 +1,8 @@
 """``loadmaster env --calibrate``: measure the rates the cost model needs, on this machine, in under a minute.
 
 - memory read bandwidth (a large tensor summed, best of a few);
-- disk read rate, cold (pages dropped with ``posix_fadvise(DONTNEED)`` after an fsync) and warm, on a scratch
+- disk read rate, cold (pages dropped after an fsync, then read through a map with readahead, as the disk tier
+  streams: :func:`loaders.checkpoint.disk_rate.streamed_read_rate`) and warm, on a scratch
   file in the offload folder;
 - the host -> GPU link, where there is a GPU (pinned copies);
 - per dtype, the decode-time linear path (the native kernel where it loads, else torch): one-row products over a
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from loaders.checkpoint.disk_rate import streamed_read_rate
 from planner.hardware.calibration import Calibration, CallFit, CallPoint, KernelRate, fit_calls, machine_id
 
 log = logging.getLogger(__name__)
@@ -91,11 +93,9 @@ def disk_read(folder: Path, nbytes: int) -> tuple[float, float, list[str]]:
                 fh.write(block)
             fh.flush()
             os.fsync(fh.fileno())
-        with open(path, "rb") as fh:
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
+        # Cold as the disk tier reads it (mapped, read ahead), the rate a server's own probe would measure.
+        cold = streamed_read_rate([path], nbytes >> 20 << 20).bytes_per_s
         size = _read_all(path)
-        cold = size / (time.perf_counter() - t0)
         warm = size / min(_timed(lambda: _read_all(path)) for _ in range(3))
         if cold > 0.7 * warm:
             notes.append(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loaders.checkpoint.disk_rate import CHUNK, cold_read_rate
+from loaders.checkpoint.disk_rate import CHUNK, STREAM_BLOCK, cold_read_rate, streamed_read_rate
+from loaders.checkpoint.shard_reader import ShardReader
 from planner.placement.inputs import PlanInputs
 from service.model.storage_rate import PROBE_BYTES, with_disk_rate
 
@@ -29,6 +30,28 @@ def test_a_cold_read_reads_what_it_is_asked_and_times_it(tmp_path: Path) -> None
     assert whole.method in ("O_DIRECT", "buffered after POSIX_FADV_DONTNEED")
     part = cold_read_rate(files, limit=CHUNK)
     assert part.bytes_read == CHUNK
+
+
+def test_a_streamed_read_reads_what_it_is_asked_and_leaves_nothing_cached(tmp_path: Path) -> None:
+    """The server's probe: blocks through the shards' maps, read ahead and given back. It reads exactly the bytes
+    asked (across a shard boundary, in more than one block), and leaves none of them in the page cache, where they
+    would take room from the weights about to load."""
+    files = _shards(tmp_path, [40, 40])
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.close(fd)
+    limit = 40 * MiB + STREAM_BLOCK // 2
+    rate = streamed_read_rate(files, limit)
+    assert rate.bytes_read == limit and rate.seconds > 0 and rate.bytes_per_s > 0
+    reader = ShardReader()
+    for f in files:
+        reader.mapping(str(f))
+    cached = [reader.is_cached(str(f), lo, lo + 4096, samples=1) for f in files for lo in range(0, 40 * MiB, 4 * MiB)]
+    if rate.method.startswith("mapped"):
+        assert not any(cached), cached
+    else:  # a file system whose pages cannot be dropped first: the direct read, which caches nothing either
+        assert rate.method in ("O_DIRECT", "buffered after POSIX_FADV_DONTNEED")
 
 
 def test_a_server_plans_with_the_measured_rate_only_where_weights_go_to_disk(tmp_path: Path) -> None:
