@@ -105,7 +105,7 @@ def streamed_read_rate(files: Sequence[Path], limit: int) -> DiskRate:
     for path in files:
         size = path.stat().st_size
         for start in range(0, min(size, left), STREAM_BLOCK):
-            blocks.append((str(path), start, min(size, start + STREAM_BLOCK, start + left)))
+            blocks.append((str(path), start, min(size, start + STREAM_BLOCK, left)))
         left -= min(size, left)
         if left <= 0:
             break

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from loaders.checkpoint.disk_rate import streamed_read_rate
+from loaders.run.memory_rate import memory_read
 from planner.hardware.calibration import Calibration, CallFit, CallPoint, KernelRate, fit_calls, machine_id
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,6 @@ def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
 #: keeps the best of fresh-process runs, each run's rate from its median step): on a shared machine a calibration and
 #: a decode measured under the same load then agree.
 RUNS = 3
-
-
-def memory_read(nbytes: int, repeats: int = 7) -> float:
-    """Bytes/s of a streaming read of ``nbytes`` of RAM (torch's sum, over all of torch's threads)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    return x.numel() * 4 / _typical_seconds(lambda: x.sum(), repeats)
 
 
 def _read_all(path: Path, chunk: int = 8 << 20) -> int:

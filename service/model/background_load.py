@@ -23,7 +23,7 @@ from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy
 from service.model.draft_model import draft_dir, load_drafting, plan_drafting
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
-from service.model.storage_rate import with_disk_rate
+from service.model.storage_rate import with_disk_rate, with_memory_rate
 from service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
@@ -201,7 +201,10 @@ def box_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, list[
         inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # measured once: every choice below sees it
     inputs, disk_reason = with_disk_rate(inputs, path)
-    return inputs, [] if disk_reason is None else [disk_reason]
+    if disk_reason is None:
+        return inputs, []
+    inputs, memory_reason = with_memory_rate(inputs)
+    return inputs, [disk_reason] if memory_reason is None else [disk_reason, memory_reason]
 
 
 def shaped_inputs(
