@@ -13,8 +13,9 @@ of one request at a time differ by up to 2x either way (the page cache's readahe
 flight, and 2 MiB requests queued deep by whole-block advice ran slower still), and the plan's prediction is only
 as true as the rate it was given.
 
-:func:`cold_read_rate`, the device's own rate (``env --calibrate``, the benchmarks' ideal), uses ``O_DIRECT`` into a page-aligned buffer: it measures the device, not the page cache, and leaves no
-pages behind to evict the resident weights it is about to load. Where a file system refuses ``O_DIRECT`` (tmpfs,
+:func:`cold_read_rate`, the device's own rate (the benchmarks' ideal), uses ``O_DIRECT`` into a page-aligned
+buffer: it measures the device, not the page cache, and leaves no pages behind to evict the resident weights it is
+about to load. Where a file system refuses ``O_DIRECT`` (tmpfs,
 some overlays) the pages are dropped with ``POSIX_FADV_DONTNEED`` first and read buffered.
 """
 
