@@ -10,6 +10,12 @@ kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU run
 - ``fp8`` (only when named in ``--schemes``): the model written once as a block-wise FP8 checkpoint (DeepSeek-V3 and
   Qwen3-FP8's layout: e4m3 weights, a float32 ``weight_scale_inv`` per 128x128 block, the rest bf16; round to
   nearest, :func:`write_fp8`), loaded with ``dtype="bfloat16"``: its linear layers run the native FP8 kernel.
+- ``gptq4``, ``awq4``, ``ct-int4``, ``ct-int8``, ``mxfp4`` (when named): the model written once in that format
+  (:data:`PREQUANTIZED`), loaded with ``dtype="bfloat16"``: the layers run the kernel the plan names for them;
+- ``quantization=int8`` (when named): ``load_model(..., quantization="int8")``, which on a machine without a GPU
+  takes the native int8 kernels (:mod:`planner.placement.quantization_choice`), quantized at load.
+
+Each format's ratio to the contender issue 36 measures it against is printed after the table (:data:`TARGETS`).
 
 Rounds alternate the contenders (bf16, int8, int4, bf16, ...) so drift on this shared machine hits all alike;
 each figure is the best of the rounds (decode: highest tokens/s; ready: lowest). Decode is greedy from a fixed
@@ -20,8 +26,9 @@ int4 >= 2.5x), the weight bytes one token reads and the bandwidth that implies.
 ``--agreement`` adds the greedy agreement over 64 tokens with fp32 transformers on the trained demo model
 (``service.model.demo_model.build_demo_model``, as ``loadmaster serve --demo`` serves it), per scheme: how many tokens, from the first, equal the fp32 ones.
 
-``--peers`` adds CTranslate2's int8 (``bench/peers/kernels_ctranslate2.py``) and llama.cpp's q8_0
-(``bench/peers/llamacpp.py``) on the same checkpoint to the rounds (pip-installed on first use, never in CI).
+``--peers`` adds CTranslate2's int8 (``bench/peers/kernels_ctranslate2.py``) and llama.cpp's q8_0, q4_0 and
+q4_k_m (``bench/peers/llamacpp.py``; the 4-bit files made by llama.cpp's own quantizer) on the same checkpoint to
+the rounds (pip-installed on first use, never in CI).
 
 On a machine shared with other jobs, wall-clock tokens/s mostly measures the share of the cores each process
 got. With ``--threads 1`` every contender also reports tokens per CPU-second (the median gap in the process's
@@ -46,9 +53,22 @@ from bench.common import emit, llama_dir, machine, print_table, run_isolated, ti
 
 SCHEMES = ("bf16", "int8", "int4")
 FP8 = "fp8"  # a pre-quantized checkpoint written from the model (write_fp8), not a cpu_quantization scheme
+#: Pre-quantized checkpoints written from the model by ``tests.quant_checkpoints.write_quantized`` (each format's
+#: published packing, round to nearest), as users download them: 4-bit in groups of 128, the head left unquantized.
+PREQUANTIZED = {
+    "gptq4": ("gptq", dict(bits=4, group=128, sym=True, act_order=False)),
+    "awq4": ("awq", dict(group=128)),
+    "ct-int4": ("ct-pack", dict(bits=4, group=128)),
+    "ct-int8": ("ct-int", dict(bits=8)),
+    "mxfp4": ("mxfp4", {}),
+}
+#: ``load_model(..., quantization="int8")`` on this CPU-only machine: the native int8 kernels (not bitsandbytes).
+ASKED_INT8 = "quantization=int8"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CT2 = "ctranslate2-int8"  # the peer --peers adds (bench/peers/kernels_ctranslate2.py)
 LLAMACPP = "llama.cpp-q8_0"  # and llama.cpp's 8-bit (bench/peers/llamacpp.py)
+#: llama.cpp's GGUF types --peers runs, by contender name: its 8-bit, and the 4-bit ones beside the int4 formats.
+LLAMACPP_TYPES = {LLAMACPP: "q8_0", "llama.cpp-q4_0": "q4_0", "llama.cpp-q4_k_m": "q4_k_m"}
 
 
 def _weight_bytes_per_token(model) -> int:
@@ -112,6 +132,49 @@ def write_fp8(source: Path, dest: Path, block: int = 128) -> Path:
     return dest
 
 
+def _write_checkpoints(source: Path, folder: Path, contenders: list[str]) -> dict[str, str]:
+    """The pre-quantized checkpoints the contenders load, written once from ``source`` into ``folder``: scheme ->
+    directory."""
+    from tests.quant_checkpoints import write_quantized
+
+    written = {}
+    if FP8 in contenders:
+        written[FP8] = str(write_fp8(source, folder / FP8))
+    for scheme in contenders:
+        if scheme in PREQUANTIZED:
+            fmt, options = PREQUANTIZED[scheme]
+            write_quantized(source, folder / scheme, fmt, **options)
+            written[scheme] = str(folder / scheme)
+            print(f"wrote {scheme} ({fmt} {options})", flush=True)
+    return written
+
+
+#: Issue 36's decode targets: scheme -> (the contender it is measured against, the least ratio).
+TARGETS = {
+    **{s: ("int4", 0.9) for s in ("gptq4", "awq4", "ct-int4", "mxfp4")},
+    "ct-int8": ("int8", 0.9),
+    FP8: ("int8", 0.9),
+    ASKED_INT8: ("bf16", 1.6),
+}
+
+
+def _format_ratios(rows: list[dict]) -> list[dict]:
+    """Each measured format's best decode against the contender its target names (best against best)."""
+    best = {r["scheme"]: r["decode_tok_s"] for r in rows}
+    out = []
+    for scheme, (against, target) in TARGETS.items():
+        if scheme in best and best.get(against):
+            out.append(
+                {
+                    "scheme": scheme,
+                    "against": against,
+                    "ratio": round(best[scheme] / best[against], 3),
+                    "target": target,
+                }
+            )
+    return out
+
+
 def _cpu_decode_rate(model, new_tokens: int, vocab: int) -> float:
     """Decode tokens per CPU-second (median gap in the process's CPU time).
 
@@ -135,8 +198,11 @@ def worker(spec: dict) -> dict:
     torch.set_num_threads(int(spec["threads"]))
     scheme = spec["scheme"]
     t0 = time.perf_counter()
-    kw = {} if scheme in ("bf16", FP8) else {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
-    path = spec["fp8_path"] if scheme == FP8 else spec["path"]
+    path = spec["written"].get(scheme, spec["path"])
+    if scheme in SCHEMES[1:]:
+        kw = {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
+    else:
+        kw = {"quantization": "int8"} if scheme == ASKED_INT8 else {}
     model = loaders.load_model(path, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
     ready = time.perf_counter() - t0
     gen = time_engine_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
@@ -223,9 +289,10 @@ def main(argv=None) -> int:
         return 0
     path = args.model or llama_dir("1b", "bfloat16")
     schemes = args.schemes.split(",")
-    bad = [s for s in schemes if s not in (*SCHEMES, FP8)]
+    known = (*SCHEMES, FP8, ASKED_INT8, *PREQUANTIZED)
+    bad = [s for s in schemes if s not in known]
     if bad:
-        raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join((*SCHEMES, FP8))}")
+        raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(known)}")
     contenders = list(schemes)
     if args.peers:
         from bench.common import model_cache_dir
@@ -233,11 +300,11 @@ def main(argv=None) -> int:
 
         kernels_ctranslate2.ensure_installed()
         llamacpp.ensure_installed()
-        contenders += [CT2, LLAMACPP]
+        contenders += [CT2, *LLAMACPP_TYPES]
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
     failed_peers: dict[str, str] = {}  # a peer that crashes is left out of later rounds and named in the output
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
-        fp8_path = write_fp8(Path(path), Path(saved) / "fp8") if FP8 in contenders else None
+        written = _write_checkpoints(Path(path), Path(saved), contenders)
         for r in range(args.rounds):
             for s in contenders:
                 if s in failed_peers:
@@ -248,15 +315,13 @@ def main(argv=None) -> int:
                     "threads": args.threads,
                     "new_tokens": args.new_tokens,
                     "saved": saved,
-                    "fp8_path": str(fp8_path) if fp8_path else None,
+                    "written": written,
                 }
-                if s in (CT2, LLAMACPP):
-                    spec.update(cache=str(model_cache_dir()), prompt_len=16, type="q8_0")
-                module = {CT2: "bench.peers.kernels_ctranslate2", LLAMACPP: "bench.peers.llamacpp"}.get(
-                    s, "bench.quant"
-                )
-                res = run_isolated(module, spec)
-                if "error" in res and s in (CT2, LLAMACPP):
+                if s == CT2 or s in LLAMACPP_TYPES:
+                    spec.update(cache=str(model_cache_dir()), prompt_len=16, type=LLAMACPP_TYPES.get(s, "q8_0"))
+                module = "bench.peers.llamacpp" if s in LLAMACPP_TYPES else "bench.quant"
+                res = run_isolated("bench.peers.kernels_ctranslate2" if s == CT2 else module, spec)
+                if "error" in res and (s == CT2 or s in LLAMACPP_TYPES):
                     failed_peers[s] = res["error"].splitlines()[0]
                     print(f"round {r + 1} {s}: failed ({failed_peers[s]}); left out", flush=True)
                     continue
@@ -266,7 +331,7 @@ def main(argv=None) -> int:
                 print(
                     f"round {r + 1} {s}: {res['decode_tok_s']:.2f} tok/s, "
                     f"{res['decode_tok_s_cpu']:.2f} tok/CPU-s, ready {res['ready_s']:.2f}s "
-                    f"({'saved file' if res['from_saved_file'] else 'quantized' if s not in ('bf16', FP8) else s})",
+                    f"({'saved file' if res['from_saved_file'] else 'quantized' if s in SCHEMES[1:] else s})",
                     flush=True,
                 )
     rows = []
@@ -324,6 +389,9 @@ def main(argv=None) -> int:
         if ours and theirs:
             payload.setdefault("int8_vs_peers", {})[peer] = round(ours / theirs, 3)
             print(f"int8 against {peer}: {ours / theirs:.2f}x  (target >= 0.9x)")
+    payload["format_ratios"] = _format_ratios(rows)
+    for line in payload["format_ratios"]:
+        print(f"{line['scheme']} against {line['against']}: {line['ratio']:.2f}x  (target >= {line['target']}x)")
     if args.agreement:
         from service.model.demo_model import build_demo_model
 

@@ -46,10 +46,12 @@ from planner.api import plan as make_plan
 from planner.api import plan_inputs
 from planner.cluster import ClusterPlan
 from planner.errors import PlanError
+from planner.hardware.devices import is_gpu, parse_device
 from planner.model.fingerprint import check_plan_fingerprint, checkpoint_fingerprint
 from planner.model.model_ref import HubRef, cached_snapshot_of
 from planner.model.skeleton import CheckpointModel, describe_checkpoint
 from planner.placement.inputs import PlanInputs, make_workload
+from planner.placement.quantization_choice import choose_quantization
 from planner.placement.sizing import normalize_dtype
 from planner.placement.solve import STRATEGY_NAMES
 from planner.types import DeviceId, Plan, Skeleton
@@ -148,31 +150,60 @@ def _planned_cpu_quantization(the_plan: Plan, asked: str | None) -> str | None:
     return asked if asked is not None else planned
 
 
-def _asked_workload(device_map: DeviceMapArg, dtype, quantization, cpu_quantization) -> AskedWorkload:
+def _asked_workload(
+    device_map: DeviceMapArg, dtype, quantization, cpu_quantization, max_memory, workload: Mapping
+) -> AskedWorkload:
     """The workload to load: a Plan's (a dtype or quantization asked beside it wins, a different CPU quantization
-    is refused), the inputs' a plan will be made from, or what the caller asked."""
+    is refused), the inputs' a plan will be made from, or what the caller asked. ``quantization="int8"`` where no
+    GPU computes is the native int8 CPU kernels (:mod:`planner.placement.quantization_choice`)."""
     given = _dtype_name(dtype)
     if isinstance(device_map, Plan):
-        return AskedWorkload(
+        asked = AskedWorkload(
             given or device_map.workload.dtype,
             quantization if quantization is not None else device_map.workload.quantization,
             _planned_cpu_quantization(device_map, cpu_quantization),
         )
-    if isinstance(device_map, PlanInputs):
-        return AskedWorkload(
+    elif isinstance(device_map, PlanInputs):
+        asked = AskedWorkload(
             given or _dtype_name(device_map.dtype),
             quantization if quantization is not None else device_map.quantization,
             cpu_quantization if cpu_quantization is not None else device_map.cpu_quantization,
         )
-    return AskedWorkload(given, quantization, cpu_quantization)
+    else:
+        asked = AskedWorkload(given, quantization, cpu_quantization)
+    if asked.quantization is None:
+        return asked
+    choice = choose_quantization(
+        asked.quantization, asked.cpu_quantization, _any_gpu(device_map, max_memory, workload), asked.dtype
+    )
+    return replace(asked, quantization=choice.quantization, cpu_quantization=choice.cpu_quantization)
+
+
+def _any_gpu(device_map: DeviceMapArg, max_memory, workload: Mapping) -> bool:
+    """Whether a GPU computes any of the model under ``device_map``: a Plan's or a map's devices, or, for a
+    strategy still to be planned, the devices ``max_memory`` (or detection) gives the planner."""
+    if isinstance(device_map, Plan):
+        return any(is_gpu(parse_device(d)) for d in device_map.device_map.values())
+    if isinstance(device_map, PlanInputs):
+        return any(is_gpu(d.id) for d in device_map.hardware().devices)
+    if isinstance(device_map, Mapping):
+        return any(is_gpu(parse_device(d)) for d in device_map.values())
+    if device_map is None or device_map in ("cpu", "disk"):
+        return False
+    if isinstance(device_map, str) and device_map in STRATEGY_NAMES:
+        inputs = PlanInputs(max_memory=max_memory, gpus=workload.get("gpus"), gpu_reserve=workload.get("gpu_reserve"))
+        return any(is_gpu(d.id) for d in inputs.hardware().devices)
+    return isinstance(device_map, int) or (
+        isinstance(device_map, str) and (device_map.startswith("cuda") or device_map.isdigit())
+    )
 
 
 def _run_dtype(skeleton: Skeleton, device_map: DeviceMapArg, asked: AskedWorkload) -> str:
     """The dtype the weights are loaded in: the planner's default when none is given (for inputs still to be
     planned, with their quantization, as the planner will choose)."""
     if isinstance(device_map, PlanInputs):
-        return make_workload(skeleton, asked.dtype, asked.quantization).dtype
-    return make_workload(skeleton, asked.dtype).dtype
+        return make_workload(skeleton, asked.dtype, asked.quantization, cpu_quantization=asked.cpu_quantization).dtype
+    return make_workload(skeleton, asked.dtype, cpu_quantization=asked.cpu_quantization).dtype
 
 
 def resolve_device_map(
@@ -256,7 +287,7 @@ def load_checkpoint(
     t0 = time.perf_counter()
     reset_peak_rss()
     options = LoadOptions(_path(offload_folder), cpu_kernels, _path(cpu_quantized_dir), cpu_residency)
-    asked = _asked_workload(device_map, dtype, quantization, cpu_quantization)
+    asked = _asked_workload(device_map, dtype, quantization, cpu_quantization, max_memory, workload)
     opened = _open(source, device_map)
     _check_fingerprint(opened, device_map, stage)
     tensors = stage.select(opened.root, opened.index.headers) if stage is not None else None

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from planner.model.quant_config import QuantFormat
 
 DeviceId = int | str  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
 
@@ -129,6 +132,8 @@ class Skeleton:
     fingerprint: str | None = None
     #: The Hub commit the skeleton was read at (``None`` for local models), so a plan can name what it was made for.
     revision: str | None = None
+    #: How the checkpoint stores its quantized linear layers (a ``quantization_config``); None when it stores floats.
+    quant_format: QuantFormat | None = None
 
     def tensors(self) -> list[TensorSpec]:
         return [t for b in self.blocks for t in b.tensors]
@@ -307,6 +312,8 @@ class Plan:
     #: routed experts (``model.layers.N.mlp.experts``) and layers that did not fit the GPUs. A ``cpu`` entry not
     #: listed is streamed to the first GPU, as in transformers (:mod:`planner.placement.sub_layer`, :mod:`loaders.run.cpu_experts`).
     cpu_compute: list[str] = field(default_factory=list)
+    #: Device label (``GPU 0``, ``cpu``, ``disk``) -> the kernel its layers run on (:mod:`planner.placement.tier_kernels`).
+    kernels: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -339,6 +346,7 @@ class Plan:
             fingerprint=d.get("fingerprint"),
             revision=d.get("revision"),
             cpu_compute=list(d.get("cpu_compute", [])),
+            kernels=dict(d.get("kernels", {})),
         )
 
     @classmethod

@@ -13,6 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from planner.placement.inputs import PlanInputs
+from planner.placement.quantization_choice import NATIVE_ON_CPU
 from planner.types import PREFILL_CHUNK
 
 CommaList = Annotated[list[str], NoDecode]
@@ -212,7 +213,9 @@ class ServiceSettings(BaseSettings):
             self._check_draft_model(self.draft_model)
         if self.speculate in ("int4", "int8"):
             # the copy drafts on the CPU's native kernels: a target on GPUs decodes faster than it drafts
-            gpu_flag = "--gpus" if self.gpus else "--quantization" if self.quantization else None
+            # (--quantization int8 with no GPU is the CPU's native int8: planner.placement.quantization_choice)
+            bnb = self.quantization and self.quantization.strip().lower() not in NATIVE_ON_CPU
+            gpu_flag = "--gpus" if self.gpus else "--quantization" if bnb else None
             if gpu_flag:
                 raise ValueError(
                     f"--speculate {self.speculate} drafts with a CPU-resident quantized copy of the model, for a "

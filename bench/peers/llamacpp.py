@@ -3,7 +3,8 @@
 Outside CI. ``ensure_installed()`` pip-installs ``llama-cpp-python`` (llama.cpp's library with its Python binding,
 built from source for this CPU's instruction set: about 4 minutes on 2 idle cores) and ``gguf`` into the running
 interpreter's environment; neither is a project dependency. Each checkpoint is written once as GGUF by
-:mod:`bench.peers.gguf_export` into ``<cache>/gguf/<model>-<type>.gguf`` (``f32``, ``bf16`` or ``q8_0``).
+:mod:`bench.peers.gguf_export` into ``<cache>/gguf/<model>-<type>.gguf`` (``f32``, ``bf16`` or ``q8_0``), and
+``q4_0`` / ``q4_k_m`` from the ``f32`` one by llama.cpp's own quantizer.
 
 The runs drive llama.cpp's C API through the binding (``llama_decode`` over a ``llama_batch``), as its own
 ``llama-batched-bench`` does, with greedy choice by argmax over the returned logits:
@@ -64,15 +65,40 @@ def ensure_installed() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True, env=env)
 
 
+#: GGUF types llama.cpp's own quantizer (``llama_model_quantize``) makes from the f32 GGUF, by its file type.
+LLAMA_QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
 def gguf_file(model_dir: Path, cache: Path, weight_type: str) -> Path:
-    """The GGUF copy of ``model_dir`` in ``weight_type``, written once."""
+    """The GGUF copy of ``model_dir`` in ``weight_type``, written once: ``f32``/``bf16``/``q8_0`` by
+    :mod:`bench.peers.gguf_export`, the 4-bit types by llama.cpp's own quantizer from the ``f32`` copy (as its
+    ``llama-quantize`` tool makes them)."""
     from bench.peers.gguf_export import export
 
     out = cache / "gguf" / f"{model_dir.name}-{weight_type}.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if weight_type in LLAMA_QUANTIZED:
+        _llama_quantize(gguf_file(model_dir, cache, "f32"), out, weight_type)
+    else:
         export(model_dir, out, weight_type)
     return out
+
+
+def _llama_quantize(source: Path, out: Path, weight_type: str) -> None:
+    """``source`` quantized to ``weight_type`` by llama.cpp (``llama_model_quantize``), written whole or not at all."""
+    import llama_cpp as lc
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, LLAMA_QUANTIZED[weight_type])
+    params.nthread = os.cpu_count() or 1
+    partial = out.with_suffix(".partial")
+    rc = lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize to {weight_type} failed with {rc}")
+    partial.replace(out)
 
 
 @dataclass
@@ -265,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["decode", "batched", "ready"], default="decode")
     ap.add_argument("--size", default="1b", choices=["100m", "1b"])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--type", default=None, choices=["f32", "bf16", "q8_0"], help="GGUF type (default: --dtype's)")
+    ap.add_argument(
+        "--type", default=None, choices=["f32", "bf16", "q8_0", *LLAMA_QUANTIZED], help="GGUF type (default: --dtype's)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args(argv)

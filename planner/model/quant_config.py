@@ -68,6 +68,20 @@ class QuantFormat:
     ignore: tuple[str, ...] = ()
 
     @property
+    def cpu_kernel(self) -> str:
+        """The native kernel that runs this format's layers on the CPU and from disk (as
+        :func:`loaders.native.packed_formats.repack` chooses it), or what they become where none does."""
+        if self.layout in ("ct-fp8", "fp8-block"):
+            return "linear_fp8 (e4m3 bytes as stored)"
+        if self.layout == "mxfp4":
+            return "linear_mxfp4 (e2m1 blocks as stored)"
+        if self.bits == 4:
+            return "linear_q4 (repacked int4)" if self.sym else "linear_q4z (repacked int4 + zero points)"
+        if self.group_size in (-1, 0) and not self.desc_act:
+            return "linear_q8 (repacked int8)"
+        return "none: int8 in groups is dequantized to the compute dtype"
+
+    @property
     def describe(self) -> str:
         group = {-1: "per channel", 0: "per tensor"}.get(self.group_size, f"group {self.group_size}")
         if self.block:

@@ -277,7 +277,7 @@ def _describe(
     skel = _with_checkpoint(
         skeleton_from_model(model, name=name), headers, str(getattr(model, "base_model_prefix", "") or ""), name
     )
-    skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers))
+    skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers), quant_format=fmt)
     return CheckpointModel(skel, model, headers, dtype_name(getattr(model.config, "dtype", None)) or build)
 
 

@@ -18,6 +18,7 @@ from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
 from planner.placement.solve import Solution, lone_speed, make_problem
 from planner.placement.strategies import Loads, Problem, compute_loads
+from planner.placement.tier_kernels import tier_kernels
 from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
 
 
@@ -116,7 +117,14 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         fingerprint=skeleton.fingerprint,
         revision=skeleton.revision,
         cpu_compute=cpu_compute,
+        kernels=tier_kernels(skeleton, workload, _in_plan_order(problem, assignment), bool(cpu_compute)),
     )
+
+
+def _in_plan_order(problem: Problem, assignment: list[DeviceId]) -> list[DeviceId]:
+    """The devices that hold blocks, in the hardware's order (GPUs, cpu, disk)."""
+    held = set(assignment)
+    return [d.id for d in problem.hardware.devices if d.id in held]
 
 
 def _budgets(placed: _Placed) -> list[DeviceBudget]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from planner.hardware.device_inventory import build_hardware
 from planner.hardware.devices import is_gpu, parse_device
 from planner.hardware.units import parse_size
 from planner.model.skeleton import load_skeleton
+from planner.placement.quantization_choice import choose_quantization
 from planner.placement.sizing import normalize_cpu_quantization, normalize_dtype, normalize_quantization
 from planner.types import DeviceId, DraftBudget, Hardware, Skeleton, Workload
 
@@ -163,6 +164,13 @@ class PlanInputs:
             raise PlanError("no devices to plan for; give max_memory (e.g. {'cpu': '16GiB'}) or --gpus")
         return hardware
 
+    def on_hardware(self, hardware: Hardware) -> PlanInputs:
+        """These inputs as run on ``hardware``: ``quantization="int8"`` with no GPU among its devices is the native
+        int8 CPU kernels (:mod:`planner.placement.quantization_choice`)."""
+        any_gpu = any(is_gpu(d.id) for d in hardware.devices)
+        choice = choose_quantization(self.quantization, self.cpu_quantization, any_gpu, self.dtype)
+        return replace(self, quantization=choice.quantization, cpu_quantization=choice.cpu_quantization)
+
     def workload(self, skeleton: Skeleton) -> Workload:
         return make_workload(
             skeleton,
@@ -211,7 +219,8 @@ def make_workload(
     prefill_chunk: int | None = None,
     draft: DraftBudget | None = None,
 ) -> Workload:
-    """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32).
+    """The workload to plan for; the dtype defaults to the checkpoint's (fp16 under quantization of fp32, bf16
+    under cpu_quantization of fp16).
 
     ``cpu_quantization`` (the native int8/int4 CPU formats) computes with float32 or bfloat16 activations: a
     float16 run is refused here, as the loader would refuse it. ``prefill_chunk`` is the serving engine's
@@ -232,6 +241,8 @@ def make_workload(
     )
     if quant and dtype is None:
         default_dtype = "float16" if default_dtype == "float32" else default_dtype
+    if cpu_quant and dtype is None and default_dtype == "float16":
+        default_dtype = "bfloat16"  # the native kernels compute in float32 or bfloat16; bfloat16 keeps the range
     run = normalize_dtype(dtype, default_dtype)
     if cpu_quant and run not in ("float32", "bfloat16"):
         raise PlanError(
@@ -252,11 +263,11 @@ def make_workload(
 def resolve_inputs(model: Any, inputs: PlanInputs, hardware: Hardware | None = None) -> ResolvedInputs:
     """Model + inputs -> Skeleton, Hardware, Workload and strategy. ``hardware`` skips resolving the devices."""
     skeleton = resolve_skeleton(model)
-    workload = inputs.workload(skeleton)
     if hardware is None:
         hardware = inputs.hardware()
     elif not hardware.devices:
         raise PlanError("no devices to plan for; give max_memory (e.g. {'cpu': '16GiB'}) or --gpus")
+    workload = inputs.on_hardware(hardware).workload(skeleton)
     gpus = [d.id for d in hardware.devices if is_gpu(d.id)]
     if workload.cpu_quantization and gpus:
         raise PlanError(

@@ -168,6 +168,9 @@ def format_plan(plan: Plan) -> str:
         ),
         f"cost model: {p.cost_model}",
         "",
+        "kernels:",
+        *(f"  {tier}: {kernel}" for tier, kernel in plan.kernels.items()),
+        "",
         "device map:",
     ]
     for k, v in _compress_runs(plan.device_map):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.placement.draft_budget import copy_draft_budget
-from planner.placement.inputs import PlanInputs, make_workload
+from planner.placement.inputs import PlanInputs
 from planner.types import DraftBudget
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def copy_budget(path: str | Path, scheme: str, inputs: PlanInputs) -> DraftBudge
     from planner.model.skeleton import load_skeleton  # the config and shard headers, read on the loading thread
 
     skeleton = load_skeleton(path)
-    target = make_workload(skeleton, inputs.dtype, inputs.quantization).dtype
+    target = inputs.on_hardware(inputs.hardware()).workload(skeleton).dtype
     return copy_draft_budget(skeleton, scheme, draft_dtype(target))
 
 

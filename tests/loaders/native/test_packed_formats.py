@@ -258,3 +258,31 @@ def test_mxfp4_expert_blocks_of_no_linear_layer_are_refused(written, tmp_path):
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PlanError, match="experts.gate_up_proj_blocks: MXFP4 blocks of something other"):
         skeleton_from_dir(out)
+
+
+def _kernel_of(mod: torch.nn.Module) -> str:
+    """The kernel a loaded linear layer runs on, named as plans name it (planner.placement.tier_kernels)."""
+    if isinstance(mod, Fp8CPULinear):
+        return "linear_fp8"
+    if isinstance(mod, Mxfp4CPULinear):
+        return "linear_mxfp4"
+    if isinstance(mod, QuantizedCPULinear):
+        return "linear_q4z" if mod.zeros is not None else f"linear_q{mod.scheme.removeprefix('int')}"
+    return "none: int8 in groups is dequantized"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_plan_names_the_kernel_the_layers_load_on(written, name):
+    """The plan's kernel for the CPU tier is the one every quantized layer of the load runs on."""
+    from planner.api import plan
+
+    d, _ = written[name]
+    said = plan(d, max_memory={"cpu": "1GiB"}, dtype="float32").kernels
+    assert list(said) == ["cpu"]
+    model = load_model(d, device_map="cpu", dtype="float32", show_progress=False)
+    kernels = {
+        _kernel_of(mod)
+        for mname, mod in model.named_modules()
+        if mname.endswith("_proj") and not (name == "gptq8-group" and mod.in_features <= 64)
+    }
+    assert len(kernels) == 1 and said["cpu"].startswith(kernels.pop()), (said, kernels)

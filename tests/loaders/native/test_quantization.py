@@ -210,11 +210,11 @@ def test_quantized_weights_saved_then_mapped(tiny_llama, tmp_path, caplog):
 
 
 def test_bad_quantization_options_are_refused(tiny_llama, tmp_path):
-    with pytest.raises(PlanError, match="cpu_quantization='int3' is not one of int8, int4"):
+    with pytest.raises(PlanError, match="unknown cpu_quantization 'int3'; use int8 or int4"):
         loaders.load_model(tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int3")
     with pytest.raises(PlanError, match="quantization= is bitsandbytes for GPU layers"):
         loaders.load_model(
-            tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int8", quantization="int8"
+            tiny_llama, device_map={"": "cpu"}, show_progress=False, cpu_quantization="int4", quantization="int8"
         )
     with pytest.raises(PlanError, match="float32 or bfloat16 activations, not float16"):
         loaders.load_model(

@@ -97,7 +97,7 @@ def test_bad_cpu_quantization_plans_are_refused(odd_llama):
     with pytest.raises(PlanError, match="unknown cpu_quantization 'nf4'"):
         plan(odd_llama, max_memory={"cpu": "4GiB"}, cpu_quantization="nf4")
     with pytest.raises(PlanError, match="quantization= is bitsandbytes for GPU layers"):
-        plan(odd_llama, max_memory={"cpu": "4GiB"}, quantization="int8", cpu_quantization="int8")
+        plan(odd_llama, max_memory={"cpu": "4GiB"}, quantization="nf4", cpu_quantization="int8")
     with pytest.raises(PlanError, match="not float16: plan with --dtype bf16 or fp32"):
         plan(odd_llama, max_memory={"cpu": "4GiB"}, dtype="float16", cpu_quantization="int4")
     with pytest.raises(PlanError, match="GPUs 0 are among the devices"):

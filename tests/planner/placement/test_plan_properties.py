@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from planner.api import plan
 from planner.errors import PlanError
 from planner.hardware.device_inventory import build_hardware
-from planner.placement.sizing import tensor_bytes
+from planner.placement.sizing import block_bytes
 from planner.placement.solve import make_problem
 from planner.placement.strategies import compute_loads
 from planner.types import Block, KVGeometry, Plan, Skeleton, TensorSpec
@@ -101,7 +101,8 @@ def _check_invariants(skel: Skeleton, p: Plan, mm: dict, workload_kwargs: dict) 
         assert budget.total <= budget.capacity, (budget.device, budget.total, budget.capacity)
         assert budget.free >= 0
     workload = p.workload
-    assert sum(b.weights for b in p.budgets) == sum(tensor_bytes(t, workload) for t in skel.tensors())
+    # (quantization="int8" on a CPU-only box plans the native int8 layout, whose head is quantized too)
+    assert sum(b.weights for b in p.budgets) == sum(block_bytes(b, workload, skel) for b in skel.blocks)
     # Contiguity: free blocks (not tied, not pinned) visit devices in hardware order, never going back.
     order = [b.device for b in p.budgets]
     seq = [order.index(p.placement[b.name]) for b in skel.blocks if not (skel.tied_groups and b.name == "lm_head")]

@@ -130,7 +130,7 @@ def test_usage_errors_exit_2_with_one_line(tiny_llama: Path, args: list[str], en
         (["--speculate", "ngram", "--pipeline"], {}, "--speculate does not apply to a --pipeline"),
         (["--speculate", "int4", "--pipeline"], {}, "--speculate does not apply to a --pipeline"),
         (["--speculate", "int8", "--gpus", "1x24GiB"], {}, "--gpus places it on GPUs"),
-        (["--speculate", "int4", "--quantization", "int8"], {}, "--quantization places it on GPUs"),
+        (["--speculate", "int4", "--quantization", "nf4"], {}, "--quantization places it on GPUs"),
         (["--speculate-tokens", "0"], {}, "speculate_tokens"),
         ([], {"LOADMASTER_API_KEY": "a,,b"}, "API key is empty or blank"),
         ([], {"LOADMASTER_API_KEY": ""}, "API key is empty or blank"),
