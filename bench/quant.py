@@ -279,7 +279,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="bf16 checkpoint (default: the bench 1B Llama)")
     ap.add_argument("--agreement", action="store_true", help="also report greedy agreement on the demo model")
     ap.add_argument(
-        "--peers", action="store_true", help="also run CTranslate2 int8 and llama.cpp q8_0 (pip-installed if missing)"
+        "--peers",
+        nargs="?",
+        const="all",
+        choices=["all", "llama.cpp"],
+        help="also run CTranslate2 int8 and llama.cpp q8_0/q4_0/q4_k_m (pip-installed if missing); "
+        "'--peers llama.cpp' runs llama.cpp's only",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -298,9 +303,11 @@ def main(argv=None) -> int:
         from bench.common import model_cache_dir
         from bench.peers import kernels_ctranslate2, llamacpp
 
-        kernels_ctranslate2.ensure_installed()
         llamacpp.ensure_installed()
-        contenders += [CT2, *LLAMACPP_TYPES]
+        contenders += list(LLAMACPP_TYPES)
+        if args.peers == "all":
+            kernels_ctranslate2.ensure_installed()
+            contenders.append(CT2)
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
     failed_peers: dict[str, str] = {}  # a peer that crashes is left out of later rounds and named in the output
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
