@@ -1,9 +1,14 @@
-"""bitsandbytes 4-bit layers (nf4, fp4) as ``Linear4bit`` saves them, decoded to float32 in plain torch.
+"""bitsandbytes 4-bit layers (nf4, fp4) as ``Linear4bit`` saves them: kept as stored for the native kernel, or
+decoded to float32 in plain torch.
 
-There is no native kernel for them yet: nf4's 16 values are not integers times a power of two (MXFP4's e2m1 values
-are, which is what lets ``linear_mxfp4`` sum in integers), so the int4 kernels cannot take their codes as they
-are. Each layer is therefore dequantized once at load (:mod:`loaders.native.packed_formats`) and then runs on the
-compute dtype's kernels. Decoding is our own torch code, not bitsandbytes', so a load needs no bitsandbytes.
+nf4's 16 values are not integers times a power of two (MXFP4's e2m1 values are, which is what lets
+``linear_mxfp4`` sum in integers), so the int4 kernels cannot take their codes. :class:`Bnb4CPULinear` keeps the
+stored codes (on a disk tier a map of the shard) and float32 absmax, and multiplies with ``loadmaster::linear_nf4``
+(``kernels/linear_nf4.c``: a 16-float table lookup, float32 sums, no activation rounding). Decode rows run on it;
+bf16 prompts run torch's GEMM on tiles dequantized by :func:`loaders.native.operators.dequantize_nf4`. A layer the
+kernel cannot take (a block that straddles rows: ``in_features`` not a multiple of the block size), and every layer
+on a GPU, is dequantized once at load by :func:`dequantize_bnb_4bit` (:mod:`loaders.native.packed_formats`), and
+the log says so. Decoding is our own code, not bitsandbytes', so a load needs no bitsandbytes.
 
 The stored form (bitsandbytes 0.50, ``QuantState.as_dict(packed=True)``; see :mod:`planner.model.quant_config`):
 the weight ``[N, K]`` flattened row-major, two codes a byte with the first in the high nibble; one ``absmax`` per
@@ -21,8 +26,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from loaders.errors import CheckpointError
+from loaders.native import operators
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import BNB_4BIT_BLOCKSIZES, BNB_4BIT_STATE
 
@@ -105,8 +112,8 @@ def _absmax(m: PackedLinear, state: Bnb4State, blocks: int, where: str) -> torch
     return dequantize_blocks(absmax, table, nested, nb) + torch.tensor(state.nested_offset, dtype=torch.float32)
 
 
-def dequantize_bnb_4bit(m: PackedLinear, where: str = "a bitsandbytes 4-bit layer") -> torch.Tensor:
-    """The float32 weight ``[N, K]`` of a stored bitsandbytes 4-bit layer (``where`` names it in errors)."""
+def _checked_state(m: PackedLinear, where: str) -> tuple[Bnb4State, torch.Tensor]:
+    """A stored layer's quant state, checked against the layer, and its absmax as float32 (flat, one a block)."""
     quant_type = m.fmt.layout.removeprefix("bnb-")
     blob = m.stored(BNB_4BIT_STATE + quant_type)
     if blob is None:  # the plan refuses such a layer; a layer built some other way may still lack it
@@ -119,7 +126,64 @@ def dequantize_bnb_4bit(m: PackedLinear, where: str = "a bitsandbytes 4-bit laye
             f"blocksize={state.blocksize}; the layer is {quant_type} [{n}, {k}] and bitsandbytes' block sizes are "
             f"{', '.join(map(str, BNB_4BIT_BLOCKSIZES))}. Re-save the checkpoint."
         )
-    absmax = _absmax(m, state, -(-n * k // state.blocksize), where)
+    return state, _absmax(m, state, -(-n * k // state.blocksize), where)
+
+
+def dequantize_bnb_4bit(m: PackedLinear, where: str = "a bitsandbytes 4-bit layer") -> torch.Tensor:
+    """The float32 weight ``[N, K]`` of a stored bitsandbytes 4-bit layer (``where`` names it in errors)."""
+    state, absmax = _checked_state(m, where)
+    n, k = m.out_features, m.in_features
     quant_map = m.stored("weight.quant_map")
     assert quant_map is not None  # the plan checks its stored shape, [16]
     return dequantize_nibbles(m.weight, quant_map, absmax, state.blocksize, n * k).view(n, k)
+
+
+class Bnb4CPULinear(nn.Module):
+    """A bitsandbytes 4-bit linear layer holding its stored codes, float32 absmax per block and 16-value table
+    (see the module docstring)."""
+
+    def __init__(
+        self,
+        quant_type: str,
+        codes: torch.Tensor,
+        absmax: torch.Tensor,
+        table: torch.Tensor,
+        bias: torch.Tensor | None,
+    ):
+        super().__init__()
+        self.quant_type = quant_type
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        self.blocksize = self.in_features // absmax.shape[1]
+        self.register_buffer("codes", codes)
+        self.register_buffer("absmax", absmax)
+        self.register_buffer("table", table)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_packed(cls, m: PackedLinear, where: str = "a bitsandbytes 4-bit layer") -> Bnb4CPULinear | None:
+        """The layer for a stored one, its codes and (without double quant) absmax as they are; None where a block
+        straddles two rows (``in_features`` not a multiple of the block size), which the kernel does not take."""
+        state, absmax = _checked_state(m, where)
+        n, k = m.out_features, m.in_features
+        if k % state.blocksize or state.blocksize % 16:
+            return None
+        quant_map = m.stored("weight.quant_map")
+        assert quant_map is not None  # the plan checks its stored shape, [16]
+        codes = m.weight.reshape(n, k // 2)
+        bias = m.bias.detach() if m.bias is not None else None
+        table = quant_map.to(torch.float32).contiguous()
+        return cls(m.fmt.layout.removeprefix("bnb-"), codes, absmax.view(n, k // state.blocksize), table, bias)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return operators.dequantize_nf4(self.codes, self.absmax, self.table, dtype)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
+        if input.dtype is torch.bfloat16 and input.dim() >= 3 and input.shape[-2] > 1:  # a prompt
+            return operators.linear_nf4_torch(input, self.codes, self.absmax, self.table, self.bias)
+        return operators.linear_nf4(input, self.codes, self.absmax, self.table, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bitsandbytes {self.quant_type}, "
+            f"float32 absmax per {self.blocksize}"
+        )

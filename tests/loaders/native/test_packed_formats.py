@@ -5,8 +5,9 @@ tolerance of the dequantized reference.
 Tolerance: the native int8/int4 kernels quantize each 64-input group of activations to int8 (docs/kernels.md),
 so logits of the tiny Llama differ from the float32 reference by up to ~1.5% of the largest logit; 3% is allowed.
 MXFP4 layers run on a kernel that does the same (its codes are integers times a power of two): 3% as well.
-FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32) and dequantized layers (8-bit in
-groups; bitsandbytes nf4 and fp4, which have no native kernel yet) match the float32 reference to 1e-5."""
+FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32), bitsandbytes nf4/fp4 layers (the
+float-table kernel: exact weights, float32 sums) and dequantized layers (8-bit in groups) match the float32
+reference to 1e-5."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from loaders import load_model
+from loaders.native.bnb_4bit import Bnb4CPULinear
 from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.quantization import QuantizedCPULinear
@@ -55,7 +57,7 @@ NATIVE = {"gptq8-group": None, "ct-fp8": "fp8", "fp8-block": "fp8", "gptq8-chann
 NATIVE["ct-naive8"] = "int8"
 NATIVE["mxfp4"] = "mxfp4"
 NATIVE["bnb-int8"] = "int8"
-NATIVE.update({name: None for name in BNB_4BIT})  # dequantized once at load: no native kernel yet
+NATIVE.update({name: CASES[name][1]["quant_type"] for name in BNB_4BIT})  # linear_nf4, codes kept as stored
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +137,9 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
             assert isinstance(mod, Mxfp4CPULinear) and mod.blocks.dtype == torch.uint8, mname
             assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
             continue
-        if name in BNB_4BIT:  # dequantized by our torch code: bitsandbytes' dequantize_4bit, bit for bit
-            assert not isinstance(mod, QuantizedCPULinear) and mod.weight.dtype == torch.float32, mname
-            assert torch.equal(mod.weight, want), mname
+        if name in BNB_4BIT:  # the stored codes, kept as stored: bitsandbytes' dequantize_4bit, bit for bit
+            assert isinstance(mod, Bnb4CPULinear) and mod.codes.dtype == torch.uint8, mname
+            assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
             continue
         if kind is None:
             assert type(mod) is torch.nn.Linear or not isinstance(mod, QuantizedCPULinear)
@@ -156,12 +158,12 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
     with torch.no_grad():
         got = model(ids).logits
     want = _reference_logits(ref_sd, ids)
-    tol = 1e-5 if NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group" else 0.03
+    tol = 1e-5 if (NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group") or name in BNB_4BIT else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
     if NATIVE.get(name) in ("fp8", "mxfp4"):
         assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
     if name in BNB_4BIT:
-        assert model._loadmaster_packed_stats.kinds == {f"{CASES[name][1]['quant_type']} -> float32": 28}
+        assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
 
 
 def _mapped_file(address: int) -> str | None:
@@ -200,6 +202,12 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
         for t in (on_disk.blocks, on_disk.scales):
             assert _mapped_file(t.data_ptr()) == str((d / "model.safetensors").resolve())
         assert isinstance(model.model.layers[0].mlp.down_proj, Mxfp4CPULinear)
+    if name in BNB_4BIT:  # the codes likewise (and the absmax where stored as float32, without double quant)
+        on_disk = model.model.layers[1].self_attn.q_proj
+        assert isinstance(on_disk, Bnb4CPULinear)
+        shard = str((d / "model.safetensors").resolve())
+        assert _mapped_file(on_disk.codes.data_ptr()) == shard
+        assert (_mapped_file(on_disk.absmax.data_ptr()) == shard) == (not CASES[name][1]["double_quant"])
 
 
 def _with_config(written, name, tmp_path, **change):
