@@ -6,7 +6,10 @@ stores it: GPTQ and AWQ by this module, following their documented packing; comp
 linear layers (``weight_blocks`` / ``weight_scales``), its reference weights dequantized by transformers' own
 MXFP4 dequantizer (``convert_moe_packed_tensors``); bitsandbytes ``load_in_8bit`` quantized and dequantized by
 bitsandbytes' own ``int8_vectorwise_quant`` / ``int8_vectorwise_dequant`` (its CPU backend), saved under the keys
-``Linear8bitLt`` writes (``weight``, ``SCB``, ``weight_format``). :func:`write_quantized` returns the
+``Linear8bitLt`` writes (``weight``, ``SCB``, ``weight_format``); bitsandbytes ``load_in_4bit`` (nf4, fp4, double
+quant or not) quantized by its ``quantize_4bit`` and saved under the keys ``Linear4bit`` writes (``weight`` and
+``QuantState.as_dict(packed=True)`` under ``weight.``), its reference dequantized by its ``dequantize_4bit``.
+:func:`write_quantized` returns the
 folder and the dequantized float32 weights, which a reference model loads to give the logits a load must match.
 The output head stays unquantized (``modules_to_not_convert`` / ``ignore``).
 """
@@ -190,6 +193,19 @@ def _bnb_int8_layer(w):
     return t, int8_vectorwise_dequant(cb, scb).float()
 
 
+def bnb_4bit_tensors(w: torch.Tensor, quant_type: str, double_quant: bool, blocksize: int = 64):
+    """``w`` quantized by bitsandbytes' ``quantize_4bit``, as ``Linear4bit`` saves it: ``{suffix: tensor}`` with
+    ``weight`` and the packed quant state under ``weight.``; and bitsandbytes' own float32 dequantization."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    packed, state = quantize_4bit(
+        w.float(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
+    )
+    t = {"weight": packed}
+    t.update({f"weight.{k}": v for k, v in state.as_dict(packed=True).items()})
+    return t, dequantize_4bit(packed, state).float()
+
+
 def _quant_config(fmt: str, **o) -> dict:
     if fmt == "gptq":
         return {
@@ -204,6 +220,16 @@ def _quant_config(fmt: str, **o) -> dict:
         return {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": o["group"], "zero_point": True}
     if fmt == "bnb-int8":
         return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False, "llm_int8_threshold": 6.0}
+    if fmt == "bnb-4bit":
+        return {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "load_in_8bit": False,
+            "bnb_4bit_quant_type": o["quant_type"],
+            "bnb_4bit_use_double_quant": o["double_quant"],
+            "bnb_4bit_compute_dtype": "float32",
+            "bnb_4bit_quant_storage": "uint8",
+        }
     if fmt == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     if fmt == "fp8":
@@ -224,7 +250,8 @@ def _quant_config(fmt: str, **o) -> dict:
 
 def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.Tensor]:
     """Write ``source`` (a saved Llama) to ``dest`` as ``fmt`` (``gptq``, ``awq``, ``ct-pack``, ``ct-int``,
-    ``ct-fp8``, ``fp8``, ``mxfp4``, ``bnb-int8``) with options ``o``; returns the dequantized float32 state dict (the reference)."""
+    ``ct-fp8``, ``fp8``, ``mxfp4``, ``bnb-int8``, ``bnb-4bit``) with options ``o``; returns the dequantized float32
+    state dict (the reference)."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted(source.glob("*.safetensors")):
         state.update(load_file(f))
@@ -245,6 +272,8 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
             packed, deq = _mxfp4_layer(w)
         elif fmt == "bnb-int8":
             packed, deq = _bnb_int8_layer(w)
+        elif fmt == "bnb-4bit":
+            packed, deq = bnb_4bit_tensors(w, o["quant_type"], o["double_quant"])
         elif fmt in ("ct-pack", "ct-int"):
             packed, deq = _ct_int_layer(w, o["bits"], o.get("group", -1), o.get("sym", True), fmt == "ct-pack")
         else:

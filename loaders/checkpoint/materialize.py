@@ -93,11 +93,21 @@ class Materializer:
 
     # -- dtype ----------------------------------------------------------------------------------------------
     def target_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
-        if not stored.is_floating_point or name.rpartition(".")[0] in self._keep_stored:
+        if not stored.is_floating_point or self._in_kept_module(name):
             return stored
         if any(r.search(name) for r in self._keep_fp32):
             return torch.float32
         return self.run_dtype
+
+    def _in_kept_module(self, name: str) -> bool:
+        """Whether ``name`` belongs to a module that keeps its stored dtypes, at any depth below it (bitsandbytes
+        4-bit's ``<layer>.weight.absmax`` is the layer's)."""
+        mod = name.rpartition(".")[0]
+        while mod:
+            if mod in self._keep_stored:
+                return True
+            mod = mod.rpartition(".")[0]
+        return False
 
     def _count(self, device: str, nbytes: int) -> None:
         self.stats.bytes_per_device[device] = self.stats.bytes_per_device.get(device, 0) + nbytes

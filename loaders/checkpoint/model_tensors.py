@@ -10,8 +10,17 @@ from transformers import PreTrainedModel
 
 
 def tensor_owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The module holding tensor ``name`` and the tensor's name in it: the deepest module on the path, so that a
+    packed layer's dotted names (bitsandbytes 4-bit's ``weight.absmax``, see :mod:`planner.model.packed_linear`)
+    resolve to the layer and ``weight.absmax``."""
     mod_name, _, leaf = name.rpartition(".")
-    return (model.get_submodule(mod_name) if mod_name else model), leaf
+    while mod_name:
+        try:
+            return model.get_submodule(mod_name), leaf
+        except AttributeError:  # not a module (``weight`` is the layer's tensor): one level up
+            mod_name, _, head = mod_name.rpartition(".")
+            leaf = f"{head}.{leaf}"
+    return model, leaf
 
 
 def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ step is ~33 ms. :class:`NativeDecoder` runs the same arithmetic as a short list 
 
 on preallocated buffers (:data:`MAX_ROWS` decode rows), the products on the same kernels the modules use
 (``loaders.native.linear``'s float kernels, ``loaders.native.quantization``'s int8 and 4-bit ones, the FP8 one of
-``loaders.native.fp8_linear``, the MXFP4 one of ``loaders.native.mxfp4_linear``, q/k/v and gate/up in one
+``loaders.native.fp8_linear``, the MXFP4 one of ``loaders.native.mxfp4_linear``, the bitsandbytes nf4/fp4 one of
+``loaders.native.bnb_4bit``, q/k/v and gate/up in one
 call each where the float kernel takes them together), the element-wise steps in ``kernels/decoder_ops.c``, which
 rounds as the modules do in torch (see there).
 
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from loaders.native import kernel_build
+from loaders.native.bnb_4bit import Bnb4CPULinear
 from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.linear import NativeCPULinear
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
@@ -273,6 +275,10 @@ class _KernelBinder:
             return self._fp8_product(linear, x, out, bias)
         if isinstance(linear, Mxfp4CPULinear):
             return self._mxfp4_product(linear, x, out, bias)
+        if isinstance(linear, Bnb4CPULinear):
+            cd, am, tb = linear.codes, linear.absmax, linear.table
+            args = (cd.data_ptr(), cd.stride(0), am.data_ptr(), am.stride(0), linear.blocksize, tb.data_ptr())
+            return self._stored_product("linear_nf4", "bitsandbytes 4-bit", linear, x, out, bias, args)
         if not isinstance(linear, QuantizedCPULinear):
             raise NotNativeDecodable(f"{type(linear).__name__} layers are not on a native kernel")
         if linear.in_features != k or linear.out_features != n:
@@ -312,7 +318,7 @@ class _KernelBinder:
     def _stored_product(
         self, kernel: str, label: str, linear: nn.Module, x: torch.Tensor, out: torch.Tensor, bias: int | None, args
     ) -> _Product:
-        """A kernel that reads a checkpoint's stored weight in place (FP8, MXFP4): ``args`` are the weight's
+        """A kernel that reads a checkpoint's stored weight in place (FP8, MXFP4, nf4/fp4): ``args`` are the weight's
         pointers and strides, between ``x, ldx, bf16`` and ``bias, y, ldy, M, N, K, threads``."""
         xp, ldx, k = x.data_ptr(), x.stride(0), x.shape[1]
         yp, ldy, n = out.data_ptr(), out.stride(0), out.shape[1]

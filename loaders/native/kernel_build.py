@@ -4,11 +4,13 @@ Why native code: at decode time a linear layer multiplies one row (or a few) by 
 once per token, so its speed is the memory bandwidth it reaches. torch's CPU paths reach about half of it for
 bfloat16, and for float32 MKL's small-M path reaches a quarter to a half. The sources in ``kernels/`` read the
 weight rows in place and get close to the streaming rate; because they read a weight where it lies, a weight
-that is a view of a safetensors file mapping stays zero-copy. Six linear kernels: bf16, fp32, weight-only int8
-and 4-bit (:mod:`loaders.native.quantization` lays those weights out), and FP8 e4m3 and MXFP4 as checkpoints store
-them (:mod:`loaders.native.fp8_linear`, :mod:`loaders.native.mxfp4_linear`); and decode attention over the slot cache (:mod:`loaders.native.attention`).
+that is a view of a safetensors file mapping stays zero-copy. Seven linear kernels: bf16, fp32, weight-only int8
+and 4-bit (:mod:`loaders.native.quantization` lays those weights out), and FP8 e4m3, MXFP4 and bitsandbytes
+nf4/fp4 as checkpoints store them (:mod:`loaders.native.fp8_linear`, :mod:`loaders.native.mxfp4_linear`,
+:mod:`loaders.native.bnb_4bit`); and decode attention over the slot cache (:mod:`loaders.native.attention`).
 
-**Instruction sets.** Every source has an AVX-512 path and an AVX2 (+FMA, F16C) path. The path is picked from the
+**Instruction sets.** Every source has an AVX-512 path and an AVX2 (+FMA, F16C) path (``linear_nf4.c`` has only the
+AVX2 one, which the AVX-512 builds compile too). The path is picked from the
 CPU's flags (:func:`select_isa`), or forced with ``LOADMASTER_CPU_ISA=avx512|avx2|torch``; anywhere else (no
 x86, no AVX2, no compiler) torch's kernels run. ``LOADMASTER_CPU_KERNELS=torch`` is the older spelling of
 ``LOADMASTER_CPU_ISA=torch`` and is still honoured.
@@ -59,6 +61,7 @@ SOURCES = (
     "linear_q4.c",
     "linear_fp8.c",
     "linear_mxfp4.c",
+    "linear_nf4.c",
     "quantize_weights.c",
     "attention_decode.c",
     "decoder_ops.c",
@@ -134,13 +137,14 @@ KERNELS: dict[torch.dtype, Kernel] = {
 #: prefills too (up to 4096 rows), so a row's result never depends on how many rows came with it: a grouped prefill
 #: in the server gives the same tokens as a lone one. torch (on the dequantized weight) runs only beyond that. The
 #: FP8 one computes in float32, so, like the float kernels, it takes decode rows and torch's GEMM runs prompts
-#: (:mod:`loaders.native.fp8_linear`); so does the MXFP4 one (:mod:`loaders.native.mxfp4_linear`), whose prompts run
-#: on tiles dequantized by torch.
+#: (:mod:`loaders.native.fp8_linear`); so do the MXFP4 one (:mod:`loaders.native.mxfp4_linear`) and the nf4/fp4 one
+#: (:mod:`loaders.native.bnb_4bit`), whose prompts run on tiles dequantized by torch.
 QUANT_KERNELS: dict[str, Kernel] = {
     "int8": Kernel("linear_q8", max_rows=4096),
     "int4": Kernel("linear_q4", max_rows=4096),
     "fp8": Kernel("linear_fp8", max_rows=32),
     "mxfp4": Kernel("linear_mxfp4", max_rows=32),
+    "nf4": Kernel("linear_nf4", max_rows=32),
 }
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -159,6 +163,9 @@ _ARGTYPES = {
     "linear_fp8": [_P, _L, _I, _P, _L, _P, _L, _I, _I, _P, _P, _L, _I, _I, _I, _I],
     # x, ldx, bf16, MXFP4 blocks (bytes), ldw, e8m0 scales (bytes), lds, bias, y, ldy, M, N, K, threads
     "linear_mxfp4": [_P, _L, _I, _P, _L, _P, _L, _P, _P, _L, _I, _I, _I, _I],
+    # x, ldx, bf16, bitsandbytes 4-bit codes (bytes), ldw, float32 absmax, lda, block size, 16-float table, bias, y,
+    # ldy, M, N, K, threads
+    "linear_nf4": [_P, _L, _I, _P, _L, _P, _L, _I, _P, _P, _P, _L, _I, _I, _I, _I],
     # e4m3 weight, ldw, scales, lds, bn, bk, first row, rows, K, out, ldo, bf16, threads
     "dequantize_fp8": [_P, _L, _P, _L, _I, _I, _I, _I, _I, _P, _L, _I, _I],
     "quantize_q8": [_P, _L, _I, _I, _I, _P, _L, _P, _I],

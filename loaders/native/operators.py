@@ -1,5 +1,5 @@
 """The native CPU kernels as torch operators: ``torch.ops.loadmaster.linear``, ``linear_multi``, ``linear_q8``,
-``linear_q4``, ``linear_fp8``, ``linear_mxfp4`` and ``decode_attention``.
+``linear_q4``, ``linear_fp8``, ``linear_mxfp4``, ``linear_nf4`` and ``decode_attention``.
 
 Why operators and not bare ctypes calls: registered with ``torch.library``, each has a schema (argument types are
 checked by the dispatcher), a Meta implementation (shapes and dtypes propagate through the meta device and fake
@@ -37,6 +37,7 @@ _lib.define(
     "linear_fp8(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int block_rows, int block_cols) -> Tensor"
 )
 _lib.define("linear_mxfp4(Tensor x, Tensor blocks, Tensor scales, Tensor? bias) -> Tensor")
+_lib.define("linear_nf4(Tensor x, Tensor codes, Tensor absmax, Tensor table, Tensor? bias) -> Tensor")
 _lib.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
@@ -476,6 +477,68 @@ def _mxfp4_fake(x, blocks, scales, bias) -> torch.Tensor:
     return x.new_empty(_out_shape(x, blocks.shape[0]))
 
 
+# -- bitsandbytes 4-bit (nf4, fp4) ---------------------------------------------------------------------------------
+def dequantize_nf4(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    table: torch.Tensor,
+    dtype: torch.dtype,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The float weight (rows ``rows`` of ``[N, K]``) of bitsandbytes 4-bit ``codes`` ``[N, K/2]`` (the first input
+    in a byte's high nibble) and float32 ``absmax`` ``[N, K/bs]``: ``W[n, j] = table[code] * absmax[n, j / bs]``,
+    one float32 product, as the kernel and bitsandbytes compute it."""
+    n0, n1 = rows or (0, codes.shape[0])
+    r, k, blocks = n1 - n0, codes.shape[1] * 2, absmax.shape[1]
+    t = table.to(torch.float32)
+    pairs = torch.stack([t.repeat_interleave(16), t.repeat(16)], 1)  # byte b -> (table[b >> 4], table[b & 15])
+    w = pairs.index_select(0, codes[n0:n1].reshape(-1).to(torch.int32)).view(r, blocks, k // blocks)
+    return (w * absmax[n0:n1, :, None]).view(r, k).to(dtype)
+
+
+def linear_nf4_torch(x, codes, absmax, table, bias) -> torch.Tensor:
+    """``loadmaster::linear_nf4`` on torch's GEMM over tiles (:func:`linear_on_tiles`). Prompts, products beyond
+    the kernel's rows and the fallback where the native kernels are not loaded take this."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    return linear_on_tiles(x, n, k, bias, lambda r: dequantize_nf4(codes, absmax, table, x.dtype, r))
+
+
+def _check_nf4(x, codes, absmax, table) -> None:
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        raise ValueError(f"loadmaster::linear_nf4 takes float32 or bfloat16 x, not {x.dtype}")
+    if codes.dtype is not torch.uint8 or codes.dim() != 2 or codes.stride(1) != 1:
+        raise ValueError(
+            f"loadmaster::linear_nf4: codes must be uint8 [N, K/2] with contiguous rows, not {codes.dtype}"
+        )
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"loadmaster::linear_nf4: x has {x.shape[-1]} features, the codes {k}")
+    ok = absmax.dtype is torch.float32 and absmax.dim() == 2 and absmax.shape[0] == n and absmax.stride(1) == 1
+    if not ok or absmax.shape[1] < 1 or k % absmax.shape[1] or (k // absmax.shape[1]) % 16:
+        raise ValueError(
+            f"loadmaster::linear_nf4: absmax must be float32 [{n}, K/bs] (bs a multiple of 16 dividing K={k}) with "
+            f"contiguous rows, got {absmax.dtype} {tuple(absmax.shape)}"
+        )
+    if table.dtype is not torch.float32 or table.shape != (16,) or not table.is_contiguous():
+        raise ValueError(f"loadmaster::linear_nf4: the table must be 16 contiguous float32 values, not {table.shape}")
+
+
+def _linear_nf4_cpu(x, codes, absmax, table, bias) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` on the native kernel up to its row limit, else :func:`linear_nf4_torch`."""
+    _check_nf4(x, codes, absmax, table)
+    n, k = codes.shape[0], codes.shape[1] * 2
+    bs = k // absmax.shape[1]
+    args = (codes.data_ptr(), codes.stride(0), absmax.data_ptr(), absmax.stride(0), bs, table.data_ptr())
+    out = _call_quant("linear_nf4", x, bias, n, k, args)
+    if out is None:
+        out = linear_nf4_torch(x, codes, absmax, table, bias)
+    return out
+
+
+def _nf4_fake(x, codes, absmax, table, bias) -> torch.Tensor:
+    return x.new_empty(_out_shape(x, codes.shape[0]))
+
+
 # -- attention over the slot cache ---------------------------------------------------------------------------------
 def _check_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> None:
     b, h, width, d = query.shape
@@ -575,6 +638,7 @@ _lib.impl("linear_q4", _linear_q4_cpu, "CPU")
 _lib.impl("linear_q4z", _linear_q4z_cpu, "CPU")
 _lib.impl("linear_fp8", _linear_fp8_cpu, "CPU")
 _lib.impl("linear_mxfp4", _linear_mxfp4_cpu, "CPU")
+_lib.impl("linear_nf4", _linear_nf4_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 # Shape functions as Meta kernels, which fake tensors run too. (``torch.library.register_fake`` records each
 # caller's source line through ``inspect``, which resolves the path of every module loaded so far: ~40 ms of a
@@ -586,6 +650,7 @@ _lib.impl("linear_q4", _quant_fake, "Meta")
 _lib.impl("linear_q4z", _quant_z_fake, "Meta")
 _lib.impl("linear_fp8", _fp8_fake, "Meta")
 _lib.impl("linear_mxfp4", _mxfp4_fake, "Meta")
+_lib.impl("linear_nf4", _nf4_fake, "Meta")
 _lib.impl("decode_attention", _decode_attention_fake, "Meta")
 
 linear = torch.ops.loadmaster.linear.default
@@ -595,6 +660,7 @@ linear_q4 = torch.ops.loadmaster.linear_q4.default
 linear_q4z = torch.ops.loadmaster.linear_q4z.default
 linear_fp8 = torch.ops.loadmaster.linear_fp8.default
 linear_mxfp4 = torch.ops.loadmaster.linear_mxfp4.default
+linear_nf4 = torch.ops.loadmaster.linear_nf4.default
 decode_attention = torch.ops.loadmaster.decode_attention.default
 
 

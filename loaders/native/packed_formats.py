@@ -20,6 +20,12 @@ Every format is first read into one form: integer codes ``[N, K]``, a scale and 
   a byte per weight in place (a disk layer's from the shard's map). No repacking, no dequantization on the CPU;
 - bitsandbytes ``load_in_8bit`` (``weight`` int8 and ``SCB``): the native int8 layout, scale ``SCB / 127`` per
   row: exactly our int8 grid (bitsandbytes writes codes -127..127);
+- bitsandbytes ``load_in_4bit`` (nf4, fp4, with or without double quant): kept as stored, codes and float32
+  absmax (double quant's decoded once), for the native float-table kernel
+  (:class:`~loaders.native.bnb_4bit.Bnb4CPULinear`: nf4's values are no integer grid, so no int4 layout holds
+  them), which reads half a byte per weight in place (a disk layer's from the shard's map). A layer whose blocks
+  straddle rows (``in_features`` not a multiple of the block size), or one on a GPU, is dequantized once to the
+  compute dtype (equal to bitsandbytes' own ``dequantize_4bit`` bit for bit in float32), and the log says so;
 - everything else (8-bit in groups): dequantized to the compute dtype, and the log says so, since the native
   kernels have no layout for it yet. On a GPU (``native=False``) every layer is dequantized on its device.
 
@@ -43,12 +49,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit
 from loaders.native.fp8_linear import FP8_LAYOUTS, Fp8CPULinear
 from loaders.native.mxfp4_linear import MXFP4_LAYOUT, Mxfp4CPULinear
 from loaders.native.operators import GROUP, dequantize_mxfp4
 from loaders.native.quantization import QuantizedCPULinear
 from planner.model.packed_linear import PackedLinear
-from planner.model.quant_config import QuantFormat
+from planner.model.quant_config import BNB_4BIT_LAYOUTS, QuantFormat
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +237,19 @@ def _dequantized(m: PackedLinear, weight: torch.Tensor, dtype: torch.dtype) -> n
     return lin
 
 
-def repack(m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool = True) -> tuple[nn.Module, str]:
-    """The runnable layer for one stored layer, and the kind it became (``native``: False on a GPU, where every
-    layer is dequantized)."""
+def repack(
+    m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool = True, name: str = "layer"
+) -> tuple[nn.Module, str]:
+    """The runnable layer for one stored layer (``name``, for errors), and the kind it became (``native``: False on
+    a GPU, where every layer is dequantized)."""
     fmt = m.fmt
+    if fmt.layout in BNB_4BIT_LAYOUTS.values():
+        quant_type = fmt.layout.removeprefix("bnb-")
+        layer = Bnb4CPULinear.from_packed(m, name) if native else None
+        if layer is not None:
+            return layer, quant_type
+        kind = f"{quant_type} -> {str(dtype).removeprefix('torch.')}"
+        return _dequantized(m, dequantize_bnb_4bit(m, name), dtype), kind
     if fmt.layout in FP8_LAYOUTS:
         layer = Fp8CPULinear.from_packed(m) if native else None
         if layer is not None:
@@ -273,7 +289,7 @@ def repack_packed_linears(model: nn.Module, dtype: torch.dtype, native: bool = T
     stats = PackedStats()
     for name, m in layers:
         on_cpu = next(m.buffers()).device.type == "cpu"
-        new, kind = repack(m, dtype, stats, native and on_cpu)
+        new, kind = repack(m, dtype, stats, native and on_cpu, name)
         _set_module(model, name, new)
         stats.layers += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
@@ -281,7 +297,15 @@ def repack_packed_linears(model: nn.Module, dtype: torch.dtype, native: bool = T
     fmt = layers[0][1].fmt
     log.info("%d %s layers repacked in %.2fs: %s", stats.layers, fmt.describe, stats.seconds, stats.kinds)
     for kind, count in stats.kinds.items():
-        if "->" in kind:
+        if kind.startswith(tuple(BNB_4BIT_LAYOUTS)) and "->" in kind:
+            log.warning(
+                "%d %s layers were dequantized to %s at load: nf4 and fp4 have no native kernel on a GPU or for "
+                "blocks that straddle rows, so they hold and read the compute dtype's bytes, not the stored 4 bits",
+                count,
+                fmt.describe,
+                kind.partition(" -> ")[2],
+            )
+        elif "->" in kind:
             log.warning(
                 "%d %s layers have no native kernel for their grid and were dequantized (%s): they hold and read "
                 "the compute dtype's bytes, not the stored ones",

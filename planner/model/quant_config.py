@@ -23,8 +23,16 @@ Supported (anything else is a :class:`PlanError` naming the field and what is su
   experts (``experts.gate_up_proj_blocks``, ...) are not read yet: :mod:`planner.model.packed_linear` refuses
   MXFP4 blocks that belong to no linear layer;
 - ``bitsandbytes`` saved already quantized with ``load_in_8bit``: ``weight`` int8 ``[N, K]`` and ``SCB`` float32
-  ``[N]`` (each row's absmax, the scale ``SCB / 127``), as ``Linear8bitLt`` saves them. ``load_in_4bit`` (nf4/fp4)
-  is refused by that field: its tensors (``weight.absmax``, ``weight.quant_map``, ...) are not loaded yet.
+  ``[N]`` (each row's absmax, the scale ``SCB / 127``), as ``Linear8bitLt`` saves them;
+- ``bitsandbytes`` saved already quantized with ``load_in_4bit``, ``bnb_4bit_quant_type`` ``nf4`` or ``fp4``,
+  ``bnb_4bit_quant_storage`` ``uint8``, with or without ``bnb_4bit_use_double_quant``, as ``Linear4bit`` saves it:
+  ``weight`` uint8 ``[ceil(N*K/2), 1]`` (two codes a byte, the first in the high nibble, over the row-major
+  weight), ``weight.absmax`` (float32 per block, or uint8 codes with double quant), ``weight.quant_map`` float32
+  ``[16]``, ``weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``: a JSON blob with the block size, the shape and,
+  with double quant, the nested block size and offset), and with double quant ``weight.nested_absmax`` and
+  ``weight.nested_quant_map`` float32 ``[256]``. The block size is not in ``config.json``: the plan checks that the
+  stored ``absmax`` count fits one bitsandbytes allows (:data:`BNB_4BIT_BLOCKSIZES`), the loader reads it from the
+  blob.
 
 Not a torch import here: the planner's core reads this.
 """
@@ -38,13 +46,27 @@ from typing import Any
 from planner.errors import PlanError
 
 #: The ``quant_method`` values this module reads.
-SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4", "bitsandbytes (load_in_8bit)")
+SUPPORTED_METHODS = (
+    "gptq",
+    "awq",
+    "compressed-tensors",
+    "fp8",
+    "mxfp4",
+    "bitsandbytes (load_in_8bit, load_in_4bit nf4/fp4)",
+)
 #: Known methods that loadmaster does not load yet (their checkpoints are refused with this said).
 NOT_YET = ("hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bitnet")
 #: Inputs per group of the native 4-bit layout: a format's group must be a whole number of them.
 NATIVE_GROUP = 64
 #: Inputs per MXFP4 block (one e8m0 scale byte and 16 bytes of e2m1 codes).
 MXFP4_BLOCK = 32
+#: The layouts of bitsandbytes 4-bit checkpoints, by ``bnb_4bit_quant_type``.
+BNB_4BIT_LAYOUTS = {"nf4": "bnb-nf4", "fp4": "bnb-fp4"}
+#: The block sizes bitsandbytes' ``quantize_4bit`` takes (its ``dequantize_4bit`` refuses any other).
+BNB_4BIT_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: The stored tensors of a bitsandbytes 4-bit layer besides ``weight``, as suffixes of the layer's name.
+BNB_4BIT_ABSMAX = "weight.absmax"
+BNB_4BIT_STATE = "weight.quant_state.bitsandbytes__"
 
 
 @dataclass(frozen=True)
@@ -52,9 +74,11 @@ class QuantFormat:
     """One checkpoint's quantization, as the loader repacks it.
 
     ``layout`` names the stored layout (``gptq``, ``awq``, ``ct-pack``, ``ct-int``, ``ct-fp8``, ``fp8-block``,
-    ``mxfp4``, ``bnb-int8``);
+    ``mxfp4``, ``bnb-int8``, ``bnb-nf4``, ``bnb-fp4``);
     ``marker`` the tensor suffix whose presence makes a linear layer quantized; ``group_size`` is -1 per output
-    channel, 0 per tensor, else inputs per group; ``block`` the FP8 ``[rows, cols]`` scale block."""
+    channel, 0 per tensor, else inputs per group; ``block`` the FP8 ``[rows, cols]`` scale block;
+    ``double_quant``: bitsandbytes 4-bit's absmax stored as 8-bit codes (as the config declares; the loader goes
+    by the tensors each layer stores)."""
 
     method: str
     layout: str
@@ -66,6 +90,7 @@ class QuantFormat:
     zeros_minus_one: bool = False
     block: tuple[int, int] | None = None
     ignore: tuple[str, ...] = ()
+    double_quant: bool = False
 
     @property
     def cpu_kernel(self) -> str:
@@ -75,6 +100,8 @@ class QuantFormat:
             return "linear_fp8 (e4m3 bytes as stored)"
         if self.layout == "mxfp4":
             return "linear_mxfp4 (e2m1 blocks as stored)"
+        if self.layout in BNB_4BIT_LAYOUTS.values():
+            return "linear_nf4 (4-bit codes as stored, a 16-float table)"
         if self.bits == 4:
             return "linear_q4 (repacked int4)" if self.sym else "linear_q4z (repacked int4 + zero points)"
         if self.group_size in (-1, 0) and not self.desc_act:
@@ -88,6 +115,8 @@ class QuantFormat:
             group = f"blocks {self.block[0]}x{self.block[1]}"
         if self.layout == "mxfp4":
             return f"{self.method} e2m1 blocks of {MXFP4_BLOCK}"
+        if self.layout in BNB_4BIT_LAYOUTS.values():
+            return f"{self.method} {self.layout.removeprefix('bnb-')}{' double-quant' if self.double_quant else ''}"
         kind = "fp8" if self.layout in ("ct-fp8", "fp8-block") else f"int{self.bits}"
         return f"{self.method} {kind} {group}{'' if self.sym else ' asymmetric'}{' act-order' if self.desc_act else ''}"
 
@@ -216,21 +245,34 @@ def _mxfp4(cfg: Mapping[str, Any]) -> QuantFormat:
 
 
 def _bitsandbytes(cfg: Mapping[str, Any]) -> QuantFormat:
+    ignore = tuple(cfg.get("llm_int8_skip_modules") or ())
     if cfg.get("load_in_4bit"):
-        raise _fail(
-            "load_in_4bit",
-            True,
-            "load_in_8bit (bitsandbytes nf4/fp4 checkpoints are known but not loaded by loadmaster yet)",
-        )
+        return _bitsandbytes_4bit(cfg, ignore)
     if not cfg.get("load_in_8bit"):
-        raise _fail("load_in_8bit", cfg.get("load_in_8bit"), "true (a checkpoint saved already quantized in 8 bits)")
+        raise _fail(
+            "load_in_8bit",
+            cfg.get("load_in_8bit"),
+            "load_in_8bit or load_in_4bit true (a checkpoint saved already quantized)",
+        )
+    return QuantFormat("bitsandbytes", "bnb-int8", "SCB", 8, -1, ignore=ignore)
+
+
+def _bitsandbytes_4bit(cfg: Mapping[str, Any], ignore: tuple[str, ...]) -> QuantFormat:
+    """``load_in_4bit``: nf4 or fp4 codes in bytes (transformers' default type is fp4, its default storage uint8)."""
+    quant_type = str(cfg.get("bnb_4bit_quant_type") or "fp4").lower()
+    if quant_type not in BNB_4BIT_LAYOUTS:
+        raise _fail("bnb_4bit_quant_type", quant_type, "nf4 or fp4")
+    storage = str(cfg.get("bnb_4bit_quant_storage") or "uint8").lower().removeprefix("torch.")
+    if storage != "uint8":
+        raise _fail("bnb_4bit_quant_storage", storage, "uint8 (two 4-bit codes a byte)")
     return QuantFormat(
         "bitsandbytes",
-        "bnb-int8",
-        "SCB",
-        8,
+        BNB_4BIT_LAYOUTS[quant_type],
+        BNB_4BIT_ABSMAX,
+        4,
         -1,
-        ignore=tuple(cfg.get("llm_int8_skip_modules") or ()),
+        ignore=ignore,
+        double_quant=bool(cfg.get("bnb_4bit_use_double_quant", False)),
     )
 
 
@@ -282,6 +324,8 @@ def expected_shapes(fmt: QuantFormat, out_features: int, in_features: int) -> di
         return {"weight": (n, k)}
     if fmt.layout == "bnb-int8":
         return {"weight": (n, k), "SCB": (n,)}
+    if fmt.layout in BNB_4BIT_LAYOUTS.values():
+        return {"weight": (-(-n * k // 2), 1), "weight.quant_map": (16,), "weight.nested_quant_map": (256,)}
     if fmt.layout == "mxfp4":
         nb = k // MXFP4_BLOCK
         return {"weight_blocks": (n, nb, MXFP4_BLOCK // 2), "weight_scales": (n, nb)}
@@ -296,6 +340,8 @@ def check_stored_shapes(fmt: QuantFormat, module: str, out_features: int, in_fea
             f"{module}.weight_blocks: the layer has in_features={in_features}, not a multiple of {MXFP4_BLOCK}, so it "
             f"cannot hold whole MXFP4 blocks of {MXFP4_BLOCK}: the checkpoint disagrees with config.json."
         )
+    if fmt.layout in BNB_4BIT_LAYOUTS.values():
+        _check_bnb_4bit(fmt, module, out_features * in_features, stored)
     for suffix, shape in expected_shapes(fmt, out_features, in_features).items():
         got = stored.get(suffix)
         if got is not None and tuple(got) != shape:
@@ -304,3 +350,38 @@ def check_stored_shapes(fmt: QuantFormat, module: str, out_features: int, in_fea
                 f"and {in_features} inputs stores {list(shape)}: the checkpoint disagrees with its "
                 "quantization_config or config.json."
             )
+
+
+def _check_bnb_4bit(fmt: QuantFormat, module: str, numel: int, stored) -> None:
+    """What a bitsandbytes 4-bit layer must store beyond fixed shapes: its quant state blob of the config's type
+    (it holds the block size, and the offset of double quant), an ``absmax`` count of a block size bitsandbytes
+    allows, and the nested pair of double quant together."""
+    quant_type = fmt.layout.removeprefix("bnb-")
+    want = BNB_4BIT_STATE + quant_type
+    others = sorted(s for s in stored if s.startswith(BNB_4BIT_STATE) and s != want)
+    if others:
+        raise PlanError(
+            f"{module}.{others[0]} is stored, but quantization_config.bnb_4bit_quant_type is {quant_type!r}: the "
+            "checkpoint disagrees with its config.json; set bnb_4bit_quant_type to the stored type."
+        )
+    for suffix in ("weight", "weight.quant_map", want):
+        if suffix not in stored:
+            raise PlanError(
+                f"{module}.{suffix} is missing: a bitsandbytes 4-bit layer stores its codes (weight), their table "
+                "(weight.quant_map) and its quant state (block size, shape) as Linear4bit saves them. Re-save the "
+                "checkpoint with transformers' save_pretrained."
+            )
+    absmax = tuple(stored[BNB_4BIT_ABSMAX])
+    blocks = [b for b in BNB_4BIT_BLOCKSIZES if absmax == (-(-numel // b),)]
+    if not blocks:
+        raise PlanError(
+            f"{module}.{BNB_4BIT_ABSMAX} is stored as {list(absmax)}, but a layer of {numel} weights in blocks of "
+            f"any of {', '.join(map(str, BNB_4BIT_BLOCKSIZES))} stores one absmax a block: the checkpoint "
+            "disagrees with config.json."
+        )
+    nested = [s in stored for s in ("weight.nested_absmax", "weight.nested_quant_map")]
+    if any(nested) and not all(nested):
+        raise PlanError(
+            f"{module}: double quant stores weight.nested_absmax and weight.nested_quant_map together; this layer "
+            "stores one of them. Re-save the checkpoint with transformers' save_pretrained."
+        )

@@ -302,3 +302,16 @@ def test_pre_quantized_mxfp4_layers_run_their_kernel(native_path, tmp_path):
     model = loaders.load_model(tmp_path / "mxfp4", device_map={"": "cpu"}, show_progress=False, dtype="float32")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Mxfp4CPULinear)
     _step_matches_forward(model, relative=0.02)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_pre_quantized_bnb_4bit_layers_run_their_kernel(native_path, tmp_path, double_quant):
+    """bitsandbytes nf4 checkpoints decode on ``linear_nf4`` (reading the stored codes) as the model's forward does,
+    to float32 summation order: the kernel takes float32 x and the exact table values."""
+    from loaders.native.bnb_4bit import Bnb4CPULinear
+    from tests.quant_checkpoints import write_quantized
+
+    write_quantized(tiny_llama_dir(), tmp_path / "nf4", "bnb-4bit", quant_type="nf4", double_quant=double_quant)
+    model = loaders.load_model(tmp_path / "nf4", device_map={"": "cpu"}, show_progress=False, dtype="float32")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Bnb4CPULinear)
+    _step_matches_forward(model, relative=1e-5, floor=1.0)

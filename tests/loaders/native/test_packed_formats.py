@@ -1,11 +1,13 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8, MXFP4, bitsandbytes int8): planned to the byte from their headers, loaded
-on the CPU and from disk with their grid repacked exactly, logits within tolerance of the dequantized reference.
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8, MXFP4, bitsandbytes int8, nf4 and fp4): planned
+to the byte from their headers, loaded on the CPU and from disk with their grid repacked exactly, logits within
+tolerance of the dequantized reference.
 
 Tolerance: the native int8/int4 kernels quantize each 64-input group of activations to int8 (docs/kernels.md),
 so logits of the tiny Llama differ from the float32 reference by up to ~1.5% of the largest logit; 3% is allowed.
 MXFP4 layers run on a kernel that does the same (its codes are integers times a power of two): 3% as well.
-FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32) and dequantized layers (8-bit in
-groups) match the float32 reference to 1e-5."""
+FP8 layers (the FP8 kernel converts each stored byte exactly and sums in float32), bitsandbytes nf4/fp4 layers (the
+float-table kernel: exact weights, float32 sums) and dequantized layers (8-bit in groups) match the float32
+reference to 1e-5."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from loaders import load_model
+from loaders.native.bnb_4bit import Bnb4CPULinear
 from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.quantization import QuantizedCPULinear
@@ -43,12 +46,18 @@ CASES = {
     "fp8-block": ("fp8", {}),
     "mxfp4": ("mxfp4", {}),
     "bnb-int8": ("bnb-int8", {}),
+    "bnb-nf4": ("bnb-4bit", dict(quant_type="nf4", double_quant=False)),
+    "bnb-fp4": ("bnb-4bit", dict(quant_type="fp4", double_quant=False)),
+    "bnb-nf4-dq": ("bnb-4bit", dict(quant_type="nf4", double_quant=True)),
+    "bnb-fp4-dq": ("bnb-4bit", dict(quant_type="fp4", double_quant=True)),
 }
+BNB_4BIT = ("bnb-nf4", "bnb-fp4", "bnb-nf4-dq", "bnb-fp4-dq")
 #: What each case's linear layers become at load.
 NATIVE = {"gptq8-group": None, "ct-fp8": "fp8", "fp8-block": "fp8", "gptq8-channel": "int8", "ct-pack8": "int8"}
 NATIVE["ct-naive8"] = "int8"
 NATIVE["mxfp4"] = "mxfp4"
 NATIVE["bnb-int8"] = "int8"
+NATIVE.update({name: CASES[name][1]["quant_type"] for name in BNB_4BIT})  # linear_nf4, codes kept as stored
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,8 @@ def test_plans_every_tensor_as_stored(written, name):
     skel = skeleton_from_dir(d)
     stored = {t.name: t for t in skel.tensors() if t.kind != "buffer_nonpersistent"}
     packed = [t for t in stored.values() if t.kind == "packed"]
-    assert len({t.name.rpartition(".")[0] for t in packed}) == 28  # every linear below the head
+    layers = {t.name[: t.name.index("_proj.") + 5] for t in packed}  # bnb 4-bit's names go on: weight.absmax
+    assert len(layers) == 28  # every linear below the head
     for dtype in ("float32", "bfloat16"):
         wl = make_workload(skel, dtype)
         planned_packed = sum(block_bytes(b, wl, skel) for b in skel.blocks) - sum(
@@ -127,6 +137,10 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
             assert isinstance(mod, Mxfp4CPULinear) and mod.blocks.dtype == torch.uint8, mname
             assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
             continue
+        if name in BNB_4BIT:  # the stored codes, kept as stored: bitsandbytes' dequantize_4bit, bit for bit
+            assert isinstance(mod, Bnb4CPULinear) and mod.codes.dtype == torch.uint8, mname
+            assert torch.equal(mod.dequantized_weight(torch.float32), want), mname
+            continue
         if kind is None:
             assert type(mod) is torch.nn.Linear or not isinstance(mod, QuantizedCPULinear)
             torch.testing.assert_close(mod.weight.float(), want, rtol=0, atol=1e-6)
@@ -144,9 +158,11 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
     with torch.no_grad():
         got = model(ids).logits
     want = _reference_logits(ref_sd, ids)
-    tol = 1e-5 if NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group" else 0.03
+    tol = 1e-5 if (NATIVE.get(name, "int4") in (None, "fp8") and name != "gptq8-group") or name in BNB_4BIT else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
     if NATIVE.get(name) in ("fp8", "mxfp4"):
+        assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
+    if name in BNB_4BIT:
         assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
 
 
@@ -161,7 +177,9 @@ def _mapped_file(address: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4", "bnb-int8"])
+@pytest.mark.parametrize(
+    "name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4", "bnb-int8", "bnb-nf4-dq", "bnb-fp4"]
+)
 def test_loads_with_layers_on_disk(written, name, tmp_path):
     d, ref_sd = written[name]
     dmap = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
@@ -172,7 +190,7 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
     with torch.no_grad():
         got = model(ids).logits
     want = _reference_logits(ref_sd, ids)
-    tol = 1e-5 if NATIVE.get(name) == "fp8" else 0.03
+    tol = 1e-5 if NATIVE.get(name) == "fp8" or name in BNB_4BIT else 0.03
     assert (got - want).abs().max() <= tol * want.abs().max()
     if NATIVE.get(name) == "fp8":  # a disk layer's kernel reads the stored bytes from the shard's map, in place
         on_disk = model.model.layers[1].mlp.down_proj
@@ -184,6 +202,12 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
         for t in (on_disk.blocks, on_disk.scales):
             assert _mapped_file(t.data_ptr()) == str((d / "model.safetensors").resolve())
         assert isinstance(model.model.layers[0].mlp.down_proj, Mxfp4CPULinear)
+    if name in BNB_4BIT:  # the codes likewise (and the absmax where stored as float32, without double quant)
+        on_disk = model.model.layers[1].self_attn.q_proj
+        assert isinstance(on_disk, Bnb4CPULinear)
+        shard = str((d / "model.safetensors").resolve())
+        assert _mapped_file(on_disk.codes.data_ptr()) == shard
+        assert (_mapped_file(on_disk.absmax.data_ptr()) == shard) == (not CASES[name][1]["double_quant"])
 
 
 def _with_config(written, name, tmp_path, **change):
@@ -203,7 +227,9 @@ def _with_config(written, name, tmp_path, **change):
     [
         ("gptq4-sym", {"quant_method": "sparse-magic"}, "quant_method"),
         ("gptq4-sym", {"quant_method": "hqq"}, "quant_method"),
-        ("bnb-int8", {"load_in_8bit": False, "load_in_4bit": True}, "load_in_4bit"),
+        ("bnb-int8", {"load_in_8bit": False}, "load_in_8bit"),
+        ("bnb-nf4", {"bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type"),
+        ("bnb-nf4", {"bnb_4bit_quant_storage": "bfloat16"}, "bnb_4bit_quant_storage"),
         ("mxfp4", {"block_size": 16}, "block_size"),
         ("gptq4-sym", {"bits": 3}, "bits"),
         ("gptq4-sym", {"group_size": 32}, "group_size"),
@@ -266,6 +292,8 @@ def _kernel_of(mod: torch.nn.Module) -> str:
         return "linear_fp8"
     if isinstance(mod, Mxfp4CPULinear):
         return "linear_mxfp4"
+    if isinstance(mod, Bnb4CPULinear):
+        return "linear_nf4"
     if isinstance(mod, QuantizedCPULinear):
         return "linear_q4z" if mod.zeros is not None else f"linear_q{mod.scheme.removeprefix('int')}"
     return "none: int8 in groups is dequantized"
@@ -286,3 +314,43 @@ def test_the_plan_names_the_kernel_the_layers_load_on(written, name):
         if mname.endswith("_proj") and not (name == "gptq8-group" and mod.in_features <= 64)
     }
     assert len(kernels) == 1 and said["cpu"].startswith(kernels.pop()), (said, kernels)
+
+
+def _rewritten(written, name, tmp_path, change) -> object:
+    """A copy of checkpoint ``name`` whose state dict ``change`` edited in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d, _ = written[name]
+    out = tmp_path / "edited"
+    shutil.copytree(d, out)
+    state = load_file(out / "model.safetensors")
+    change(state)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_bnb_4bit_quant_state_of_another_type_than_the_config_is_refused(written, tmp_path):
+    """An fp4 checkpoint whose config says nf4: the plan names the stored blob and the field to fix."""
+    d = _with_config(written, "bnb-fp4", tmp_path, bnb_4bit_quant_type="nf4")
+    with pytest.raises(
+        PlanError, match=r"q_proj\.weight\.quant_state\.bitsandbytes__fp4 is stored.*bnb_4bit_quant_type"
+    ):
+        skeleton_from_dir(d)
+
+
+def test_bnb_4bit_absmax_of_no_bitsandbytes_block_size_is_refused(written, tmp_path):
+    key = "model.layers.1.mlp.up_proj.weight.absmax"
+
+    def cut(state):
+        state[key] = state[key][:-3].contiguous()
+
+    with pytest.raises(PlanError, match=rf"{key} is stored as .*blocks of"):
+        skeleton_from_dir(_rewritten(written, "bnb-nf4", tmp_path, cut))
+
+
+def test_bnb_4bit_layer_without_its_quant_state_is_refused(written, tmp_path):
+    key = "model.layers.0.self_attn.o_proj.weight.quant_state.bitsandbytes__nf4"
+    with pytest.raises(PlanError, match=rf"{key} is missing"):
+        skeleton_from_dir(_rewritten(written, "bnb-nf4-dq", tmp_path, lambda state: state.pop(key)))
