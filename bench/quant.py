@@ -10,7 +10,7 @@ kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU run
 - ``fp8`` (only when named in ``--schemes``): the model written once as a block-wise FP8 checkpoint (DeepSeek-V3 and
   Qwen3-FP8's layout: e4m3 weights, a float32 ``weight_scale_inv`` per 128x128 block, the rest bf16; round to
   nearest, :func:`write_fp8`), loaded with ``dtype="bfloat16"``: its linear layers run the native FP8 kernel.
-- ``gptq4``, ``awq4``, ``ct-int4``, ``ct-int8``, ``mxfp4`` (when named): the model written once in that format
+- ``gptq4``, ``awq4``, ``ct-int4``, ``ct-int8``, ``mxfp4``, ``bnb-nf4`` (when named): the model written once in that format
   (:data:`PREQUANTIZED`), loaded with ``dtype="bfloat16"``: the layers run the kernel the plan names for them;
 - ``quantization=int8`` (when named): ``load_model(..., quantization="int8")``, which on a machine without a GPU
   takes the native int8 kernels (:mod:`planner.placement.quantization_choice`), quantized at load.
@@ -61,6 +61,7 @@ PREQUANTIZED = {
     "ct-int4": ("ct-pack", dict(bits=4, group=128)),
     "ct-int8": ("ct-int", dict(bits=8)),
     "mxfp4": ("mxfp4", {}),
+    "bnb-nf4": ("bnb-4bit", dict(quant_type="nf4", double_quant=True)),
 }
 #: ``load_model(..., quantization="int8")`` on this CPU-only machine: the native int8 kernels (not bitsandbytes).
 ASKED_INT8 = "quantization=int8"
@@ -152,6 +153,7 @@ def _write_checkpoints(source: Path, folder: Path, contenders: list[str]) -> dic
 #: Issue 36's decode targets: scheme -> (the contender it is measured against, the least ratio).
 TARGETS = {
     **{s: ("int4", 0.9) for s in ("gptq4", "awq4", "ct-int4", "mxfp4")},
+    "bnb-nf4": ("int4", 0.0),  # no target in issue 36: reported beside our int4
     "ct-int8": ("int8", 0.9),
     FP8: ("int8", 0.9),
     ASKED_INT8: ("bf16", 1.6),
