@@ -140,13 +140,17 @@ def _write_checkpoints(source: Path, folder: Path, contenders: list[str]) -> dic
 
     written = {}
     if FP8 in contenders:
-        written[FP8] = str(write_fp8(source, folder / FP8))
+        written[FP8] = str(write_fp8(source, folder / f"{source.name}-{FP8}"))
     for scheme in contenders:
         if scheme in PREQUANTIZED:
             fmt, options = PREQUANTIZED[scheme]
-            write_quantized(source, folder / scheme, fmt, **options)
-            written[scheme] = str(folder / scheme)
-            print(f"wrote {scheme} ({fmt} {options})", flush=True)
+            dest = folder / f"{source.name}-{scheme}"
+            if not dest.is_dir():  # written beside it, then renamed: a folder there is whole
+                partial = dest.with_name(dest.name + ".partial")
+                write_quantized(source, partial, fmt, **options)
+                partial.rename(dest)
+                print(f"wrote {scheme} ({fmt} {options})", flush=True)
+            written[scheme] = str(dest)
     return written
 
 
@@ -288,6 +292,12 @@ def main(argv=None) -> int:
         help="also run CTranslate2 int8 and llama.cpp q8_0/q4_0/q4_k_m (pip-installed if missing); "
         "'--peers llama.cpp' runs llama.cpp's only",
     )
+    ap.add_argument(
+        "--formats-dir",
+        type=Path,
+        default=None,
+        help="keep the pre-quantized checkpoints here and reuse them in later runs (default: written each run)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.worker:
@@ -313,7 +323,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in contenders}
     failed_peers: dict[str, str] = {}  # a peer that crashes is left out of later rounds and named in the output
     with tempfile.TemporaryDirectory(prefix="quant-bench-") as saved:
-        written = _write_checkpoints(Path(path), Path(saved), contenders)
+        written = _write_checkpoints(Path(path), args.formats_dir or Path(saved), contenders)
         for r in range(args.rounds):
             for s in contenders:
                 if s in failed_peers:
