@@ -169,3 +169,20 @@ def test_the_operator_checks_operands_and_has_fake_shapes():
         None,
     )
     assert meta.shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize(("blocksize", "k"), [(16, 64), (48, 192), (64, 320), (96, 192)])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_blocks_of_any_multiple_of_16_inputs(native_path, blocksize, k, m):
+    """Blocks of an odd number of 16-input chunks (16, 48: the kernel's half step) and of 64 (the kernel's
+    specialized block), on one and on several rows, against the dequantized weight in float64."""
+    g = torch.Generator().manual_seed(blocksize + k + m)
+    n = 37
+    codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    absmax = torch.rand(n, k // blocksize, generator=g) + 0.1
+    table = torch.sort(torch.randn(16, generator=g)).values
+    x = torch.randn(m, k, generator=g)
+    out = operators.linear_nf4(x, codes, absmax, table, None)
+    w = operators.dequantize_nf4(codes, absmax, table, torch.float32)
+    assert _within_rounding(out, x, w, None)
+    assert torch.equal(operators.linear_nf4(x[-1:], codes, absmax, table, None)[0], out[-1])
