@@ -1,10 +1,10 @@
-"""Pre-quantized checkpoints served by a real uvicorn server, answered to TGI's and OpenAI's own clients.
+"""Every pre-quantized format served by a real uvicorn server, answered to TGI's and OpenAI's own clients.
 
-FP8 (half of its layers on disk: transformers refuses FP8 with disk offload) and bitsandbytes nf4 run on kernels
-that keep float32 activations (``linear_fp8``, ``linear_nf4``): their greedy tokens equal plain transformers' on
-the dequantized weights. GPTQ 4-bit runs ``linear_q4z``, which rounds activations to int8 per 64 inputs: its
-tokens are checked against our own load of the same checkpoint (the logits' tolerance against the reference is
-``tests/loaders/native/test_packed_formats.py``'s)."""
+FP8 (block-wise with half of its layers on disk, which transformers refuses, and compressed-tensors) and
+bitsandbytes nf4 run on kernels that keep float32 activations (``linear_fp8``, ``linear_nf4``): their greedy tokens
+equal plain transformers' on the dequantized weights. GPTQ, AWQ, compressed-tensors int4, MXFP4 and bitsandbytes
+int8 run kernels that round activations to int8 per 64 inputs: their tokens are checked against our own load of the
+same checkpoint (the logits' tolerance against the reference is ``tests/loaders/native/test_packed_formats.py``'s)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,16 @@ FORMATS = {
     ),
     "nf4": ("bnb-4bit", dict(quant_type="nf4", double_quant=True), dict(dtype="float32")),
     "gptq4-asym": ("gptq", dict(bits=4, group=64, sym=False, act_order=False), dict(dtype="float32")),
+    "awq4": ("awq", dict(group=64), dict(dtype="float32")),
+    "ct-int4": ("ct-pack", dict(bits=4, group=64), dict(dtype="float32")),
+    "ct-fp8": ("ct-fp8", {}, dict(dtype="float32")),
+    "mxfp4": ("mxfp4", {}, dict(dtype="float32")),
+    "bnb-int8": ("bnb-int8", {}, dict(dtype="float32")),
 }
+#: Formats whose kernels keep float32 activations: their greedy tokens are plain transformers' on the dequantized
+#: weights. The others (int4, int8, MXFP4 kernels round activations to int8 per 64 inputs) are checked against our
+#: own load of the checkpoint.
+FLOAT_ACTIVATIONS = ("fp8-disk", "nf4", "ct-fp8")
 
 
 def _greedy(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
@@ -48,7 +57,7 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
 
 def _expected(name: str, d: Path, ref_sd: dict[str, torch.Tensor], ids: torch.Tensor) -> list[int]:
     """Plain transformers on the dequantized weights, or (int4 kernels) our own load of the checkpoint."""
-    if name.startswith("gptq"):
+    if name not in FLOAT_ACTIVATIONS:
         return _greedy(load_model(d, device_map="cpu", dtype="float32", show_progress=False), ids)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(), dtype=torch.float32).eval()
     ref.load_state_dict(ref_sd, strict=False)
