@@ -54,7 +54,7 @@ from bench.common import emit, llama_dir, machine, print_table, run_isolated, ti
 
 SCHEMES = ("bf16", "int8", "int4")
 FP8 = "fp8"  # a pre-quantized checkpoint written from the model (write_fp8), not a cpu_quantization scheme
-#: Pre-quantized checkpoints written from the model by ``tests.quant_checkpoints.write_quantized`` (each format's
+#: Pre-quantized checkpoints written from the model by ``bench.quant_checkpoints.write_quantized`` (each format's
 #: published packing, round to nearest), as users download them: 4-bit in groups of 128, the head left unquantized.
 PREQUANTIZED = {
     "gptq4": ("gptq", dict(bits=4, group=128, sym=True, act_order=False)),
@@ -137,7 +137,7 @@ def write_fp8(source: Path, dest: Path, block: int = 128) -> Path:
 def _write_checkpoints(source: Path, folder: Path, contenders: list[str]) -> dict[str, str]:
     """The pre-quantized checkpoints the contenders load, written once from ``source`` into ``folder``: scheme ->
     directory."""
-    from tests.quant_checkpoints import write_quantized
+    from bench.quant_checkpoints import write_quantized
 
     written = {}
     if FP8 in contenders:

@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-if TYPE_CHECKING:
-    from planner.model.quant_config import QuantFormat
+from typing import Any, NamedTuple
 
 DeviceId = int | str  # GPU index (0, 1, ...), "cpu" or "disk": the values of transformers' hf_device_map
 
@@ -108,6 +105,15 @@ class KVGeometry:
 
 
 @dataclass(frozen=True)
+class StoredFormat:
+    """A pre-quantized checkpoint's format as a plan reports it (from :class:`planner.model.quant_config.QuantFormat`,
+    which the loader repacks from): what it is, and the kernel its CPU and disk layers run."""
+
+    describe: str
+    cpu_kernel: str
+
+
+@dataclass(frozen=True)
 class Skeleton:
     """The model as the planner sees it: ordered blocks, tied groups and generation geometry. Never weights."""
 
@@ -133,7 +139,7 @@ class Skeleton:
     #: The Hub commit the skeleton was read at (``None`` for local models), so a plan can name what it was made for.
     revision: str | None = None
     #: How the checkpoint stores its quantized linear layers (a ``quantization_config``); None when it stores floats.
-    quant_format: QuantFormat | None = None
+    stored_format: StoredFormat | None = None
 
     def tensors(self) -> list[TensorSpec]:
         return [t for b in self.blocks for t in b.tensors]

@@ -39,7 +39,7 @@ from planner.model.fingerprint import checkpoint_fingerprint
 from planner.model.meta_skeleton import as_config, build_meta_model, config_from_dict, skeleton_from_model
 from planner.model.quant_config import quant_format
 from planner.model.safetensors_header import CheckpointHeaders, has_weight_files, read_checkpoint_headers
-from planner.types import Block, Skeleton, TensorSpec
+from planner.types import Block, Skeleton, StoredFormat, TensorSpec
 
 if TYPE_CHECKING:  # torch/transformers are imported lazily: the planner core must stay importable without them
     from transformers import PretrainedConfig
@@ -277,7 +277,8 @@ def _describe(
     skel = _with_checkpoint(
         skeleton_from_model(model, name=name), headers, str(getattr(model, "base_model_prefix", "") or ""), name
     )
-    skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers), quant_format=fmt)
+    stored = StoredFormat(fmt.describe, fmt.cpu_kernel) if fmt is not None else None
+    skel = replace(skel, default_dtype=default, fingerprint=checkpoint_fingerprint(headers), stored_format=stored)
     return CheckpointModel(skel, model, headers, dtype_name(getattr(model.config, "dtype", None)) or build)
 
 

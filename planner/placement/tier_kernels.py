@@ -26,8 +26,8 @@ NATIVE_KERNELS = {"int8": "linear_q8 (native int8)", "int4": "linear_q4 (native 
 
 def gpu_kernel(skeleton: Skeleton, workload: Workload) -> str:
     """What computes a layer on a GPU."""
-    if skeleton.quant_format is not None:
-        return f"{skeleton.quant_format.describe}, dequantized to {workload.dtype} on the GPU (torch)"
+    if skeleton.stored_format is not None:
+        return f"{skeleton.stored_format.describe}, dequantized to {workload.dtype} on the GPU (torch)"
     if workload.quantization:
         return f"bitsandbytes {workload.quantization}"
     return f"torch {workload.dtype}"
@@ -41,8 +41,8 @@ def float_kernel(dtype: str) -> str:
 
 def cpu_kernel(skeleton: Skeleton, workload: Workload) -> str:
     """What computes a layer on the CPU where no GPU computes."""
-    if skeleton.quant_format is not None:
-        return skeleton.quant_format.cpu_kernel
+    if skeleton.stored_format is not None:
+        return skeleton.stored_format.cpu_kernel
     if workload.cpu_quantization:
         return NATIVE_KERNELS[workload.cpu_quantization]
     if workload.quantization:

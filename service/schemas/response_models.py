@@ -391,6 +391,10 @@ class PlanResponse(_Answer):
     cpu_compute: list[str] = Field(
         default_factory=list, description="Device-map keys on cpu that compute there (routed experts, CPU layers)."
     )
+    kernels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Device label (GPU 0, cpu, disk) -> the kernel its layers run on (linear_q8, bitsandbytes int8, ...).",
+    )
     what_if: WhatIfAnswer | None = None
 
 

@@ -18,13 +18,13 @@ import torch
 from bitsandbytes.functional import QuantState, dequantize_4bit
 from safetensors.torch import load_file, save_file
 
+from bench.quant_checkpoints import bnb_4bit_tensors
 from loaders.errors import CheckpointError
 from loaders.native import operators
 from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit, read_quant_state
 from loaders.native.packed_formats import PackedStats, repack
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import quant_format
-from tests.quant_checkpoints import bnb_4bit_tensors
 
 
 def _stored_layer(tensors: dict[str, torch.Tensor], quant_type: str, n: int, k: int) -> PackedLinear:

@@ -270,7 +270,7 @@ def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path)
     """An AWQ checkpoint (4-bit with a zero point per group) decodes on ``linear_q4z`` as the model's forward does."""
     import compressed_tensors  # noqa: F401
 
-    from tests.quant_checkpoints import write_quantized
+    from bench.quant_checkpoints import write_quantized
 
     write_quantized(tiny_llama_dir(), tmp_path / "awq", "awq", group=64)
     model = loaders.load_model(tmp_path / "awq", device_map={"": "cpu"}, show_progress=False, dtype="float32")
@@ -282,8 +282,8 @@ def test_pre_quantized_zero_point_layers_run_their_kernel(native_path, tmp_path)
 def test_pre_quantized_fp8_layers_run_their_kernel(native_path, tmp_path, fmt):
     """FP8 checkpoints (128x128 blocks; per channel) decode on ``linear_fp8`` as the model's forward does, to float32
     summation order: the kernel converts each stored byte exactly."""
+    from bench.quant_checkpoints import write_quantized
     from loaders.native.fp8_linear import Fp8CPULinear
-    from tests.quant_checkpoints import write_quantized
 
     write_quantized(tiny_llama_dir(), tmp_path / fmt, fmt)
     model = loaders.load_model(tmp_path / fmt, device_map={"": "cpu"}, show_progress=False, dtype="float32")
@@ -295,8 +295,8 @@ def test_pre_quantized_mxfp4_layers_run_their_kernel(native_path, tmp_path):
     """MXFP4 checkpoints decode on ``linear_mxfp4`` (reading the stored blocks and scale bytes) as the model's
     forward does, within the int4 kernels' 2%: the kernel rounds activations to int8, so the float32 summation
     order elsewhere (attention, norms) can move an activation across a rounding step."""
+    from bench.quant_checkpoints import write_quantized
     from loaders.native.mxfp4_linear import Mxfp4CPULinear
-    from tests.quant_checkpoints import write_quantized
 
     write_quantized(tiny_llama_dir(), tmp_path / "mxfp4", "mxfp4")
     model = loaders.load_model(tmp_path / "mxfp4", device_map={"": "cpu"}, show_progress=False, dtype="float32")
@@ -308,8 +308,8 @@ def test_pre_quantized_mxfp4_layers_run_their_kernel(native_path, tmp_path):
 def test_pre_quantized_bnb_4bit_layers_run_their_kernel(native_path, tmp_path, double_quant):
     """bitsandbytes nf4 checkpoints decode on ``linear_nf4`` (reading the stored codes) as the model's forward does,
     to float32 summation order: the kernel takes float32 x and the exact table values."""
+    from bench.quant_checkpoints import write_quantized
     from loaders.native.bnb_4bit import Bnb4CPULinear
-    from tests.quant_checkpoints import write_quantized
 
     write_quantized(tiny_llama_dir(), tmp_path / "nf4", "bnb-4bit", quant_type="nf4", double_quant=double_quant)
     model = loaders.load_model(tmp_path / "nf4", device_map={"": "cpu"}, show_progress=False, dtype="float32")

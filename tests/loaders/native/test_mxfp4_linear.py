@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from bench.quant_checkpoints import mxfp4_quantize, mxfp4_reference
 from loaders.native import operators
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
-from tests.quant_checkpoints import mxfp4_quantize, mxfp4_reference
 
 GROUP = operators.GROUP
 

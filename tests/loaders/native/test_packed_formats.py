@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.quant_checkpoints import write_quantized
 from loaders import load_model
 from loaders.native.bnb_4bit import Bnb4CPULinear
 from loaders.native.fp8_linear import Fp8CPULinear
@@ -29,7 +30,6 @@ from planner.model.skeleton import skeleton_from_dir
 from planner.placement.inputs import make_workload
 from planner.placement.sizing import block_bytes
 from tests.models import tiny_llama_dir
-from tests.quant_checkpoints import write_quantized
 
 CASES = {
     "gptq4-sym": ("gptq", dict(bits=4, group=64, sym=True, act_order=False)),

@@ -18,9 +18,9 @@ import text_generation
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.quant_checkpoints import write_quantized
 from loaders import load_model
 from tests.models import tiny_llama_dir
-from tests.quant_checkpoints import write_quantized
 from tests.service.conftest import LiveServer, settings_for
 
 PROMPT = "The old lighthouse keeper"
