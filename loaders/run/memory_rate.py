@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 
-def memory_read(nbytes: int, repeats: int = 7) -> float:
-    """Bytes/s of a streaming read of ``nbytes`` of RAM (torch's sum over all of torch's threads): the median of
-    ``repeats`` after a warm-up. The median, not the best: decode is judged by its typical step, and on a shared
-    machine the best run is the rare moment the neighbours were idle."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()  # warm-up: first touch of the pages
+def typical_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median time of ``fn`` after a warm-up. The median, not the best: decode is judged by its typical step
+    (bench.common.time_generation takes the median gap), and on a shared machine the best run is the rare moment
+    the neighbours were idle."""
+    fn()  # warm-up: first touch, lazy builds
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        x.sum()
+        fn()
         times.append(time.perf_counter() - started)
-    return x.numel() * 4 / statistics.median(times)
+    return statistics.median(times)
+
+
+def memory_read(nbytes: int, repeats: int = 7) -> float:
+    """Bytes/s of a streaming read of ``nbytes`` of RAM (torch's sum over all of torch's threads), timed by
+    :func:`typical_seconds`."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    return x.numel() * 4 / typical_seconds(lambda: x.sum(), repeats)

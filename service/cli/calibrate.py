@@ -36,25 +36,12 @@ from pathlib import Path
 import torch
 
 from loaders.checkpoint.disk_rate import streamed_read_rate
-from loaders.run.memory_rate import memory_read
+from loaders.run.memory_rate import memory_read, typical_seconds
 from planner.hardware.calibration import Calibration, CallFit, CallPoint, KernelRate, fit_calls, machine_id
 
 log = logging.getLogger(__name__)
 
 Say = Callable[[str], None]
-
-
-def _typical_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The median time of ``fn`` after a warm-up. The median, not the best: decode is judged by its typical step
-    (bench.common.time_generation takes the median gap), and on a shared machine the best run is the rare moment
-    the neighbours were idle."""
-    fn()  # warm-up: first touch, lazy builds
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 #: Runs of a measurement whose best is kept, as the decode benches keep the best of their runs (bench.common.best_of
@@ -119,7 +106,7 @@ def link(nbytes: int, repeats: int = 5) -> float | None:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
 
-    return nbytes / _typical_seconds(copy, repeats)
+    return nbytes / typical_seconds(copy, repeats)
 
 
 def _linear_fn(dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
