@@ -22,9 +22,6 @@ from loaders.native import operators
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import QuantFormat
 
-#: The stored layouts this layer takes (:class:`~planner.model.quant_config.QuantFormat` ``layout``).
-FP8_LAYOUTS = ("ct-fp8", "fp8-block")
-
 
 def fp8_scales(m: PackedLinear, fmt: QuantFormat) -> tuple[torch.Tensor, int, int] | None:
     """A stored FP8 layer's scales as float32 ``[ceil(N/bn), ceil(K/bk)]`` with their block ``(bn, bk)``, or None

@@ -23,9 +23,6 @@ from torch import nn
 from loaders.native import operators
 from planner.model.packed_linear import PackedLinear
 
-#: The stored layout this layer takes (:class:`~planner.model.quant_config.QuantFormat` ``layout``).
-MXFP4_LAYOUT = "mxfp4"
-
 
 class Mxfp4CPULinear(nn.Module):
     """A linear layer holding MXFP4 blocks and e8m0 scales as stored (see the module docstring)."""

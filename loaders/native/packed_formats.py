@@ -50,12 +50,12 @@ import torch
 from torch import nn
 
 from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit
-from loaders.native.fp8_linear import FP8_LAYOUTS, Fp8CPULinear
-from loaders.native.mxfp4_linear import MXFP4_LAYOUT, Mxfp4CPULinear
+from loaders.native.fp8_linear import Fp8CPULinear
+from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.operators import GROUP, dequantize_mxfp4
 from loaders.native.quantization import QuantizedCPULinear
 from planner.model.packed_linear import PackedLinear
-from planner.model.quant_config import BNB_4BIT_LAYOUTS, QuantFormat
+from planner.model.quant_config import BNB_4BIT_LAYOUTS, FP8_LAYOUTS, MXFP4_LAYOUT, QuantFormat
 
 log = logging.getLogger(__name__)
 

@@ -60,6 +60,9 @@ NOT_YET = ("hqq", "eetq", "quanto", "aqlm", "exl2", "torchao", "fbgemm_fp8", "bi
 NATIVE_GROUP = 64
 #: Inputs per MXFP4 block (one e8m0 scale byte and 16 bytes of e2m1 codes).
 MXFP4_BLOCK = 32
+#: The stored layouts of FP8 weights (compressed-tensors' float-quantized and block-wise ``fp8``) and of MXFP4.
+FP8_LAYOUTS = ("ct-fp8", "fp8-block")
+MXFP4_LAYOUT = "mxfp4"
 #: The layouts of bitsandbytes 4-bit checkpoints, by ``bnb_4bit_quant_type``.
 BNB_4BIT_LAYOUTS = {"nf4": "bnb-nf4", "fp4": "bnb-fp4"}
 #: The block sizes bitsandbytes' ``quantize_4bit`` takes (its ``dequantize_4bit`` refuses any other).
@@ -96,9 +99,9 @@ class QuantFormat:
     def cpu_kernel(self) -> str:
         """The native kernel that runs this format's layers on the CPU and from disk (as
         :func:`loaders.native.packed_formats.repack` chooses it), or what they become where none does."""
-        if self.layout in ("ct-fp8", "fp8-block"):
+        if self.layout in FP8_LAYOUTS:
             return "linear_fp8 (e4m3 bytes as stored)"
-        if self.layout == "mxfp4":
+        if self.layout == MXFP4_LAYOUT:
             return "linear_mxfp4 (e2m1 blocks as stored)"
         if self.layout in BNB_4BIT_LAYOUTS.values():
             return "linear_nf4 (4-bit codes as stored, a 16-float table)"
@@ -113,11 +116,11 @@ class QuantFormat:
         group = {-1: "per channel", 0: "per tensor"}.get(self.group_size, f"group {self.group_size}")
         if self.block:
             group = f"blocks {self.block[0]}x{self.block[1]}"
-        if self.layout == "mxfp4":
+        if self.layout == MXFP4_LAYOUT:
             return f"{self.method} e2m1 blocks of {MXFP4_BLOCK}"
         if self.layout in BNB_4BIT_LAYOUTS.values():
             return f"{self.method} {self.layout.removeprefix('bnb-')}{' double-quant' if self.double_quant else ''}"
-        kind = "fp8" if self.layout in ("ct-fp8", "fp8-block") else f"int{self.bits}"
+        kind = "fp8" if self.layout in FP8_LAYOUTS else f"int{self.bits}"
         return f"{self.method} {kind} {group}{'' if self.sym else ' asymmetric'}{' act-order' if self.desc_act else ''}"
 
 
