@@ -67,25 +67,23 @@ def read_quant_state(blob: torch.Tensor, where: str) -> Bnb4State:
 def dequantize_blocks(codes: torch.Tensor, table: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
     """``table[codes]`` times each block's ``absmax`` (float32, flat): blocks of ``blocksize`` codes, the last one
     possibly short."""
-    n = codes.numel()
-    values = table.to(torch.float32)[codes.reshape(-1).to(torch.int64)]
-    blocks = absmax.numel()
-    padded = torch.nn.functional.pad(values, (0, blocks * blocksize - n)) if blocks * blocksize != n else values
-    return (padded.view(blocks, blocksize) * absmax.to(torch.float32).view(-1, 1)).reshape(-1)[:n]
+    return _scaled_blocks(table.to(torch.float32)[codes.reshape(-1).to(torch.int64)], absmax, blocksize)
 
 
 def dequantize_nibbles(
     packed: torch.Tensor, quant_map: torch.Tensor, absmax: torch.Tensor, blocksize: int, n: int
 ) -> torch.Tensor:
-    """The first ``n`` values of 4-bit codes packed two a byte (high nibble first), float32 and flat. One lookup a
-    byte in a 256-entry table of value pairs, so the index costs half what one a code would."""
-    table = quant_map.to(torch.float32)
-    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], 1)  # byte b -> (table[b >> 4], table[b & 15])
-    values = pairs.index_select(0, packed.reshape(-1).view(torch.uint8).to(torch.int32)).reshape(-1)[:n]
-    blocks = absmax.numel()
-    if blocks * blocksize != n:
-        values = torch.nn.functional.pad(values, (0, blocks * blocksize - n))
-    return (values.view(blocks, blocksize) * absmax.view(-1, 1)).reshape(-1)[:n]
+    """The first ``n`` values of 4-bit codes packed two a byte (high nibble first), float32 and flat
+    (:func:`loaders.native.operators.nibble_values`, then each block's absmax)."""
+    return _scaled_blocks(operators.nibble_values(packed, quant_map)[:n], absmax, blocksize)
+
+
+def _scaled_blocks(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """Flat float32 ``values`` times each block's ``absmax``, one float32 product: blocks of ``blocksize``, the last
+    one possibly short."""
+    n, blocks = values.numel(), absmax.numel()
+    padded = torch.nn.functional.pad(values, (0, blocks * blocksize - n)) if blocks * blocksize != n else values
+    return (padded.view(blocks, blocksize) * absmax.to(torch.float32).view(-1, 1)).reshape(-1)[:n]
 
 
 def _absmax(m: PackedLinear, state: Bnb4State, blocks: int, where: str) -> torch.Tensor:

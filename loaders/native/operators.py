@@ -490,10 +490,16 @@ def dequantize_nf4(
     one float32 product, as the kernel and bitsandbytes compute it."""
     n0, n1 = rows or (0, codes.shape[0])
     r, k, blocks = n1 - n0, codes.shape[1] * 2, absmax.shape[1]
+    w = nibble_values(codes[n0:n1], table).view(r, blocks, k // blocks)
+    return (w * absmax[n0:n1, :, None]).view(r, k).to(dtype)
+
+
+def nibble_values(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 4-bit codes packed two a byte (the high nibble first), flat: one lookup a byte in a
+    256-entry table of value pairs, so the index costs half what one a code would."""
     t = table.to(torch.float32)
     pairs = torch.stack([t.repeat_interleave(16), t.repeat(16)], 1)  # byte b -> (table[b >> 4], table[b & 15])
-    w = pairs.index_select(0, codes[n0:n1].reshape(-1).to(torch.int32)).view(r, blocks, k // blocks)
-    return (w * absmax[n0:n1, :, None]).view(r, k).to(dtype)
+    return pairs.index_select(0, codes.reshape(-1).view(torch.uint8).to(torch.int32)).reshape(-1)
 
 
 def linear_nf4_torch(x, codes, absmax, table, bias) -> torch.Tensor:
