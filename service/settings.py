@@ -12,14 +12,27 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from planner.errors import PlanError
 from planner.placement.inputs import PlanInputs
 from planner.placement.quantization_choice import NATIVE_ON_CPU
+from planner.placement.sizing import normalize_quantization
 from planner.types import PREFILL_CHUNK
 
 CommaList = Annotated[list[str], NoDecode]
 
 #: Seconds between the end of the grace period (open requests get their error) and uvicorn's hard stop.
 GRACE_MARGIN_S = 2.0
+
+
+def _bitsandbytes_on_cpu(quantization: str | None) -> bool:
+    """Whether ``--quantization`` stays bitsandbytes where no GPU computes (its int8 and that name's aliases are the
+    CPU's native int8: :mod:`planner.placement.quantization_choice`). An unknown name is left for
+    :meth:`ServiceSettings.check_plan_flags` to refuse with its message."""
+    try:
+        quant = normalize_quantization(quantization)
+    except PlanError:
+        return False
+    return quant is not None and quant not in NATIVE_ON_CPU
 
 
 class ServiceSettings(BaseSettings):
@@ -213,8 +226,7 @@ class ServiceSettings(BaseSettings):
             self._check_draft_model(self.draft_model)
         if self.speculate in ("int4", "int8"):
             # the copy drafts on the CPU's native kernels: a target on GPUs decodes faster than it drafts
-            # (--quantization int8 with no GPU is the CPU's native int8: planner.placement.quantization_choice)
-            bnb = self.quantization and self.quantization.strip().lower() not in NATIVE_ON_CPU
+            bnb = _bitsandbytes_on_cpu(self.quantization)
             gpu_flag = "--gpus" if self.gpus else "--quantization" if bnb else None
             if gpu_flag:
                 raise ValueError(
