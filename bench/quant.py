@@ -8,8 +8,9 @@ kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU run
 - ``int8`` / ``int4``: the same, plus ``cpu_quantization=...`` with ``cpu_quantized_dir`` (the first round
   quantizes and saves; later rounds map the saved file, so their ready time is what a user sees the second time);
 - ``fp8`` (only when named in ``--schemes``): the model written once as a block-wise FP8 checkpoint (DeepSeek-V3 and
-  Qwen3-FP8's layout: e4m3 weights, a float32 ``weight_scale_inv`` per 128x128 block, the rest bf16; round to
-  nearest, :func:`write_fp8`), loaded with ``dtype="bfloat16"``: its linear layers run the native FP8 kernel.
+  Qwen3-FP8's layout: e4m3 weights, a float32 ``weight_scale_inv`` per 128x128 block; round to nearest, by
+  :mod:`bench.quant_checkpoints` as the other formats below), loaded with ``dtype="bfloat16"``: its linear layers
+  run the native FP8 kernel.
 - ``gptq4``, ``awq4``, ``ct-int4``, ``ct-int8``, ``mxfp4``, ``bnb-nf4`` (when named): the model written once in that format
   (:data:`PREQUANTIZED`), loaded with ``dtype="bfloat16"``: the layers run the kernel the plan names for them;
 - ``quantization=int8`` (when named): ``load_model(..., quantization="int8")``, which on a machine without a GPU
@@ -53,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.common import emit, llama_dir, machine, print_table, run_isolated, time_engine_generation, write_json
 
 SCHEMES = ("bf16", "int8", "int4")
-FP8 = "fp8"  # a pre-quantized checkpoint written from the model (write_fp8), not a cpu_quantization scheme
+FP8 = "fp8"  # a pre-quantized checkpoint written from the model (PREQUANTIZED), not a cpu_quantization scheme
 #: Pre-quantized checkpoints written from the model by ``bench.quant_checkpoints.write_quantized`` (each format's
 #: published packing, round to nearest), as users download them: 4-bit in groups of 128, the head left unquantized.
 PREQUANTIZED = {
@@ -62,6 +63,7 @@ PREQUANTIZED = {
     "ct-int4": ("ct-pack", dict(bits=4, group=128)),
     "ct-int8": ("ct-int", dict(bits=8)),
     "mxfp4": ("mxfp4", {}),
+    FP8: ("fp8", {}),
     "bnb-nf4": ("bnb-4bit", dict(quant_type="nf4", double_quant=True)),
 }
 #: ``load_model(..., quantization="int8")`` on this CPU-only machine: the native int8 kernels (not bitsandbytes).
@@ -90,58 +92,12 @@ def _weight_bytes_per_token(model) -> int:
     return total
 
 
-def write_fp8(source: Path, dest: Path, block: int = 128) -> Path:
-    """``source`` written to ``dest`` as an ``fp8`` block-wise checkpoint (see the module docstring); kept if there."""
-    import shutil
-
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    if (dest / "config.json").is_file():
-        return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for f in sorted(source.glob("*.safetensors")):
-        with safe_open(f, "pt") as fh:
-            for key in fh.keys():
-                t = fh.get_tensor(key)
-                mod, _, leaf = key.rpartition(".")
-                if leaf != "weight" or mod.rpartition(".")[2] not in LINEARS:
-                    out[key] = t.to(torch.bfloat16) if t.is_floating_point() else t
-                    continue
-                n, k = t.shape
-                gn, gk = -(-n // block), -(-k // block)
-                w = torch.nn.functional.pad(t.float(), (0, gk * block - k, 0, gn * block - n))
-                blocks = w.view(gn, block, gk, block)
-                s = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [gn, gk]
-                q = (blocks / s[:, None, :, None]).view(gn * block, gk * block)[:n, :k]
-                out[key] = q.to(torch.float8_e4m3fn).contiguous()
-                out[f"{mod}.weight_scale_inv"] = s.contiguous()
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block, block],
-    }
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    for f in source.iterdir():
-        if f.suffix not in (".safetensors",) and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dest / f.name)
-    return dest
-
-
 def _write_checkpoints(source: Path, folder: Path, contenders: list[str]) -> dict[str, str]:
     """The pre-quantized checkpoints the contenders load, written once from ``source`` into ``folder``: scheme ->
     directory."""
     from bench.quant_checkpoints import write_quantized
 
     written = {}
-    if FP8 in contenders:
-        written[FP8] = str(write_fp8(source, folder / f"{source.name}-{FP8}"))
     for scheme in contenders:
         if scheme in PREQUANTIZED:
             fmt, options = PREQUANTIZED[scheme]
@@ -319,7 +275,7 @@ def main(argv=None) -> int:
         return 0
     path = args.model or llama_dir("1b", "bfloat16")
     schemes = args.schemes.split(",")
-    known = (*SCHEMES, FP8, ASKED_INT8, *PREQUANTIZED)
+    known = (*SCHEMES, ASKED_INT8, *PREQUANTIZED)
     bad = [s for s in schemes if s not in known]
     if bad:
         raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(known)}")
