@@ -24,7 +24,9 @@
  * rows of x are taken MAXM at a time, each with its own accumulators, in the same order for any M.
  *  - AVX-512: 64 weights per step: two 32-byte loads widened to 16-bit, two shift+and, four cvtph2ps, four
  *    accumulators per row of x.
- *  - AVX2 (+F16C): 32 weights per step, the same operations on 16-weight halves, four accumulators per row.
+ *  - AVX2: 32 weights per step from one 32-byte load, converted by integer shifts straight to float32 bits (see
+ *    fp8_dwords: Zen 3 spends two cycles per 8 weights in cvtph2ps, which held this path to 0.7x our int8), x laid
+ *    out to match once per call, four accumulators per row. F16C remains for lm_dequantize_fp8.
  * As in linear_q8.c, each thread reads its weight rows one after another, front to back.
  *
  * lm_dequantize_fp8 converts rows of the same weight to float32 or bfloat16 for torch's GEMM, which runs prompts
@@ -77,6 +79,15 @@ static LM_ALWAYS_INLINE void span_dot(const float *xf, long ldx, const uint8_t *
         }
     }
     for (int m = 0; m < NM; m++) sum[m] = _mm512_add_ps(_mm512_add_ps(a0[m], a1[m]), _mm512_add_ps(a2[m], a3[m]));
+}
+
+#define SPAN_UNSHIFT 256.0f /* the 2^8 fp8x32 left out (exact) */
+#define Y_UNSHIFT 1.0f
+
+/* Row m of x as float32, zero from K to ldxf. */
+static void lay_out_x(const void *x, long ldx, int x_bf16, int m, int K, float *dst, long ldxf) {
+    for (int k = 0; k < K; k++) dst[k] = lm_act(x, x_bf16, (long)m * ldx + k);
+    for (long k = K; k < ldxf; k++) dst[k] = 0.0f;
 }
 
 typedef __m512 vec_t;
@@ -234,8 +245,39 @@ static int table_path(void) {
 #else /* AVX2 + FMA + F16C */
 #define MAXM 2
 #define STEP 32
+#define SPAN_UNSHIFT 1.0f   /* each span's sum is multiplied by its scale alone */
+#define Y_UNSHIFT 0x1p56f   /* the products' 2^-56: 2^-120 from the weights times x's 2^64 (fp8_dwords) */
 
-/* 16 e4m3fn bytes as two vectors of 8 float32 values, each 2^-8 times the weight. */
+/* 32 e4m3fn bytes (one load, as 8 dwords of 4 bytes) as four vectors of 8 float32 values, each 2^-120 times the
+ * weight: byte j of every dword moved to the top byte (a left shift, none for j = 3), then an arithmetic shift right
+ * by 4 leaves the sign at bit 31 (copies in 27-30, which the mask clears) and the byte's exponent and mantissa at
+ * bits 20-26, float32's low 4 exponent bits and top 3 mantissa bits. For exponent e >= 1 that float is
+ * 2^(e-127) (1 + m/8), the weight's 2^(e-7) (1 + m/8) times 2^-120; for e = 0 it is the denormal 2^-126 m/8, the
+ * subnormal weight 2^-6 m/8 times 2^-120 again. So 7 shifts and 4 ands per 32 weights, where cvtph2ps costs Zen 3
+ * two cycles per 8. Vector j holds weights 4i + j (i = 0..7) of the 32, so x is laid out in that order once per
+ * call (lay_out_x), and held times 2^64 so that the products are 2^-56 times their value, far from float32's
+ * denormals; row_out multiplies the 2^56 back. */
+static LM_ALWAYS_INLINE void fp8_dwords(__m256i v, __m256 *f0, __m256 *f1, __m256 *f2, __m256 *f3) {
+    const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
+    *f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 4), mask));
+    *f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 4), mask));
+    *f2 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 4), mask));
+    *f3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), mask));
+}
+
+/* Row m of x as float32 times 2^64, each chunk of 32 inputs in fp8_dwords' order (dst[c + 8j + i] = x[c + 4i + j]),
+ * zero from K to ldxf. */
+static void lay_out_x(const void *x, long ldx, int x_bf16, int m, int K, float *dst, long ldxf) {
+    const float up = 0x1p64f;
+    for (long c = 0; c < ldxf; c += STEP)
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 8; i++) {
+                const long k = c + 4 * i + j;
+                dst[c + 8 * j + i] = k < K ? lm_act(x, x_bf16, (long)m * ldx + k) * up : 0.0f;
+            }
+}
+
+/* 16 e4m3fn bytes as two vectors of 8 float32 values, each 2^-8 times the weight, in order (dequantize_row). */
 static LM_ALWAYS_INLINE void fp8x16(__m128i b, __m256 *lo, __m256 *hi) {
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBF80));
     *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
@@ -245,8 +287,7 @@ static LM_ALWAYS_INLINE void fp8x16(__m128i b, __m256 *lo, __m256 *hi) {
 static LM_ALWAYS_INLINE void step32(const uint8_t *wk, const float *xf, long ldx, int k, __m256 *a0, __m256 *a1,
                                     __m256 *a2, __m256 *a3, const int NM) {
     __m256 f0, f1, f2, f3;
-    fp8x16(_mm_loadu_si128((const __m128i *)wk), &f0, &f1);
-    fp8x16(_mm_loadu_si128((const __m128i *)(wk + 16)), &f2, &f3);
+    fp8_dwords(_mm256_loadu_si256((const __m256i *)wk), &f0, &f1, &f2, &f3);
     for (int m = 0; m < NM; m++) {
         const float *xr = xf + m * ldx + k;
         a0[m] = _mm256_fmadd_ps(f0, _mm256_load_ps(xr), a0[m]);
@@ -287,10 +328,10 @@ static LM_ALWAYS_INLINE void row_out(const float *xf, long ldxf, const uint8_t *
     for (int k0 = 0, s = 0; k0 < K; k0 += bk, s++) {
         const int k1 = K - k0 < bk ? K : k0 + bk;
         span_dot(xf + (long)m0 * ldxf, ldxf, wr, k0, k1, sum, NM);
-        const float scale = sr[s] * 256.0f; /* the 2^8 the conversion left out (exact) */
+        const float scale = sr[s] * SPAN_UNSHIFT;
         for (int m = 0; m < NM; m++) tot[m] = VFMA(sum[m], scale, tot[m]);
     }
-    for (int m = 0; m < NM; m++) lm_store(y, y_bf16, (long)(m0 + m) * ldy + n, VSUM(tot[m]) + bias);
+    for (int m = 0; m < NM; m++) lm_store(y, y_bf16, (long)(m0 + m) * ldy + n, VSUM(tot[m]) * Y_UNSHIFT + bias);
 }
 
 /* Returns 0 on success. x: [M, K] (row stride ldx; bfloat16 if x_bf16, else float32); w: [N, ldw] e4m3fn bytes
@@ -309,11 +350,7 @@ int lm_linear_fp8(const void *x, long ldx, int x_bf16, const uint8_t *w, long ld
     const long ldxf = ((long)K + 63) / 64 * 64; /* whole vectors of every width, zero past K */
     float *xf = aligned_alloc(64, sizeof(float) * (size_t)M * (size_t)ldxf);
     if (!xf) return 3;
-    for (int m = 0; m < M; m++) {
-        float *dst = xf + (long)m * ldxf;
-        for (int k = 0; k < K; k++) dst[k] = lm_act(x, x_bf16, (long)m * ldx + k);
-        for (long k = K; k < ldxf; k++) dst[k] = 0.0f;
-    }
+    for (int m = 0; m < M; m++) lay_out_x(x, ldx, x_bf16, m, K, xf + (long)m * ldxf, ldxf);
     const int ntiles = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < ntiles; t++) {
