@@ -176,6 +176,8 @@ def worker(spec: dict) -> dict:
     path = spec["written"].get(scheme, spec["path"])
     if scheme in SCHEMES[1:]:
         kw = {"cpu_quantization": scheme, "cpu_quantized_dir": spec["saved"]}
+    elif scheme in PREQUANTIZED:  # repacked once, then mapped from the saved copy (as a server restarting does)
+        kw = {"cpu_quantized_dir": str(Path(spec["saved"]) / scheme)}
     else:
         kw = {"quantization": "int8"} if scheme == ASKED_INT8 else {}
     model = loaders.load_model(path, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
@@ -185,7 +187,7 @@ def worker(spec: dict) -> dict:
     from loaders.native import kernel_build
 
     per_token = _weight_bytes_per_token(model)
-    q = model.load_stats.cpu_quantization
+    q = model.load_stats.cpu_quantization or getattr(model, "_loadmaster_packed_stats", None)
     return {
         "scheme": scheme,
         "ready_s": ready,

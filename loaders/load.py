@@ -300,7 +300,11 @@ def load_checkpoint(
         described = view.described if view is not None else _describe(opened, asked.dtype)
         run = _run_dtype(described.skeleton, device_map, asked)
         check_cpu_quantization(
-            asked.cpu_quantization, asked.quantization, options.cpu_quantized_dir, getattr(torch, run)
+            asked.cpu_quantization,
+            asked.quantization,
+            options.cpu_quantized_dir,
+            getattr(torch, run),
+            prequantized=described.skeleton.stored_format is not None,
         )
         if stage is not None:
             resolved = ResolvedMap(stage.device_map(), stage.stage.plan, stage.cpu_compute())
@@ -542,7 +546,9 @@ def load_model(
     (:mod:`loaders.native.kernel_build`), ``"native"`` insists on them, ``"torch"`` never uses them.
     ``cpu_quantization``: ``"int8"`` or ``"int4"`` quantizes the linear layers that compute on the CPU (resident or
     streamed from disk) at load, weight-only (:mod:`loaders.native.quantization`); with ``cpu_quantized_dir`` the quantized
-    weights are saved there as safetensors and memory-mapped by the next load. GPU layers use ``quantization``.
+    weights are saved there as safetensors and memory-mapped by the next load; a GPTQ, AWQ or compressed-tensors
+    checkpoint's layers repacked into the int4/int8 layouts are saved and mapped there too
+    (:mod:`loaders.native.repack_cache`). GPU layers use ``quantization``.
     ``cpu_residency``: ``"lock"`` (the default) locks the pages of the weights placed on the CPU, so memory pressure
     cannot swap them out (:mod:`loaders.checkpoint.residency`); ``"map"`` leaves them unlocked (they are private
     copies either way; the name is kept for compatibility).

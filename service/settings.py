@@ -123,7 +123,9 @@ class ServiceSettings(BaseSettings):
         None, description="Weight-only int8/int4 for CPU and disk layers, quantized at load (GPU: quantization)."
     )
     cpu_quantized_dir: str | None = Field(
-        None, description="Where --cpu-quantization saves its weights (safetensors) for the next load to map."
+        None,
+        description="Where --cpu-quantization saves its weights (safetensors) for the next load to map, and a "
+        "GPTQ/AWQ/compressed-tensors checkpoint its repacked layers.",
     )
 
     # A pipeline: one stage per torchrun rank (service/pipeline/launch.py).

@@ -181,6 +181,16 @@ class ShardReader:
                 base = self._addrs[path] = ctypes.addressof(ctypes.c_char.from_buffer(mm))
             return base
 
+    def range_of(self, t: torch.Tensor) -> tuple[str, int, int] | None:
+        """``(path, start, end)``: the bytes of one of these maps that contiguous ``t`` views; None if it views none
+        (a copy in the process's own memory)."""
+        addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        for path, mm in list(self._maps.items()):
+            base = self._base(path, mm)
+            if base <= addr and addr + nbytes <= base + len(mm):
+                return path, addr - base, addr - base + nbytes
+        return None
+
     def is_cached(self, path: str, start: int, end: int, samples: int = 8) -> bool:
         """Whether ``samples`` evenly spaced pages of ``[start, end)`` of a mapped shard are in the page cache.
 

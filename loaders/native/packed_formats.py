@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,8 @@ from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.operators import GROUP, dequantize_mxfp4
 from loaders.native.quantization import QuantizedCPULinear
+from loaders.native.repack_cache import RepackCache, layer_tensors
+from planner.hardware.units import format_bytes
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import BNB_4BIT_LAYOUTS, FP8_LAYOUTS, MXFP4_LAYOUT, QuantFormat
 
@@ -71,6 +74,12 @@ class PackedStats:
     clamped_codes: int = 0
     inexact_scales: int = 0
     seconds: float = 0.0
+    #: The file the repacked layers were read from or saved to (:mod:`loaders.native.repack_cache`), if any.
+    file: str | None = None
+    from_file: bool = False
+    #: The layers the plan put on disk that were repacked, and the file ranges they now read, by tensor name.
+    disk_layers: set[str] = field(default_factory=set)
+    file_ranges: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -278,24 +287,95 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def repack_packed_linears(model: nn.Module, dtype: torch.dtype, native: bool = True) -> PackedStats | None:
+def _kn(m: PackedLinear) -> tuple[int, int]:
+    return m.in_features, m.out_features
+
+
+def _map_saved(
+    model: nn.Module, cache: RepackCache, layers: list[str], fresh: dict[str, QuantizedCPULinear], stats: PackedStats
+) -> None:
+    """Save the layers repacked by this load (``fresh``) with any already saved, then put every one of them on the
+    file's map, so that what the process holds is the map, as on every later load."""
+    for name, mod in model.named_modules():
+        if name in layers and name not in fresh and isinstance(mod, QuantizedCPULinear):
+            fresh[name] = mod  # read from a file that lacked others: the new file holds them all
+    entries = cache.save(layers, fresh)
+    for name, lin in fresh.items():
+        mapped = cache.layer(name, entries.get(name, {}), lin.bias, lin.in_features, lin.out_features)
+        if mapped is not None:
+            _set_module(model, name, mapped)
+    stats.file = str(cache.path_and_key(layers)[0])
+
+
+def _note_disk_layers(
+    model: nn.Module, stats: PackedStats, disk_tensors: Collection[str], cache: RepackCache | None
+) -> None:
+    """Record the file ranges the disk layers now read (for the readahead), or say what a disk layer repacked
+    into memory costs when there is no folder to keep it on disk."""
+    disk_layers = {t.rpartition(".")[0] for t in disk_tensors}
+    held = 0
+    for name, mod in model.named_modules():
+        if name not in disk_layers or not isinstance(mod, QuantizedCPULinear):
+            continue
+        stats.disk_layers.add(name)
+        for suffix, t in layer_tensors(mod).items():
+            where = cache.reader.range_of(t) if cache is not None else None
+            if where is None:
+                held += t.numel() * t.element_size()
+            else:
+                stats.file_ranges[f"{name}.{suffix}"] = where
+    if held:
+        log.warning(
+            "%s of layers planned on disk were repacked into memory: give cpu_quantized_dir "
+            "(--cpu-quantized-dir) to save them once and read them from that file instead",
+            format_bytes(held),
+        )
+
+
+def repack_packed_linears(
+    model: nn.Module,
+    dtype: torch.dtype,
+    native: bool = True,
+    cache: RepackCache | None = None,
+    disk_tensors: Collection[str] = (),
+) -> PackedStats | None:
     """Replace every stored layer of a loaded ``model`` with its runnable form (see the module docstring); None
     when the model has none. Layers dequantized for want of a native layout are said in the log. ``native``:
-    False where GPUs compute (every layer is then dequantized on its device)."""
+    False where GPUs compute (every layer is then dequantized on its device). ``cache``: where the int4/int8
+    repacked layers are saved once and mapped from (:mod:`loaders.native.repack_cache`); ``disk_tensors``: the
+    names of the tensors the plan put on disk, whose layers, repacked without a cache, are held in memory (the log
+    says how much)."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
     if not layers:
         return None
     t0 = time.perf_counter()
     stats = PackedStats()
+    on_cpu = {name: native and next(m.buffers()).device.type == "cpu" for name, m in layers}
+    cacheable = [name for name, m in layers if on_cpu[name] and m.fmt.layout in _GRIDS]
+    saved = cache.entries(cacheable) if cache is not None and cacheable else None
+    stats.from_file = saved is not None
+    stats.file = str(cache.path_and_key(cacheable)[0]) if saved is not None else None
+    fresh: dict[str, QuantizedCPULinear] = {}
     for name, m in layers:
-        on_cpu = next(m.buffers()).device.type == "cpu"
-        new, kind = repack(m, dtype, stats, native and on_cpu, name)
+        new = None
+        if saved is not None and name in saved:
+            new = cache.layer(name, saved[name], m.bias.detach() if m.bias is not None else None, *_kn(m))
+        if new is not None:
+            kind = new.scheme
+        else:
+            new, kind = repack(m, dtype, stats, on_cpu[name], name)
+            if isinstance(new, QuantizedCPULinear):
+                fresh[name] = new
         _set_module(model, name, new)
         stats.layers += 1
         stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+    if cache is not None and fresh:
+        _map_saved(model, cache, cacheable, fresh, stats)
+    _note_disk_layers(model, stats, disk_tensors, cache)
     stats.seconds = time.perf_counter() - t0
     fmt = layers[0][1].fmt
-    log.info("%d %s layers repacked in %.2fs: %s", stats.layers, fmt.describe, stats.seconds, stats.kinds)
+    source = f" (read from {stats.file})" if stats.from_file else f" (saved to {stats.file})" if stats.file else ""
+    log.info("%d %s layers repacked in %.2fs: %s%s", stats.layers, fmt.describe, stats.seconds, stats.kinds, source)
     for kind, count in stats.kinds.items():
         if kind.startswith(tuple(BNB_4BIT_LAYOUTS)) and "->" in kind:
             log.warning(

@@ -62,16 +62,21 @@ class QuantizationStats:
 
 
 def check_cpu_quantization(
-    scheme: str | None, gpu_quantization: str | None, save_dir, dtype: torch.dtype | None = None
+    scheme: str | None,
+    gpu_quantization: str | None,
+    save_dir,
+    dtype: torch.dtype | None = None,
+    prequantized: bool = False,
 ) -> None:
-    """Refuse combinations that would be ignored or ambiguous, before any weight is loaded."""
+    """Refuse combinations that would be ignored or ambiguous, before any weight is loaded. ``prequantized``: the
+    checkpoint stores quantized layers, whose repacked copies ``save_dir`` keeps (:mod:`loaders.native.repack_cache`)."""
     from planner.errors import PlanError
 
     if scheme is None:
-        if save_dir is not None:
+        if save_dir is not None and not prequantized:
             raise PlanError(
-                "cpu_quantized_dir was given without cpu_quantization: name the scheme to save "
-                f"({' or '.join(CPU_QUANTIZATION_CHOICES)}), or drop the folder."
+                "cpu_quantized_dir was given without cpu_quantization, and the checkpoint is not pre-quantized: "
+                f"name the scheme to save ({' or '.join(CPU_QUANTIZATION_CHOICES)}), or drop the folder."
             )
         return
     if scheme not in CPU_QUANTIZATION_CHOICES:
@@ -320,7 +325,7 @@ def cache_key(checkpoint_files: list[tuple[str, int, int]], scheme: str, names: 
     return hashlib.sha256(doc.encode()).hexdigest()[:20]
 
 
-def _file_metadata(key: str, scheme: str) -> dict[str, str]:
+def file_metadata(key: str, scheme: str) -> dict[str, str]:
     return {"loadmaster_cpu_quantization": scheme, "loadmaster_key": key, "format_version": FORMAT_VERSION}
 
 
@@ -339,7 +344,7 @@ def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Li
     except HeaderError as exc:
         log.warning("ignoring the quantized file %s (%s); quantizing again", path, exc)
         return None
-    if header.metadata != _file_metadata(key, scheme):
+    if header.metadata != file_metadata(key, scheme):
         log.warning("ignoring the quantized file %s: it was made for another checkpoint, scheme or format", path)
         return None
     reader = ShardReader()
@@ -358,14 +363,14 @@ def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Li
     return tensors
 
 
-def _write_saved(path: Path, key: str, scheme: str, tensors: dict[str, torch.Tensor]) -> None:
+def write_saved(path: Path, key: str, scheme: str, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=_file_metadata(key, scheme))
+        save_file(tensors, tmp, metadata=file_metadata(key, scheme))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -409,7 +414,7 @@ def quantize_cpu_linears(
         stats.layers += 1
         stats.schemes[sch] = stats.schemes.get(sch, 0) + 1
     if saved_path is not None and saved is None and to_save:
-        _write_saved(saved_path, key, scheme, to_save)
+        write_saved(saved_path, key, scheme, to_save)
     stats.seconds = time.perf_counter() - t0
     log.info(
         "%d CPU linear layers as %s (%s): %.2f GiB -> %.2f GiB in %.1fs%s",

@@ -26,7 +26,8 @@ from loaders.checkpoint.placement import PlacedModel
 from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
 from loaders.native.linear import use_native_linears
-from loaders.native.packed_formats import repack_packed_linears
+from loaders.native.packed_formats import PackedStats, repack_packed_linears
+from loaders.native.repack_cache import RepackCache
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
 from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.run.readahead import DiskReadahead, merge_ranges
@@ -64,9 +65,18 @@ def apply_execution(
     model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
     for mm in list(placed.reader.maps.values()):  # read in place: a truncated shard then fails a step, not the process
         map_guard.guard(mm)
-    packed = repack_packed_linears(model, _compute_dtype(model), native=placed.execution_device.type == "cpu")
+    cache = RepackCache(cpu_quantized_dir, list(checkpoint_files), placed.reader) if cpu_quantized_dir else None
+    packed = repack_packed_linears(
+        model,
+        _compute_dtype(model),
+        native=placed.execution_device.type == "cpu",
+        cache=cache,
+        disk_tensors=placed.disk_ranges,
+    )
+    disk_ranges = dict(placed.disk_ranges)
     if packed is not None:
         model._loadmaster_packed_stats = packed
+        disk_ranges = _repacked_disk_ranges(disk_ranges, packed)
     if placed.execution_device.type != "cpu":
         if cpu_quantization:
             raise PlanError(
@@ -86,7 +96,7 @@ def apply_execution(
         return Execution(native_cpu_modules(model))
     by_entry: dict[str, list] = OrderedDict()
     lookups = {id(m) for m in host_lookup_modules(model, device_map)}
-    for name, rng in placed.disk_ranges.items():
+    for name, rng in disk_ranges.items():
         entry = entry_of(name, device_map)
         if id(module_for_entry(model, entry)) in lookups:
             continue  # an embedding on disk: a lookup faults in the rows it reads, no more; never read ahead whole
@@ -104,6 +114,16 @@ def apply_execution(
     native = use_native_linears(model, cpu_kernels)
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
+
+
+def _repacked_disk_ranges(
+    disk_ranges: dict[str, tuple[str, int, int]], packed: PackedStats
+) -> dict[str, tuple[str, int, int]]:
+    """The disk tensors' ranges once layers are repacked: a repacked disk layer no longer reads its stored tensors,
+    only its saved copy's ranges where it reads one (none where it was repacked into memory)."""
+    kept = {n: r for n, r in disk_ranges.items() if n.rpartition(".")[0] not in packed.disk_layers}
+    kept.update(packed.file_ranges)
+    return kept
 
 
 def _disk_outgrows_cache(blocks: list[tuple[str, list[tuple[str, int, int]]]]) -> bool:

@@ -74,8 +74,8 @@ SERVE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     (
         "--cpu-quantized-dir",
         str,
-        "folder to save --cpu-quantization's weights in as safetensors, so the next load "
-        "maps them instead of quantizing again",
+        "folder to save --cpu-quantization's weights in as safetensors (and a GPTQ/AWQ/compressed-tensors "
+        "checkpoint's repacked layers), so the next load maps them instead of quantizing again",
     ),
 )
 

@@ -354,3 +354,71 @@ def test_bnb_4bit_layer_without_its_quant_state_is_refused(written, tmp_path):
     key = "model.layers.0.self_attn.o_proj.weight.quant_state.bitsandbytes__nf4"
     with pytest.raises(PlanError, match=rf"{key} is missing"):
         skeleton_from_dir(_rewritten(written, "bnb-nf4-dq", tmp_path, lambda state: state.pop(key)))
+
+
+DISK_MAP = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+DISK_MAP.update({"model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"})
+
+
+@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4", "ct-naive8"])
+def test_repacked_layers_are_saved_once_and_mapped_from_the_file(written, name, tmp_path):
+    d, _ = written[name]
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(2))
+    logits, files = [], []
+    for _ in range(2):
+        model = load_model(d, device_map=DISK_MAP, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path)
+        stats = model._loadmaster_packed_stats
+        files.append((stats.file, stats.from_file))
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+        saved = str((tmp_path / stats.file.rpartition("/")[2]).resolve())
+        for layer in (model.model.layers[0].mlp.down_proj, model.model.layers[1].self_attn.q_proj):
+            assert isinstance(layer, QuantizedCPULinear)
+            assert _mapped_file(layer.qweight.data_ptr()) == saved  # resident and disk layers alike: the file's map
+            assert _mapped_file(layer.scales.data_ptr()) == saved
+        # the disk layers' readahead reads the saved file's ranges, not the stored tensors it no longer reads
+        assert any(k.startswith("model.layers.1.") for k in stats.file_ranges)
+        assert all(path == saved for path, _, _ in stats.file_ranges.values())
+    assert files[0][1] is False and files[1] == (files[0][0], True)
+    assert torch.equal(logits[0], logits[1])
+    loaded = load_model(d, device_map=DISK_MAP, dtype="float32", show_progress=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits[0])  # the same weights as a load that repacks in memory
+
+
+def test_a_repacked_file_for_another_checkpoint_or_damaged_is_not_read(written, tmp_path, caplog):
+    import os
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(written["gptq4-sym"][0], d)
+    first = load_model(d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c")
+    path = first._loadmaster_packed_stats.file
+    del first
+    shard = d / "model.safetensors"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the checkpoint changed
+    again = load_model(d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c")
+    assert again._loadmaster_packed_stats.file != path and not again._loadmaster_packed_stats.from_file
+    path = again._loadmaster_packed_stats.file
+    del again
+    with open(path, "r+b") as fh:  # a damaged header: ignored with a warning, repacked and saved whole again
+        fh.write(b"\xff" * 16)
+    with caplog.at_level("WARNING", logger="loaders.native.repack_cache"):
+        third = load_model(
+            d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c"
+        )
+    assert not third._loadmaster_packed_stats.from_file
+    assert "ignoring the repacked file" in caplog.text
+    assert isinstance(third.model.layers[0].self_attn.q_proj, QuantizedCPULinear)
+
+
+def test_disk_layers_repacked_into_memory_are_said(written, caplog):
+    with caplog.at_level("WARNING", logger="loaders.native.packed_formats"):
+        model = load_model(written["awq4"][0], device_map=DISK_MAP, dtype="float32", show_progress=False)
+    assert "planned on disk were repacked into memory" in caplog.text and "--cpu-quantized-dir" in caplog.text
+    assert model._loadmaster_packed_stats.file_ranges == {}
+
+
+def test_a_folder_without_cpu_quantization_is_refused_for_a_checkpoint_not_quantized(tmp_path):
+    with pytest.raises(PlanError, match="not pre-quantized"):
+        load_model(tiny_llama_dir(), device_map={"": "cpu"}, show_progress=False, cpu_quantized_dir=tmp_path)
