@@ -89,6 +89,10 @@ class Run:
     weights_bytes: dict[str, int] = field(default_factory=dict)
     #: The sequences the plan's KV pool lets the server run at once (``/info``'s ``limits.max_batch_size``).
     batch_slots: int | None = None
+    #: Speculative decoding's counters after the one stream (``--speculate``): draft tokens, accepted, verify passes.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
     oom_kills: int = 0
     peak: int = -1
     cache_drop: str = ""
@@ -110,6 +114,9 @@ class Row:
     predicted_tok_s: float | None
     prediction_error_pct: float | None
     storage_bytes_per_token: float | None
+    #: Accepted over proposed draft tokens in the best run (None without speculation).
+    acceptance: float | None
+    tokens_per_pass: float | None
     oom_kills: int
     peak: int
     greedy: str
@@ -235,23 +242,37 @@ def predicted_rate(info: dict[str, Any]) -> float | None:
 
 def storage_metrics(url: str) -> tuple[float | None, dict[str, int]]:
     """``loadmaster_storage_read_bytes_per_token`` and ``loadmaster_weights_bytes`` by "device/placement"."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     per_token: float | None = None
     weights: dict[str, int] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
-        for s in family.samples:
-            if s.name == "loadmaster_storage_read_bytes_per_token":
-                per_token = s.value
-            elif s.name == "loadmaster_weights_bytes":
-                weights[f"{s.labels['device']}/{s.labels['placement']}"] = int(s.value)
+    for s in metric_samples(url):
+        if s.name == "loadmaster_storage_read_bytes_per_token":
+            per_token = s.value
+        elif s.name == "loadmaster_weights_bytes":
+            weights[f"{s.labels['device']}/{s.labels['placement']}"] = int(s.value)
     return per_token, weights
 
 
-def spawn_loadmaster(model: Path, port: int, box: MemoryBox, log: Path) -> subprocess.Popen:
-    """``loadmaster serve MODEL --port P``, no other flag, started inside ``box``."""
-    cmd = [sys.executable, "-m", "service.cli", "serve", str(model), "--port", str(port)]
+def speculation_counts(url: str) -> dict[str, int]:
+    """The server's speculative counters (``loadmaster_speculative_*_total``) by their short names."""
+    out = {"draft_tokens": 0, "accepted_tokens": 0, "verify_passes": 0}
+    for s in metric_samples(url):
+        short = s.name.removeprefix("loadmaster_speculative_").removesuffix("_total")
+        if s.name.startswith("loadmaster_speculative_") and s.name.endswith("_total") and short in out:
+            out[short] = int(s.value)
+    return out
+
+
+def metric_samples(url: str) -> list:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def spawn_loadmaster(model: Path, port: int, box: MemoryBox, log: Path, flags: list[str]) -> subprocess.Popen:
+    """``loadmaster serve MODEL --port P``, no other flag but ``flags`` (``--speculate MODE``), inside ``box``."""
+    cmd = [sys.executable, "-m", "service.cli", "serve", str(model), "--port", str(port), *flags]
     with log.open("w") as out:
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=box_env(), cwd=ROOT, preexec_fn=box.join()
@@ -264,24 +285,28 @@ def measure_loadmaster(url: str, run: Run, args: argparse.Namespace) -> None:
 
     run.tokens, stamps = stream_one(url, args.new_tokens)
     run.one_stream_tok_s = decode_rate(stamps)
+    for name, value in speculation_counts(url).items():
+        setattr(run, name, value)
     info = httpx.get(url + "/info", timeout=60).json()
     run.predicted_tok_s = predicted_rate(info)
     run.batch_slots = (info.get("limits") or {}).get("max_batch_size")
     run.storage_bytes_per_token, run.weights_bytes = storage_metrics(url)
-    run.clients_tok_s = clients_rate(url, args.clients, args.new_tokens)
-    run.storage_bytes_per_token_clients, _ = storage_metrics(url)
+    if args.clients > 0:
+        run.clients_tok_s = clients_rate(url, args.clients, args.new_tokens)
+        run.storage_bytes_per_token_clients, _ = storage_metrics(url)
 
 
-def run_loadmaster(model: Path, limit: int, args: argparse.Namespace, logs: Path) -> Run:
-    """A cold cache, a fresh box, the server in it; measured, then stopped."""
+def run_loadmaster(model: Path, limit: int, args: argparse.Namespace, logs: Path, speculate: str = "") -> Run:
+    """A cold cache, a fresh box, the server in it (``--speculate speculate`` where given); measured, stopped."""
     from bench.common import wait_ready
 
-    run = Run("loadmaster", limit)
+    flags = ["--speculate", speculate] if speculate else []
+    run = Run(contender_name(speculate), limit)
     with boxed(limit) as box:
         run.cache_drop = cold_cache(model)
         port = free_port()
         t0 = time.perf_counter()
-        proc = spawn_loadmaster(model, port, box, logs / f"loadmaster-{limit}-{port}.log")
+        proc = spawn_loadmaster(model, port, box, logs / f"loadmaster{speculate}-{limit}-{port}.log", flags)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, proc, timeout=args.ready_timeout)
@@ -293,6 +318,10 @@ def run_loadmaster(model: Path, limit: int, args: argparse.Namespace, logs: Path
             stop(proc)
             run.oom_kills, run.peak = box.oom_kills(), box.peak()
     return run
+
+
+def contender_name(speculate: str) -> str:
+    return f"loadmaster --speculate {speculate}" if speculate else "loadmaster"
 
 
 # -- peers (each a fresh process in the box) -----------------------------------------------------------------------
@@ -427,6 +456,7 @@ def summarize(runs: list[Run], ideal: float | None, reference: list[int]) -> Row
     """The best of ``runs``: ready min, tokens/s max, OOM kills summed, the largest peak."""
     one = _best([r.one_stream_tok_s for r in runs], max)
     best = max(runs, key=lambda r: r.one_stream_tok_s or 0.0)
+    drafted = best.draft_tokens > 0
     predicted = _best([r.predicted_tok_s for r in runs], max)
     return Row(
         box=format_bytes(runs[0].box),
@@ -439,6 +469,8 @@ def summarize(runs: list[Run], ideal: float | None, reference: list[int]) -> Row
         predicted_tok_s=predicted,
         prediction_error_pct=100 * (predicted - one) / one if predicted and one else None,
         storage_bytes_per_token=best.storage_bytes_per_token,
+        acceptance=best.accepted_tokens / best.draft_tokens if drafted else None,
+        tokens_per_pass=(best.verify_passes + best.accepted_tokens) / best.verify_passes if drafted else None,
         oom_kills=sum(r.oom_kills for r in runs),
         peak=max(r.peak for r in runs),
         greedy=agreement(best.tokens, reference),
@@ -469,6 +501,8 @@ def table_rows(rows: list[Row], clients: int) -> list[dict[str, Any]]:
                 "bytes_token": "-"
                 if r.storage_bytes_per_token is None
                 else f"{r.storage_bytes_per_token / 1e6:.0f} MB",
+                "acceptance": n(r.acceptance, 2),
+                "per_pass": n(r.tokens_per_pass, 3),
                 "oom": r.oom_kills,
                 "peak": format_bytes(r.peak) if r.peak >= 0 else "-",
                 "greedy": r.greedy,
@@ -490,6 +524,8 @@ def columns(clients: int) -> list[tuple[str, str]]:
         ("predicted", "predicted tok/s"),
         ("error_pct", "prediction error"),
         ("bytes_token", "storage bytes/token"),
+        ("acceptance", "draft acceptance"),
+        ("per_pass", "tokens / verify pass"),
         ("oom", "OOM kills"),
         ("peak", "peak"),
         ("greedy", "greedy = transformers"),
@@ -509,12 +545,22 @@ def hardware() -> dict[str, Any]:
 # -- main ----------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the 1.03B fp32 Llama)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder (default: the 1.03B fp32 Llama); 'margin': bench.margin_model's 1.03B Llama, whose "
+        "greedy choice has a stated margin (for --speculate)",
+    )
     ap.add_argument("--box", default="3GiB,1.5GiB", help="box sizes, comma-separated (default: 3GiB,1.5GiB)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per contender and box; the best is kept")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients for loadmaster's aggregate rate")
     ap.add_argument("--peers", default="accelerate", help=f"comma list among {','.join(PEERS)} ('' for none)")
+    ap.add_argument(
+        "--speculate",
+        default="",
+        help="comma list of --speculate modes (ngram,int4,int8) also served, each a contender beside the no-flag one",
+    )
     ap.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to be ready")
     ap.add_argument(
         "--peer-timeout", type=float, default=3600.0, help="seconds a peer process may run (a thrashing one crawls)"
@@ -523,6 +569,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.peers = [p for p in args.peers.split(",") if p]
+    args.speculate = [m for m in args.speculate.split(",") if m]
+    if set(args.speculate) - {"ngram", "int4", "int8"}:
+        ap.error(f"--speculate takes ngram, int4 and int8, not {args.speculate}")
     unknown = set(args.peers) - set(PEERS)
     if unknown:
         ap.error(f"unknown peers {sorted(unknown)}; choose among {', '.join(PEERS)}")
@@ -535,15 +584,22 @@ def default_model() -> Path:
     return llama_dir("1b", "float32")
 
 
+def margin_model() -> Path:
+    from bench.margin_model import margin_llama_dir
+
+    return margin_llama_dir()
+
+
 def run_box(model: Path, limit: int, args: argparse.Namespace, specs: dict[str, dict], logs: Path) -> list[list[Run]]:
     """Every contender ``--repeat`` times in boxes of ``limit`` bytes, alternating within each round."""
-    names = ["loadmaster", *args.peers]
+    served = {contender_name(m): m for m in ["", *args.speculate]}
+    names = [*served, *args.peers]
     runs: dict[str, list[Run]] = {n: [] for n in names}
     for round_ in range(max(1, args.repeat)):
         for name in names:
             r = (
-                run_loadmaster(model, limit, args, logs)
-                if name == "loadmaster"
+                run_loadmaster(model, limit, args, logs, served[name])
+                if name in served
                 else run_peer(name, specs[name], model, limit)
             )
             runs[name].append(r)
@@ -562,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     if why_not:
         print(f"bench.bigbox: {why_not}", file=sys.stderr)
         return 2
-    model = (args.model or default_model()).resolve()
+    model = default_model() if args.model is None else margin_model() if args.model == "margin" else Path(args.model)
+    model = model.resolve()
     limits = [parse_size(b) for b in args.box.split(",")]
     checkpoint = sum(f.stat().st_size for f in shards(model))
     disk = disk_rate(model, args.repeat)

@@ -428,6 +428,7 @@ def _place_and_execute(
         model_path=opened.root,
         offload_folder=options.offload_folder,
         cpu_compute=resolved.cpu_compute,
+        quantized_on_cpu=asked.cpu_quantization is not None,
     )
     model = placed.model
     on_disk = {id(t) for n, t in _named_tensors(model) if placed.tensor_devices.get(n) == "disk"}

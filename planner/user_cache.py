@@ -4,6 +4,7 @@ so that one variable moves them all, and each can be moved on its own by the var
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -18,6 +19,14 @@ def user_cache_path(name: str, override_var: str | None = None, environ: Mapping
     if override:
         return Path(override).expanduser()
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loadmaster" / name
+
+
+def default_offload_folder(model_path: Path) -> Path:
+    """Where converted disk tensors go when the caller names no folder: a per-model cache directory (here, below
+    the loaders, so that ``loadmaster plan`` finds it without importing torch)."""
+    base = user_cache_path("offload", "LOADMASTER_OFFLOAD_DIR")
+    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
+    return base / f"{model_path.resolve().name}-{digest}"
 
 
 def replace_atomically(target: Path, write: Callable[[str], object], mode: int = 0o644) -> None:

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -39,18 +38,15 @@ from loaders.checkpoint.shard_reader import ShardReader, populate
 from planner.hardware.devices import torch_device_name
 from planner.model.checkpoint_keys import TensorSource, piece_shape
 from planner.types import DeviceId
-from planner.user_cache import user_cache_path
+from planner.user_cache import default_offload_folder
 
 log = logging.getLogger(__name__)
 
 STAGING_CHUNK = 64 * 1024 * 1024
 
 
-def default_offload_folder(model_path: Path) -> Path:
-    """Where converted disk tensors go when the caller names no folder: a per-model cache directory."""
-    base = user_cache_path("offload", "LOADMASTER_OFFLOAD_DIR")
-    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
-    return base / f"{model_path.resolve().name}-{digest}"
+#: Stored dtypes the CPU quantizers read as they are (``mapped_for_quantization``).
+QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Materializer:
@@ -70,12 +66,17 @@ class Materializer:
         copies: CudaCopies | None = None,
         staging_chunk: int = STAGING_CHUNK,
         keep_stored: Collection[str] = (),
+        mapped_for_quantization: Collection[str] = (),
     ):
         self.index = index
         self.run_dtype = run_dtype
         self._keep_fp32 = [re.compile(rf"(^|\.){re.escape(p)}(\.|$)") for p in keep_fp32]
         #: Modules whose tensors keep their stored dtype (a pre-quantized checkpoint's packed layers).
         self._keep_stored = frozenset(keep_stored)
+        #: CPU weights that CPU quantization replaces right after the load: served as maps of the shards, in their
+        #: stored dtype, so that a model bigger than the memory is never copied whole before it shrinks. The
+        #: quantizer reads each from the page cache and gives its pages back (loaders.native.quantization).
+        self._mapped_for_quantization = frozenset(mapped_for_quantization)
         self.reporter = reporter
         self.offload_folder = Path(offload_folder) if offload_folder is not None else None
         self.model_path = model_path
@@ -137,6 +138,11 @@ class Materializer:
                     self.reporter.advance(entry.nbytes, "disk")
                 else:
                     to_convert.append((name, src, dtype))
+            elif name in self._mapped_for_quantization and src.is_plain and stored in QUANTIZABLE_DTYPES:
+                entry = self.index[src.pieces[0].key]
+                out[name] = self.reader.mapped(entry)
+                self._count("cpu", entry.nbytes)
+                self.reporter.advance(entry.nbytes, "cpu")
             elif isinstance(dev, int):
                 gpu_jobs.append((name, src, dtype, dev))
             else:
@@ -368,4 +374,4 @@ class _PinnedStaging:
                 self.copies.host_wait(ev)
 
 
-__all__ = ["CudaCopies", "Materializer", "default_offload_folder"]
+__all__ = ["CudaCopies", "Materializer"]

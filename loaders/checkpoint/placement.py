@@ -58,6 +58,18 @@ def _keep_fp32_patterns(model: torch.nn.Module, dtype: torch.dtype) -> list[str]
     return pats
 
 
+def _cpu_linear_weights(
+    model: torch.nn.Module, devices: Mapping[str, DeviceId], tied_groups: tuple[tuple[str, ...], ...]
+) -> set[str]:
+    """The weights of the linear layers placed on the CPU, tied ones excepted (another module reads them too)."""
+    tied = {name for group in tied_groups for name in group}
+    return {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and devices.get(f"{name}.weight") == "cpu" and f"{name}.weight" not in tied
+    }
+
+
 def place(
     described: CheckpointModel,
     index: CheckpointIndex,
@@ -68,11 +80,14 @@ def place(
     model_path: Path,
     offload_folder: Path | None = None,
     cpu_compute: Collection[str] = (),
+    quantized_on_cpu: bool = False,
 ) -> PlacedModel:
     """Put every tensor of ``described.model`` (built on the meta device in ``run_dtype``) where the map says.
 
     ``cpu_compute``: the plan's keys of modules that compute on the CPU (``Plan.cpu_compute``); with the routed
-    experts a map puts on the CPU, their tensors are never pinned, since they never cross to a GPU."""
+    experts a map puts on the CPU, their tensors are never pinned, since they never cross to a GPU.
+    ``quantized_on_cpu``: the CPU's linear layers are quantized next (``cpu_quantization``), so their weights are
+    handed over as maps of the shards, never copied whole (:meth:`Materializer.materialize`)."""
     model = described.model
     skeleton = described.skeleton
     tied_targets = {alias for group in skeleton.tied_groups for alias in group[1:]}
@@ -111,6 +126,7 @@ def place(
         model_path=model_path,
         has_gpu=has_gpu,
         keep_stored=[n for n, m in model.named_modules() if getattr(m, "loadmaster_packed", False)],
+        mapped_for_quantization=_cpu_linear_weights(model, devices, skeleton.tied_groups) if quantized_on_cpu else (),
     )
     unpinned = host_computed(model, device_map, cpu_compute, sources) if has_gpu else set()
     for name, t in mat.materialize(sources, {n: devices[n] for n in sources}, unpinned).items():

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -378,12 +379,19 @@ def write_saved(path: Path, key: str, scheme: str, tensors: dict[str, torch.Tens
 
 
 def quantize_cpu_linears(
-    model: nn.Module, scheme: str, *, checkpoint_files: list[tuple[str, int, int]], save_dir: Path | None = None
+    model: nn.Module,
+    scheme: str,
+    *,
+    checkpoint_files: list[tuple[str, int, int]],
+    save_dir: Path | None = None,
+    release: Callable[[torch.Tensor], None] | None = None,
 ) -> QuantizationStats:
     """Replace every CPU linear layer of ``model`` with a :class:`QuantizedCPULinear` of ``scheme``.
 
     With ``save_dir``, the quantized tensors are read from ``save_dir/<scheme>-<key>.safetensors`` as a memory
     map when a file for this checkpoint, scheme and format is there, and written there otherwise (atomically).
+    ``release`` is called with each float weight once its layer is replaced (the loader gives a shard map's pages
+    back there, so the page cache never holds the whole float model).
     """
     import time
 
@@ -410,6 +418,8 @@ def quantize_cpu_linears(
             q, s = QUANTIZERS[sch](lin.weight.detach())
             to_save[f"{name}.qweight"], to_save[f"{name}.scales"] = q, s
         _set_module(model, name, QuantizedCPULinear(sch, lin.in_features, lin.out_features, q, s, bias))
+        if release is not None:
+            release(lin.weight)
         stats.bytes_after += q.numel() * q.element_size() + s.numel() * s.element_size()
         stats.layers += 1
         stats.schemes[sch] = stats.schemes.get(sch, 0) + 1

@@ -110,6 +110,4 @@ def _layout_holds(saved: dict[str, ShardEntry], scheme: str, n: int, k: int) -> 
     want["perm"] = ((k,), "int64")
     if set(saved) - set(want) or not {"qweight", "scales"} <= set(saved):
         return False
-    return all(
-        tuple(e.shape) == tuple(want[s][0]) and e.dtype is getattr(torch, want[s][1]) for s, e in saved.items()
-    )
+    return all(tuple(e.shape) == tuple(want[s][0]) and e.dtype is getattr(torch, want[s][1]) for s, e in saved.items())

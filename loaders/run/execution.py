@@ -27,8 +27,8 @@ from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
 from loaders.native.linear import use_native_linears
 from loaders.native.packed_formats import PackedStats, repack_packed_linears
-from loaders.native.repack_cache import RepackCache
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
+from loaders.native.repack_cache import RepackCache
 from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
 from loaders.run.readahead import DiskReadahead, merge_ranges
 from loaders.run.streaming import host_lookup_modules
@@ -109,11 +109,22 @@ def apply_execution(
     quant_stats = None
     if cpu_quantization:
         quant_stats = quantize_cpu_linears(
-            model, cpu_quantization, checkpoint_files=list(checkpoint_files), save_dir=cpu_quantized_dir
+            model,
+            cpu_quantization,
+            checkpoint_files=list(checkpoint_files),
+            save_dir=cpu_quantized_dir,
+            release=lambda weight: _give_back(placed.reader, weight),
         )
     native = use_native_linears(model, cpu_kernels)
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
+
+
+def _give_back(reader, weight: torch.Tensor) -> None:
+    """Drop a quantized layer's float weight from the page cache where it was a map of a shard (best effort)."""
+    where = reader.range_of(weight)
+    if where is not None:
+        reader.drop_mapped(*where)
 
 
 def _repacked_disk_ranges(

@@ -181,12 +181,16 @@ def detect_memory(
     found: dict[DeviceId, int] = detect_gpus().capacities if gpus else {}
     found["cpu"] = (host or host_memory()).available
     if offload_folder is not None:
-        folder = os.fspath(offload_folder)
-        probe = folder
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        found["disk"] = int(shutil.disk_usage(probe or ".").free)
+        found["disk"] = free_disk(offload_folder)
     return found
+
+
+def free_disk(offload_folder: str | os.PathLike) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``offload_folder``."""
+    probe = os.fspath(offload_folder)
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return int(shutil.disk_usage(probe or ".").free)
 
 
 #: A cgroup limit at or above this is "unlimited": v1 writes 2**63 rounded down to a page, not "max".
@@ -344,8 +348,9 @@ def build_hardware(
 ) -> Hardware:
     """Resolve what the plan may use.
 
-    - ``max_memory`` given: exactly the devices it names, with those budgets (as accelerate does). Declared
-      ``gpus`` are added for ids it does not name.
+    - ``max_memory`` given: exactly the devices it names, with those budgets (as accelerate does), and the free
+      disk at ``offload_folder`` where it names no disk (given a folder, disk is usable, whatever else is
+      declared). Declared ``gpus`` are added for ids it does not name.
     - only ``gpus`` given: those GPUs, plus this machine's available RAM as ``cpu`` and, with an offload folder,
       its free disk.
     - neither: everything detected on this machine.
@@ -383,6 +388,8 @@ def build_hardware(
                 capacities[dev] = parse_size(value)
             except HardwareSpecError as e:
                 raise HardwareSpecError(f"max_memory[{key!r}]: {e}") from None
+        if offload_folder is not None and "disk" not in capacities:
+            capacities["disk"] = free_disk(offload_folder)  # the folder makes disk usable, as its flag says
     elif gpus is not None:
         host = host_memory(host_paths or HostPaths())
         notes.append(host.reason)

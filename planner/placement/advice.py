@@ -172,9 +172,8 @@ def explain_no_fit(inputs: ResolvedInputs, solution: Solution, advise: bool = Tr
         return " ".join(lines)
     more = _more_cpu_memory(hardware, missing)
     speed = _lone_speed(skeleton, more, workload, strategy) if more is not None else ""
-    options = [
-        f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM{speed} or an offload folder for disk"
-    ]
+    disk = "" if any(d.id == "disk" for d in hardware.devices) else " or an offload folder for disk"
+    options = [f"add {format_bytes(missing)} ({missing} B) of memory, e.g. more cpu RAM{speed}{disk}"]
     if workload.dtype == "float32":
         w = replace(workload, dtype="bfloat16")
         if _feasible(skeleton, hardware, w, strategy):

@@ -20,6 +20,7 @@ from planner.hardware.units import format_bytes
 from planner.placement.estimate import estimate
 from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs
 from planner.types import PREFILL_CHUNK, Plan
+from service.model.disk_tier import with_checkpoint_disk
 from service.model.positions import model_position_limit, planned_context
 
 
@@ -195,7 +196,10 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = cluster_plan_from_args(args, inputs_from_args(args))
         sys.stdout.write((cluster.to_json() if args.json else format_cluster_plan(cluster)) + "\n")
         return 0
-    result = plan_inputs(args.model, with_draft(args, inputs_from_args(args)))
+    inputs = inputs_from_args(args)
+    if isinstance(args.model, str) and Path(args.model).expanduser().is_dir():  # serve's disk tier (disk_tier.py)
+        inputs = with_checkpoint_disk(inputs, Path(args.model).expanduser())
+    result = plan_inputs(args.model, with_draft(args, inputs))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)
     return 0

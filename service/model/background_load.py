@@ -19,6 +19,7 @@ from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
 from planner.placement.served_shape import choose_slots, choose_step
 from planner.types import PREFILL_CHUNK, Plan
+from service.model.disk_tier import with_checkpoint_disk
 from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy
 from service.model.draft_model import draft_dir, load_drafting, plan_drafting
 from service.model.model_paths import confine_model_files, real_roots
@@ -195,10 +196,7 @@ def box_inputs(settings: ServiceSettings, path: Path) -> tuple[PlanInputs, list[
     detected, its devices measured once (a draft model is planned on the same)."""
     inputs = settings.plan_inputs()
     inputs = replace(inputs, context=served_context(settings, model_position_limit(path)))
-    if inputs.offload_folder is None and inputs.max_memory is None:
-        from loaders.checkpoint.materialize import default_offload_folder
-
-        inputs = replace(inputs, offload_folder=str(default_offload_folder(path)))
+    inputs = with_checkpoint_disk(inputs, path)
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # measured once: every choice below sees it
     inputs, disk_reason = with_disk_rate(inputs, path)
     if disk_reason is None:

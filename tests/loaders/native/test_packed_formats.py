@@ -392,12 +392,16 @@ def test_a_repacked_file_for_another_checkpoint_or_damaged_is_not_read(written, 
 
     d = tmp_path / "ckpt"
     shutil.copytree(written["gptq4-sym"][0], d)
-    first = load_model(d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c")
+    first = load_model(
+        d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c"
+    )
     path = first._loadmaster_packed_stats.file
     del first
     shard = d / "model.safetensors"
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the checkpoint changed
-    again = load_model(d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c")
+    again = load_model(
+        d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c"
+    )
     assert again._loadmaster_packed_stats.file != path and not again._loadmaster_packed_stats.from_file
     path = again._loadmaster_packed_stats.file
     del again

@@ -83,9 +83,10 @@ def test_no_flag_serve_in_a_box_smaller_than_the_model_is_ready_correct_and_not_
 
 
 def test_a_box_too_small_for_one_sequence_exits_2_and_its_cpu_quantization_advice_serves(tmp_path: Path) -> None:
-    """Declared, as ``--max-memory`` declares a box without a disk (a cgroup this small would hold no Python at all):
-    exit 2, one line of advice naming ``--cpu-quantization``; applying that advice serves."""
-    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--max-memory", "cpu=160MiB"]
+    """Declared with ``--max-memory`` (a cgroup this small would hold no Python at all), the checkpoint's own files
+    as the disk tier: 80 MiB is less than one sequence's floor in float32 (KV, activations, the embedding and one
+    streamed block), so exit 2, one line of advice naming ``--cpu-quantization``; applying that advice serves."""
+    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--max-memory", "cpu=80MiB"]
     p = subprocess.run([*argv, "--port", str(free_port())], capture_output=True, text=True, env=_env(), timeout=600)
     assert p.returncode == 2, p.stderr[-3000:]
     advice = [line for line in p.stderr.splitlines() if "does not fit" in line]

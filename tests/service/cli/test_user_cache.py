@@ -20,9 +20,9 @@ def test_the_root_follows_xdg_and_each_variable_moves_its_own() -> None:
 
 
 def test_every_cache_of_the_project_sits_under_the_one_root(monkeypatch, tmp_path: Path) -> None:
-    from loaders.checkpoint.materialize import default_offload_folder
     from loaders.native import kernel_build, linear
     from planner.hardware.calibration import calibration_path
+    from planner.user_cache import default_offload_folder
     from service.cli import import_table
     from service.model.demo_model import default_demo_dir
 

@@ -1,0 +1,42 @@
+"""Speculative decoding's predicted tokens/s for one stream: a draft proposes k tokens, one target pass checks them.
+
+Why a formula: the plan is made before anything runs, and what a draft buys depends on one number the plan cannot
+know, the share of draft tokens the target accepts. So the plan predicts at a stated default acceptance, and
+``/info`` predicts again from the acceptance measured so far (``speculation.predicted_tokens_per_s``).
+
+The model: decode is bound by the bytes a step reads, and a verify pass of k + 1 tokens reads the target's weights
+once, so it costs one plain step of the cost model (the lone stream's). Each draft token costs the draft's resident
+bytes over the memory rate of its device. With per-token acceptance ``a``, a pass yields the accepted prefix of
+the drafts plus the target's own token: ``(1 - a^(k+1)) / (1 - a)`` tokens on average. It ignores the products
+of the k extra tokens, which is right where the weights stream from disk (the case the copy is for) and
+optimistic on a fast resident model, where the engine's gate stops drafting that does not pay.
+"""
+
+from __future__ import annotations
+
+#: The acceptance the plan assumes before any draft was verified: about what the quantized copies of a trained
+#: model reach (the trained demo model's int4 copy: 0.82-0.84; its int8 copy: 0.93-0.95).
+DEFAULT_ACCEPTANCE = 0.7
+
+
+def tokens_per_pass(acceptance: float, draft_tokens: int) -> float:
+    """Expected tokens one verify pass yields: the accepted prefix of ``draft_tokens`` drafts, plus one."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return float(draft_tokens + 1)
+    return (1.0 - a ** (draft_tokens + 1)) / (1.0 - a)
+
+
+def speculative_tokens_per_s(
+    step_seconds: float, draft_token_seconds: float, draft_tokens: int, acceptance: float = DEFAULT_ACCEPTANCE
+) -> float:
+    """One stream's tokens/s when each pass of ``step_seconds`` (a plain decode step) follows ``draft_tokens``
+    drafts of ``draft_token_seconds`` each and ``acceptance`` of drafts are accepted."""
+    return tokens_per_pass(acceptance, draft_tokens) / (step_seconds + draft_tokens * draft_token_seconds)
+
+
+def at_acceptance(predicted: float, assumed: float, measured: float, draft_tokens: int) -> float:
+    """A prediction made at acceptance ``assumed`` redone at ``measured``: the seconds a pass takes do not depend
+    on how many of its drafts are accepted, only the tokens it yields."""
+    seconds_per_pass = tokens_per_pass(assumed, draft_tokens) / predicted
+    return tokens_per_pass(measured, draft_tokens) / seconds_per_pass
