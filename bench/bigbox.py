@@ -235,6 +235,9 @@ def clients_rate(url: str, clients: int, new_tokens: int) -> float:
 def predicted_rate(info: dict[str, Any]) -> float | None:
     """The plan's predicted decode tokens/s of one stream alone from ``GET /info`` (the plan's own figure is for its
     whole batch of slots)."""
+    speculative = (info.get("speculation") or {}).get("predicted_tokens_per_s")
+    if speculative:  # with a draft model: the plan's speculative rate at the acceptance measured so far
+        return speculative
     plan = info.get("plan") or (info.get("model") or {}).get("plan") or {}
     prediction = plan.get("prediction") or {}
     return prediction.get("lone_decode_tokens_per_s") or prediction.get("decode_tokens_per_s")

@@ -218,6 +218,8 @@ class DraftBudget:
     weights: int = 0
     working: int = 0
     kv_per_token: int = 0
+    #: Most draft tokens a pass proposes (``--speculate-tokens``), for the speculative prediction.
+    tokens: int = 4
 
     def kv_bytes(self, batch_size: int, context: int) -> int:
         return self.kv_per_token * batch_size * context
@@ -291,6 +293,10 @@ class Prediction:
     cost_model: str
     #: One stream alone on the same placement (what a lone user sees); None in plans saved before it existed.
     lone_decode_tokens_per_s: float | None = None
+    #: One stream with the workload's draft model, at ``speculative_acceptance`` of its tokens accepted
+    #: (:mod:`planner.placement.speculative_rate`); None without a draft.
+    speculative_tokens_per_s: float | None = None
+    speculative_acceptance: float | None = None
 
 
 @dataclass

@@ -17,9 +17,10 @@ from planner.placement.draft_budget import held_for_draft
 from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
 from planner.placement.solve import Solution, lone_speed, make_problem
+from planner.placement.speculative_rate import DEFAULT_ACCEPTANCE, speculative_tokens_per_s
 from planner.placement.strategies import Loads, Problem, compute_loads
 from planner.placement.tier_kernels import tier_kernels
-from planner.types import DeviceBudget, DeviceId, Plan, Skeleton, Workload
+from planner.types import DeviceBudget, DeviceId, DraftBudget, Hardware, Plan, Prediction, Skeleton, Workload
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,18 @@ def _placed(solution: Solution) -> _Placed:
     )
 
 
+def with_speculation(prediction: Prediction, draft: DraftBudget, hardware: Hardware) -> Prediction:
+    """``prediction`` with one stream's speculative rate: its lone step as the verify pass, each draft token the
+    draft's resident weights over its device's memory rate, at the stated default acceptance."""
+    device = next((d for d in hardware.devices if d.id == draft.device), None)
+    if device is None or not prediction.lone_decode_tokens_per_s:
+        return prediction
+    rate = speculative_tokens_per_s(
+        1.0 / prediction.lone_decode_tokens_per_s, draft.weights / device.bandwidth, draft.tokens
+    )
+    return replace(prediction, speculative_tokens_per_s=round(rate, 4), speculative_acceptance=DEFAULT_ACCEPTANCE)
+
+
 def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
     """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
     placed = _placed(solution)
@@ -97,6 +110,8 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
         lone_problem = make_problem(skeleton, problem.hardware, replace(workload, batch_size=1))
         lone = round(lone_speed(solution, lone_problem, compute_dtype(workload)), 4)
     prediction = replace(prediction, lone_decode_tokens_per_s=lone)
+    if workload.draft is not None and lone:
+        prediction = with_speculation(prediction, workload.draft, problem.hardware)
     offloaded = sum(it.weight for it, s in zip(problem.items, placed.streamed) if s)
     device_map = _device_map(skeleton, problem, placement)
     cpu_compute = [names[i] for i in placed.on_host]

@@ -14,6 +14,10 @@ optimistic on a fast resident model, where the engine's gate stops drafting that
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from planner.types import Plan
+
 #: The acceptance the plan assumes before any draft was verified: about what the quantized copies of a trained
 #: model reach (the trained demo model's int4 copy: 0.82-0.84; its int8 copy: 0.93-0.95).
 DEFAULT_ACCEPTANCE = 0.7
@@ -33,6 +37,26 @@ def speculative_tokens_per_s(
     """One stream's tokens/s when each pass of ``step_seconds`` (a plain decode step) follows ``draft_tokens``
     drafts of ``draft_token_seconds`` each and ``acceptance`` of drafts are accepted."""
     return tokens_per_pass(acceptance, draft_tokens) / (step_seconds + draft_tokens * draft_token_seconds)
+
+
+@dataclass(frozen=True)
+class SpeculativePrediction:
+    """One stream's predicted tokens/s with the draft (``tokens_per_s``) and the acceptance it is at."""
+
+    tokens_per_s: float
+    acceptance: float
+
+
+def current_prediction(plan: Plan, measured: float | None) -> SpeculativePrediction | None:
+    """The plan's speculative prediction, redone at the ``measured`` acceptance where drafts were verified; None
+    for a plan without a draft model."""
+    prediction, draft = plan.prediction, plan.workload.draft
+    if not prediction.speculative_tokens_per_s or prediction.speculative_acceptance is None or draft is None:
+        return None
+    if measured is None:
+        return SpeculativePrediction(prediction.speculative_tokens_per_s, prediction.speculative_acceptance)
+    rate = at_acceptance(prediction.speculative_tokens_per_s, prediction.speculative_acceptance, measured, draft.tokens)
+    return SpeculativePrediction(round(rate, 4), measured)
 
 
 def at_acceptance(predicted: float, assumed: float, measured: float, draft_tokens: int) -> float:

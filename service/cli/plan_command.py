@@ -167,6 +167,13 @@ def format_plan(plan: Plan) -> str:
             if w.batch_size > 1 and p.lone_decode_tokens_per_s
             else ""
         ),
+        *(
+            f"speculative: {p.speculative_tokens_per_s:.3g} tokens/s for one stream with the draft, if "
+            f"{p.speculative_acceptance:.0%} of its {w.draft.tokens} tokens a pass are accepted (serve's /info "
+            "predicts again from the acceptance it measures)"
+            for _ in [0]
+            if p.speculative_tokens_per_s and w.draft is not None
+        ),
         f"cost model: {p.cost_model}",
         "",
         "kernels:",
@@ -214,7 +221,9 @@ def with_draft(args: argparse.Namespace, inputs: PlanInputs) -> PlanInputs:
     if args.draft_model is not None and args.speculate != "off":
         raise PlanError(f"--draft-model and --speculate {args.speculate} are two drafts; give one of them")
     if args.speculate in DRAFT_SCHEMES:
-        return replace(inputs, draft=copy_budget(args.model, args.speculate, inputs))
+        return replace(
+            inputs, draft=replace(copy_budget(args.model, args.speculate, inputs), tokens=args.speculate_tokens)
+        )
     if args.draft_model is None:
         return inputs
     from service.model.draft_model import draft_budget, plan_draft
@@ -223,7 +232,8 @@ def with_draft(args: argparse.Namespace, inputs: PlanInputs) -> PlanInputs:
     if not path.is_dir():
         raise PlanError(f"--draft-model {str(path)!r} is not a directory; give the draft checkpoint's directory")
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # the draft and the model on the same devices
-    return replace(inputs, draft=draft_budget(path, plan_draft(path, inputs)))
+    budget = draft_budget(path, plan_draft(path, inputs))
+    return replace(inputs, draft=replace(budget, tokens=args.speculate_tokens))
 
 
 def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:
@@ -281,6 +291,15 @@ def register(subparsers: Any) -> None:
         choices=["off", "ngram", "int4", "int8"],
         help="plan room for serve's draft: int4/int8 reserve the model's own quantized copy and its KV (ngram and "
         "off need none)",
+    )
+    p.add_argument(
+        "--speculate-tokens",
+        type=int,
+        default=4,
+        choices=range(1, 17),
+        metavar="N",
+        help="most draft tokens a verify pass checks, as serve's flag (1-16, default 4): for the speculative "
+        "prediction",
     )
     p.add_argument(
         "--draft-model",

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 
+from planner.placement.speculative_rate import current_prediction
 from service.engine.requests import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.http.admission import (
@@ -365,6 +366,9 @@ async def info(request: Request) -> dict[str, Any]:
     if runtime.engine is not None:  # the micro-batch schedule over this host's GPUs: on or off, and why
         out["device_pipeline"] = runtime.engine.device_pipeline.to_dict()
         out["speculation"].update(runtime.engine.speculator.report())
+        now = current_prediction(loaded.plan, out["speculation"].get("acceptance_rate")) if loaded.plan else None
+        if now is not None:  # the plan's, at the acceptance measured so far
+            out["speculation"].update(predicted_tokens_per_s=now.tokens_per_s, predicted_at_acceptance=now.acceptance)
     if loaded.draft is not None:  # --speculate int4|int8's copy or --draft-model's: what it holds and costs
         out["speculation"]["draft_model"] = loaded.draft.to_dict()
     if hasattr(model, "pipeline_report"):  # a pipeline's rank 0: every stage's layers, memory and busy fraction

@@ -159,9 +159,10 @@ def plan_drafting(
         path = draft_dir(settings, allowed_root_option)
         check_same_vocabulary(target, target_tok, path, load_tokenizer(path))
         plan = plan_draft(path, inputs)
-        return Drafting(draft_budget(path, plan), "model", path, plan)
+        return Drafting(replace(draft_budget(path, plan), tokens=settings.speculate_tokens), "model", path, plan)
     if settings.speculate in DRAFT_SCHEMES:
-        return Drafting(copy_budget(target, settings.speculate, inputs), settings.speculate)
+        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=settings.speculate_tokens)
+        return Drafting(budget, settings.speculate)
     return None
 
 

@@ -287,6 +287,14 @@ class SpeculationInfo(_Answer):
     verify_passes: int = 0
     acceptance_rate: float | None = Field(None, description="Accepted over proposed draft tokens (none yet: null).")
     tokens_per_pass: float | None = Field(None, description="Tokens a verify pass produced on average.")
+    predicted_tokens_per_s: float | None = Field(
+        None,
+        description="One stream's tokens/s with the draft model the plan predicts, redone at the acceptance "
+        "measured so far (null without a draft model).",
+    )
+    predicted_at_acceptance: float | None = Field(
+        None, description="The acceptance that prediction is at: measured, else the plan's stated default."
+    )
     draft_model: DraftModelInfo | None = Field(
         None, description="The draft model (int4/int8 copy or --draft-model): what it holds and what it costs."
     )
@@ -330,6 +338,7 @@ class PlanDraft(_Answer):
     weights: int = Field(description="Its resident weights, bytes.")
     working: int = Field(description="The activations of its own forwards, bytes.")
     kv_per_token: int = Field(description="Its KV cache per token of one sequence, bytes (times slots x context).")
+    tokens: int = Field(4, description="Most draft tokens a verify pass checks (--speculate-tokens).")
 
 
 class PlanWorkload(_Answer):
@@ -361,6 +370,12 @@ class PlanPrediction(_Answer):
     seconds_per_token_by_device: dict[str, float]
     cost_model: str
     lone_decode_tokens_per_s: float | None = Field(None, description="One stream alone on the same placement.")
+    speculative_tokens_per_s: float | None = Field(
+        None, description="One stream with the draft model, at speculative_acceptance (null without a draft)."
+    )
+    speculative_acceptance: float | None = Field(
+        None, description="The share of draft tokens accepted that speculative_tokens_per_s assumes."
+    )
 
 
 class WhatIfAnswer(_Answer):

@@ -49,3 +49,40 @@ def test_a_server_with_ngram_speculation_reports_accepted_drafts(tiny_llama: Pat
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_info_predicts_the_draft_copys_rate_at_the_measured_acceptance(tiny_llama: Path, tmp_path: Path) -> None:
+    """The plan predicts one stream's rate with its int8 copy at the stated default acceptance; /info redoes it at
+    the acceptance the server measured (planner.placement.speculative_rate)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "service.cli", "serve", str(tiny_llama), "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*argv, "--speculate", "int8", "--speculate-tokens", "3"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    try:
+        _wait_ready(url, proc, log, timeout=120, poll=0.1)
+        info = httpx.get(url + "/info").json()
+        plan = info["plan"]
+        assert plan["workload"]["draft"]["tokens"] == 3
+        assert plan["prediction"]["speculative_acceptance"] == 0.7
+        assert plan["prediction"]["speculative_tokens_per_s"] > 0
+        spec = info["speculation"]
+        assert spec["acceptance_rate"] is None  # nothing drafted yet: the plan's own figure
+        assert spec["predicted_at_acceptance"] == 0.7
+        assert spec["predicted_tokens_per_s"] == plan["prediction"]["speculative_tokens_per_s"]
+        body = {"inputs": "one two three one two three", "parameters": {"max_new_tokens": 24}}
+        assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
+        spec = httpx.get(url + "/info").json()["speculation"]
+        if spec["proposed"]:
+            assert spec["predicted_at_acceptance"] == spec["acceptance_rate"]
+        assert spec["predicted_tokens_per_s"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
