@@ -330,10 +330,9 @@ def file_metadata(key: str, scheme: str) -> dict[str, str]:
     return {"loadmaster_cpu_quantization": scheme, "loadmaster_key": key, "format_version": FORMAT_VERSION}
 
 
-def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Linear, str]]) -> dict | None:
-    """The saved tensors as memory maps of ``path``, or None when the file is absent or not for this load."""
-    from loaders.checkpoint.index import ShardEntry
-    from loaders.checkpoint.shard_reader import ShardReader
+def saved_header(path: Path, key: str, scheme: str, what: str = "quantized"):
+    """The safetensors header of a file saved for this load (``key``, ``scheme``), or None when it is absent, or
+    unreadable or made for another checkpoint, scheme or format (said in the log: the caller makes it again)."""
     from planner.errors import HeaderError
     from planner.model.safetensors_header import read_header
 
@@ -343,10 +342,21 @@ def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Li
     try:
         header = read_header(path)
     except HeaderError as exc:
-        log.warning("ignoring the quantized file %s (%s); quantizing again", path, exc)
+        log.warning("ignoring the %s file %s (%s); making it again", what, path, exc)
         return None
     if header.metadata != file_metadata(key, scheme):
-        log.warning("ignoring the quantized file %s: it was made for another checkpoint, scheme or format", path)
+        log.warning("ignoring the %s file %s: it was made for another checkpoint, scheme or format", what, path)
+        return None
+    return header
+
+
+def _read_saved(path: Path, key: str, scheme: str, layers: dict[str, tuple[nn.Linear, str]]) -> dict | None:
+    """The saved tensors as memory maps of ``path``, or None when the file is absent or not for this load."""
+    from loaders.checkpoint.index import ShardEntry
+    from loaders.checkpoint.shard_reader import ShardReader
+
+    header = saved_header(path, key, scheme)
+    if header is None:
         return None
     reader = ShardReader()
     tensors = {

@@ -22,9 +22,7 @@ import torch
 from loaders.checkpoint.index import ShardEntry
 from loaders.checkpoint.shard_reader import ShardReader
 from loaders.native import map_guard
-from loaders.native.quantization import QuantizedCPULinear, cache_key, file_metadata, write_saved
-from planner.errors import HeaderError
-from planner.model.safetensors_header import read_header
+from loaders.native.quantization import QuantizedCPULinear, cache_key, saved_header, write_saved
 from planner.placement.sizing import cpu_quantized_layout
 
 log = logging.getLogger(__name__)
@@ -52,15 +50,8 @@ class RepackCache:
         """The saved tensors for this load's ``layers``, by layer and suffix; None when no file is there for it
         (absent, unreadable, or made for another checkpoint or version: the log says which)."""
         path, key = self.path_and_key(layers)
-        if not path.is_file():
-            return None
-        try:
-            header = read_header(path)
-        except HeaderError as exc:
-            log.warning("ignoring the repacked file %s (%s); repacking again", path, exc)
-            return None
-        if header.metadata != file_metadata(key, SCHEME):
-            log.warning("ignoring the repacked file %s: it was made for another checkpoint or version", path)
+        header = saved_header(path, key, SCHEME, "repacked")
+        if header is None:
             return None
         found: dict[str, dict[str, ShardEntry]] = {}
         for name, t in header.tensors.items():

@@ -407,7 +407,7 @@ def test_a_repacked_file_for_another_checkpoint_or_damaged_is_not_read(written, 
     del again
     with open(path, "r+b") as fh:  # a damaged header: ignored with a warning, repacked and saved whole again
         fh.write(b"\xff" * 16)
-    with caplog.at_level("WARNING", logger="loaders.native.repack_cache"):
+    with caplog.at_level("WARNING", logger="loaders.native.quantization"):
         third = load_model(
             d, device_map={"": "cpu"}, dtype="float32", show_progress=False, cpu_quantized_dir=tmp_path / "c"
         )

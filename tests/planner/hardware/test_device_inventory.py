@@ -104,3 +104,13 @@ def test_bandwidth_overrides_are_validated():
         build_hardware({"cpu": 1}, bandwidths={"nvlink": 1e9})
     with pytest.raises(HardwareSpecError, match="positive"):
         build_hardware({"cpu": 1}, bandwidths={"gpu": 0})
+
+
+def test_an_offload_folder_beside_max_memory_without_disk_adds_the_disk_it_names(tmp_path):
+    """``--offload-folder`` says disk may be used: beside a ``max_memory`` that names no disk, the folder's free space
+    is the disk tier (it was accepted and ignored); a declared ``disk=`` budget wins, and no folder adds none."""
+    hw = build_hardware({"cpu": "1GiB"}, offload_folder=tmp_path / "not-yet" / "offload")
+    assert [d.id for d in hw.devices] == ["cpu", "disk"] and hw.get("disk").capacity > 0
+    declared = build_hardware({"cpu": "1GiB", "disk": "5GiB"}, offload_folder=tmp_path)
+    assert declared.get("disk").capacity == 5 * 2**30
+    assert [d.id for d in build_hardware({"cpu": "1GiB"}).devices] == ["cpu"]

@@ -31,11 +31,11 @@ PROMPT = "The sea is"
 NEW_TOKENS = 8
 
 
-def _serve_in(box_limit: int, tmp_path: Path) -> tuple[subprocess.Popen, str, Path, object]:
+def _serve_in(box_limit: int, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Path, object]:
     box = make_box(box_limit)
     port = free_port()
     log = tmp_path / "server.log"
-    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port)]
+    argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port), *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, preexec_fn=box.join())
     return proc, f"http://127.0.0.1:{port}", log, box
@@ -73,6 +73,28 @@ def test_no_flag_serve_in_a_box_smaller_than_the_model_is_ready_correct_and_not_
         streamed = samples[("loadmaster_weights_bytes", (("device", "disk"), ("placement", "streamed")))]
         assert streamed == devices["disk"]["weights"]  # the offload runs as planned, and /metrics says so
         assert samples[("loadmaster_storage_read_bytes_per_token", ())] >= 0
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        kills = box.oom_kills()
+        box.remove()
+    assert kills == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.skipif(why_not is not None, reason=why_not or "")
+def test_an_int4_draft_copy_loads_in_the_box_and_keeps_greedy_tokens(tmp_path: Path) -> None:
+    """``--speculate int4`` in the same box: the copy quantizes the model's weights from the shards' maps, so its
+    load never holds the float model (it was OOM-killed here when it did); greedy tokens stay transformers'."""
+    proc, url, log, box = _serve_in(BOX, tmp_path, "--speculate", "int4")
+    try:
+        _wait_ready(url, proc, log, timeout=300, poll=0.5)
+        info = httpx.get(url + "/info", timeout=30).json()
+        assert info["speculation"]["draft_model"]["scheme"] == "int4"
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+        r = httpx.post(url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["details"]["tokens"]] == _reference_ids()
         assert proc.poll() is None
     finally:
         proc.terminate()

@@ -1,10 +1,12 @@
-"""``loadmaster serve --speculate ngram`` as a real process: greedy requests draft by prompt lookup, and /metrics and
-/info show the drafts the model accepted (issue 35)."""
+"""``loadmaster serve --speculate ngram|int8`` as a real process: greedy requests draft, /metrics and /info show the
+drafts the model accepted, and /info the plan's speculative rate at that acceptance (issue 35)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -20,21 +22,25 @@ def _metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics:\n{text}")
 
 
-def test_a_server_with_ngram_speculation_reports_accepted_drafts(tiny_llama: Path, tmp_path: Path) -> None:
+@contextmanager
+def _serving(model: Path, tmp_path: Path, *flags: str) -> Iterator[str]:
+    """``loadmaster serve model *flags`` on a free port until the block ends; its URL once ready."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    argv = [sys.executable, "-m", "service.cli", "serve", str(tiny_llama), "--port", str(port)]
+    argv = [sys.executable, "-m", "service.cli", "serve", str(model), "--port", str(port), *flags]
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            [*argv, "--speculate", "ngram", "--speculate-tokens", "3"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            cwd=REPO,
-        )
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
     try:
         _wait_ready(url, proc, log, timeout=120, poll=0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_server_with_ngram_speculation_reports_accepted_drafts(tiny_llama: Path, tmp_path: Path) -> None:
+    with _serving(tiny_llama, tmp_path, "--speculate", "ngram", "--speculate-tokens", "3") as url:
         body = {"inputs": "one two three one two three one two three", "parameters": {"max_new_tokens": 40}}
         r = httpx.post(url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
@@ -46,28 +52,12 @@ def test_a_server_with_ngram_speculation_reports_accepted_drafts(tiny_llama: Pat
         info = httpx.get(url + "/info").json()["speculation"]
         assert info["mode"] == "ngram" and info["draft_tokens"] == 3
         assert info["accepted"] == accepted and info["acceptance_rate"] > 0
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def test_info_predicts_the_draft_copys_rate_at_the_measured_acceptance(tiny_llama: Path, tmp_path: Path) -> None:
     """The plan predicts one stream's rate with its int8 copy at the stated default acceptance; /info redoes it at
     the acceptance the server measured (planner.placement.speculative_rate)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    argv = [sys.executable, "-m", "service.cli", "serve", str(tiny_llama), "--port", str(port)]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [*argv, "--speculate", "int8", "--speculate-tokens", "3"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            cwd=REPO,
-        )
-    try:
-        _wait_ready(url, proc, log, timeout=120, poll=0.1)
+    with _serving(tiny_llama, tmp_path, "--speculate", "int8", "--speculate-tokens", "3") as url:
         info = httpx.get(url + "/info").json()
         plan = info["plan"]
         assert plan["workload"]["draft"]["tokens"] == 3
@@ -83,6 +73,3 @@ def test_info_predicts_the_draft_copys_rate_at_the_measured_acceptance(tiny_llam
         if spec["proposed"]:
             assert spec["predicted_at_acceptance"] == spec["acceptance_rate"]
         assert spec["predicted_tokens_per_s"] > 0
-    finally:
-        proc.terminate()
-        proc.wait(60)

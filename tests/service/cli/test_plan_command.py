@@ -270,3 +270,16 @@ def test_plan_reserves_room_for_serves_draft_and_says_what_it_costs(tiny_llama, 
     assert table.returncode == 0 and "draft model: " in table.stdout and "held on cpu" in table.stdout
     both = run("plan", str(tiny_llama), *box, "--draft-model", str(tiny_draft_llama), "--speculate", "int8")
     assert both.returncode == 2 and "two drafts" in both.stderr and "Traceback" not in both.stderr
+
+
+def test_a_declared_box_smaller_than_a_local_checkpoint_plans_its_disk_tier():
+    """``plan MODEL --max-memory cpu=SIZE`` plans what ``serve`` plans in a box of that size: the checkpoint's own
+    shards are the disk tier, no ``--offload-folder`` needed (service/model/disk_tier.py); a config alone has none."""
+    from tests.models import llama_100m_dir
+
+    r = run("plan", str(llama_100m_dir()), "--max-memory", "cpu=200MiB", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.from_json(r.stdout)
+    assert plan.budget("disk").weights > 0 and plan.budget("cpu").weights > 0
+    config_only = run("plan", str(llama_100m_dir() / "config.json"), "--max-memory", "cpu=200MiB")
+    assert config_only.returncode == 2 and "offload folder for disk" in config_only.stderr
