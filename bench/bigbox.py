@@ -243,11 +243,11 @@ def predicted_rate(info: dict[str, Any]) -> float | None:
     return prediction.get("lone_decode_tokens_per_s") or prediction.get("decode_tokens_per_s")
 
 
-def storage_metrics(url: str) -> tuple[float | None, dict[str, int]]:
+def storage_metrics(samples: list) -> tuple[float | None, dict[str, int]]:
     """``loadmaster_storage_read_bytes_per_token`` and ``loadmaster_weights_bytes`` by "device/placement"."""
     per_token: float | None = None
     weights: dict[str, int] = {}
-    for s in metric_samples(url):
+    for s in samples:
         if s.name == "loadmaster_storage_read_bytes_per_token":
             per_token = s.value
         elif s.name == "loadmaster_weights_bytes":
@@ -255,10 +255,10 @@ def storage_metrics(url: str) -> tuple[float | None, dict[str, int]]:
     return per_token, weights
 
 
-def speculation_counts(url: str) -> dict[str, int]:
+def speculation_counts(samples: list) -> dict[str, int]:
     """The server's speculative counters (``loadmaster_speculative_*_total``) by their short names."""
     out = {"draft_tokens": 0, "accepted_tokens": 0, "verify_passes": 0}
-    for s in metric_samples(url):
+    for s in samples:
         short = s.name.removeprefix("loadmaster_speculative_").removesuffix("_total")
         if s.name.startswith("loadmaster_speculative_") and s.name.endswith("_total") and short in out:
             out[short] = int(s.value)
@@ -266,6 +266,7 @@ def speculation_counts(url: str) -> dict[str, int]:
 
 
 def metric_samples(url: str) -> list:
+    """Every sample of one ``GET /metrics``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -288,15 +289,16 @@ def measure_loadmaster(url: str, run: Run, args: argparse.Namespace) -> None:
 
     run.tokens, stamps = stream_one(url, args.new_tokens)
     run.one_stream_tok_s = decode_rate(stamps)
-    for name, value in speculation_counts(url).items():
+    samples = metric_samples(url)  # one read for the stream's counters and storage figures
+    for name, value in speculation_counts(samples).items():
         setattr(run, name, value)
     info = httpx.get(url + "/info", timeout=60).json()
     run.predicted_tok_s = predicted_rate(info)
     run.batch_slots = (info.get("limits") or {}).get("max_batch_size")
-    run.storage_bytes_per_token, run.weights_bytes = storage_metrics(url)
+    run.storage_bytes_per_token, run.weights_bytes = storage_metrics(samples)
     if args.clients > 0:
         run.clients_tok_s = clients_rate(url, args.clients, args.new_tokens)
-        run.storage_bytes_per_token_clients, _ = storage_metrics(url)
+        run.storage_bytes_per_token_clients, _ = storage_metrics(metric_samples(url))
 
 
 def run_loadmaster(model: Path, limit: int, args: argparse.Namespace, logs: Path, speculate: str = "") -> Run:

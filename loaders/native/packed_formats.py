@@ -287,10 +287,6 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _kn(m: PackedLinear) -> tuple[int, int]:
-    return m.in_features, m.out_features
-
-
 def _map_saved(
     model: nn.Module, cache: RepackCache, layers: list[str], fresh: dict[str, QuantizedCPULinear], stats: PackedStats
 ) -> None:
@@ -359,7 +355,9 @@ def repack_packed_linears(
     for name, m in layers:
         new = None
         if saved is not None and name in saved:
-            new = cache.layer(name, saved[name], m.bias.detach() if m.bias is not None else None, *_kn(m))
+            new = cache.layer(
+                name, saved[name], m.bias.detach() if m.bias is not None else None, m.in_features, m.out_features
+            )
         if new is not None:
             kind = new.scheme
         else:

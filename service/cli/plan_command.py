@@ -123,6 +123,18 @@ def _compress_runs(device_map: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+def _speculative_lines(plan: Plan) -> list[str]:
+    """The plan's speculative prediction, where it has a draft model."""
+    p, draft = plan.prediction, plan.workload.draft
+    if not p.speculative_tokens_per_s or p.speculative_acceptance is None or draft is None:
+        return []
+    return [
+        f"speculative: {p.speculative_tokens_per_s:.3g} tokens/s for one stream with the draft, if "
+        f"{p.speculative_acceptance:.0%} of its {draft.tokens} tokens a pass are accepted (serve's /info "
+        "predicts again from the acceptance it measures)"
+    ]
+
+
 def format_plan(plan: Plan) -> str:
     w = plan.workload
     q = f", {w.quantization}" if w.quantization else ""
@@ -167,13 +179,7 @@ def format_plan(plan: Plan) -> str:
             if w.batch_size > 1 and p.lone_decode_tokens_per_s
             else ""
         ),
-        *(
-            f"speculative: {p.speculative_tokens_per_s:.3g} tokens/s for one stream with the draft, if "
-            f"{p.speculative_acceptance:.0%} of its {w.draft.tokens} tokens a pass are accepted (serve's /info "
-            "predicts again from the acceptance it measures)"
-            for _ in [0]
-            if p.speculative_tokens_per_s and w.draft is not None
-        ),
+        *_speculative_lines(plan),
         f"cost model: {p.cost_model}",
         "",
         "kernels:",
@@ -203,9 +209,7 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = cluster_plan_from_args(args, inputs_from_args(args))
         sys.stdout.write((cluster.to_json() if args.json else format_cluster_plan(cluster)) + "\n")
         return 0
-    inputs = inputs_from_args(args)
-    if isinstance(args.model, str) and Path(args.model).expanduser().is_dir():  # serve's disk tier (disk_tier.py)
-        inputs = with_checkpoint_disk(inputs, Path(args.model).expanduser())
+    inputs = with_checkpoint_disk(inputs_from_args(args), Path(args.model).expanduser())  # serve's disk tier
     result = plan_inputs(args.model, with_draft(args, inputs))
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -31,14 +33,34 @@ PROMPT = "The sea is"
 NEW_TOKENS = 8
 
 
-def _serve_in(box_limit: int, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Path, object]:
+@contextmanager
+def _served_in(box_limit: int, tmp_path: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``loadmaster serve`` of the 100M Llama (``flags`` added) in a fresh memory cgroup of ``box_limit`` bytes: its
+    URL and process once ready. On the way out the server stops, the box goes, and no OOM kill may have happened."""
     box = make_box(box_limit)
     port = free_port()
     log = tmp_path / "server.log"
     argv = [sys.executable, "-m", "service.cli", "serve", str(llama_100m_dir()), "--port", str(port), *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, preexec_fn=box.join())
-    return proc, f"http://127.0.0.1:{port}", log, box
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, log, timeout=300, poll=0.5)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        kills = box.oom_kills()
+        box.remove()
+    assert kills == 0, log.read_text()[-3000:]
+
+
+def _greedy_ids(url: str) -> list[int]:
+    """The token ids a greedy ``/generate`` of the prompt returns."""
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
 
 
 def _reference_ids() -> list[int]:
@@ -52,19 +74,13 @@ def _reference_ids() -> list[int]:
 
 @pytest.mark.skipif(why_not is not None, reason=why_not or "")
 def test_no_flag_serve_in_a_box_smaller_than_the_model_is_ready_correct_and_not_killed(tmp_path: Path) -> None:
-    proc, url, log, box = _serve_in(BOX, tmp_path)
-    try:
-        _wait_ready(url, proc, log, timeout=300, poll=0.5)
+    with _served_in(BOX, tmp_path) as (url, proc):
         info = httpx.get(url + "/info", timeout=30).json()
         plan = info["model"]["plan"] if "model" in info and "plan" in info["model"] else info["plan"]
         devices = {b["device"]: b for b in plan["budgets"]}
         assert devices["disk"]["weights"] > 0 and devices["cpu"]["weights"] > 0, plan["budgets"]  # split, as planned
         assert devices["cpu"]["capacity"] < BOX, "the plan's CPU capacity is the box minus the process's footprint"
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-        r = httpx.post(url + "/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        got = [t["id"] for t in r.json()["details"]["tokens"]]
-        assert got == _reference_ids()
+        assert _greedy_ids(url) == _reference_ids()
         samples = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
@@ -74,34 +90,17 @@ def test_no_flag_serve_in_a_box_smaller_than_the_model_is_ready_correct_and_not_
         assert streamed == devices["disk"]["weights"]  # the offload runs as planned, and /metrics says so
         assert samples[("loadmaster_storage_read_bytes_per_token", ())] >= 0
         assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        kills = box.oom_kills()
-        box.remove()
-    assert kills == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.skipif(why_not is not None, reason=why_not or "")
 def test_an_int4_draft_copy_loads_in_the_box_and_keeps_greedy_tokens(tmp_path: Path) -> None:
     """``--speculate int4`` in the same box: the copy quantizes the model's weights from the shards' maps, so its
     load never holds the float model (it was OOM-killed here when it did); greedy tokens stay transformers'."""
-    proc, url, log, box = _serve_in(BOX, tmp_path, "--speculate", "int4")
-    try:
-        _wait_ready(url, proc, log, timeout=300, poll=0.5)
+    with _served_in(BOX, tmp_path, "--speculate", "int4") as (url, proc):
         info = httpx.get(url + "/info", timeout=30).json()
         assert info["speculation"]["draft_model"]["scheme"] == "int4"
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
-        r = httpx.post(url + "/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert [t["id"] for t in r.json()["details"]["tokens"]] == _reference_ids()
+        assert _greedy_ids(url) == _reference_ids()
         assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        kills = box.oom_kills()
-        box.remove()
-    assert kills == 0, log.read_text()[-3000:]
 
 
 def test_a_box_too_small_for_one_sequence_exits_2_and_its_cpu_quantization_advice_serves(tmp_path: Path) -> None:
