@@ -64,6 +64,29 @@ def _one_stream(engine, prompt_ids: list[int], new_tokens: int) -> StreamRun:
             return StreamRun(tokens, rate, (cpu_last - cpu_first) * 1e3 / after)
 
 
+def _many_streams(engine, prompts: list[list[int]], new_tokens: int) -> StreamRun:
+    """All of ``prompts`` submitted at once, as concurrent clients: their tokens, in order, and the aggregate rate
+    (every generated token over the wall time from submission to the last finish)."""
+    from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
+
+    sinks: list[queue.Queue] = [queue.Queue() for _ in prompts]
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for ids, sink in zip(prompts, sinks):
+        engine.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=new_tokens, ignore_eos=True), sink.put)
+    tokens: list[int] = []
+    for sink in sinks:
+        while True:
+            ev = sink.get(timeout=600)
+            if isinstance(ev, ErrorEvent):
+                raise SystemExit(ev.message)
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev.id)
+            if isinstance(ev, FinishEvent):
+                break
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return StreamRun(tokens, len(tokens) / wall, cpu * 1e3 / max(1, len(tokens)))
+
+
 def run(
     path: Path,
     prompt: str,
@@ -73,6 +96,7 @@ def run(
     modes: list[str],
     disk_layers: int,
     always_draft: bool = False,
+    clients: int = 1,
 ) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -86,12 +110,16 @@ def run(
     model = load_model(path, _device_map(path, disk_layers), offload_folder=offload, show_progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     prompt_ids = tok(prompt)["input_ids"]
+    if clients > 1:
+        from bench.serve import prompts as client_prompts
+
+        many = [tok(text)["input_ids"] for text in client_prompts(clients)]
     copies = {mode: load_draft_copy(path, mode, "float32") for mode in modes if mode in DRAFT_SCHEMES}
     engines = {
         mode: Engine(
             model,
             tok,
-            max_batch_size=1,
+            max_batch_size=clients,
             prefix_cache=False,
             speculate=mode,
             speculate_tokens=draft_tokens,
@@ -108,7 +136,10 @@ def run(
     try:
         for _ in range(repeats):  # side by side: a contended CPU slows every mode alike
             for mode, engine in engines.items():
-                stream = _one_stream(engine, prompt_ids, new_tokens)
+                if clients > 1:
+                    stream = _many_streams(engine, many, new_tokens)
+                else:
+                    stream = _one_stream(engine, prompt_ids, new_tokens)
                 outputs[mode] = stream.tokens
                 runs[mode].append(stream)
     finally:
@@ -160,6 +191,9 @@ def main() -> int:
         "--always-draft", action="store_true", help="keep the step gate open: every step drafts (acceptance, cost)"
     )
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--clients", type=int, default=1, help="concurrent requests (distinct prompts): aggregate tokens/s instead"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -171,11 +205,20 @@ def main() -> int:
         path = build_demo_model()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     rows = run(
-        path, args.prompt, args.new_tokens, args.repeats, args.draft_tokens, modes, args.disk_layers, args.always_draft
+        path,
+        args.prompt,
+        args.new_tokens,
+        args.repeats,
+        args.draft_tokens,
+        modes,
+        args.disk_layers,
+        args.always_draft,
+        args.clients,
     )
     disk = f", last {args.disk_layers} layers on disk" if args.disk_layers else ""
     disk += ", gate held open" if args.always_draft else ""
-    print(f"\nOne stream, {args.new_tokens} greedy tokens, best of {args.repeats}; model {path}{disk}\n")
+    streams = "One stream" if args.clients == 1 else f"{args.clients} concurrent streams (aggregate)"
+    print(f"\n{streams}, {args.new_tokens} greedy tokens each, best of {args.repeats}; model {path}{disk}\n")
     print_table(
         rows,
         [
@@ -199,6 +242,7 @@ def main() -> int:
                 "model": str(path),
                 "disk_layers": args.disk_layers,
                 "always_draft": args.always_draft,
+                "clients": args.clients,
                 "rows": rows,
             },
         )

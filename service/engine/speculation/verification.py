@@ -48,6 +48,7 @@ from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
 from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter, RowDraft
+from service.engine.speculation.step_gate import StepGate
 
 #: ``ngram``: prompt lookup; ``int4``/``int8``: the target's own weights quantized, resident, as the draft model;
 #: ``model``: a smaller checkpoint with the target's tokenizer (``--draft-model``).
@@ -181,67 +182,6 @@ def speculable(seq: Sequence) -> bool:
     )
 
 
-#: Weight of the newest step in the gate's moving averages.
-SMOOTHING = 0.2
-#: Steps the gate stays shut before it lets one drafting step through to measure again ...
-PROBE_EVERY = 64
-#: ... doubled after each probe that found drafting still dearer, up to this (a probe of a draft model costs its
-#: catch-up prefill and k forwards, which on a model where drafts never pay should not recur every 64 steps).
-MAX_PROBE_EVERY = 1024
-
-
-@dataclass
-class StepGate:
-    """Whether drafting pays on this model and machine, measured: the seconds per emitted token of pure decode
-    steps with drafts (drafting time included: a draft model's forwards are not free) against those without, per
-    count of decode rows (a step of 16 rows costs more than one of 1, whatever it drafts). While drafting steps cost
-    more per token than plain ones, steps draft nothing, but for one probe every :data:`PROBE_EVERY` steps (an
-    interval that doubles, up to :data:`MAX_PROBE_EVERY`, while probes keep finding drafts dearer); while they cost
-    less, one step in :data:`PROBE_EVERY` drafts nothing, so that the plain cost is known at all (rows whose drafts
-    are always accepted would otherwise never run a plain step) and stays current. It gates greedy rows only:
-    whether a sampled row drafts changes which random numbers it draws, so that must not depend on timing (a seed
-    would no longer give the same tokens); a sampled row's drafting follows its own acceptance alone
-    (:class:`DraftLength`). A small resident model whose plain step runs the native one-token decode kernel is where
-    this shuts; a model read from disk, whose step costs its weight reads whatever the row width, is where it stays
-    open."""
-
-    #: False: always open (tests that must see drafts whatever the timing).
-    measure: bool = True
-    plain: dict[int, float] = field(default_factory=dict)  # decode rows -> seconds per token, steps without drafts
-    drafted: dict[int, float] = field(default_factory=dict)  # the same, steps with drafts
-    shut_steps: int = 0
-    open_steps: int = 0
-    probe_every: int = PROBE_EVERY
-
-    def open(self, rows: int) -> bool:
-        if not self.measure:
-            return True
-        plain, drafted = self.plain.get(rows), self.drafted.get(rows)
-        if drafted is not None and (plain is None or drafted <= plain):
-            self.probe_every = PROBE_EVERY
-            self.open_steps += 1
-            if plain is None or self.open_steps >= PROBE_EVERY:  # a plain step, to compare with
-                self.open_steps = 0
-                return False
-            return True
-        if plain is None or drafted is None:
-            return True
-        self.shut_steps += 1
-        if self.shut_steps >= self.probe_every:
-            self.shut_steps = 0
-            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)  # back to 64 once drafting pays
-            return True
-        return False
-
-    def observe(self, rows: int, seconds: float, tokens: int, drafted: bool) -> None:
-        """A pure decode step of ``rows`` rows took ``seconds`` and emitted ``tokens`` tokens."""
-        if tokens <= 0:
-            return
-        table = self.drafted if drafted else self.plain
-        old, new = table.get(rows), seconds / tokens
-        table[rows] = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
-
-
 @dataclass
 class _RowState:
     """What the speculator keeps for one running sequence (dropped with it)."""
@@ -264,7 +204,7 @@ class Speculator:
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     gate: StepGate = field(default_factory=StepGate)
     step_draft_seconds: float = 0.0
-    _gate_open: bool = True
+    _greedy_allowed: int = 0
     _rows: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -286,9 +226,9 @@ class Speculator:
         return self.mode != "off"
 
     def begin_step(self, decode_rows: int) -> None:
-        """A step with ``decode_rows`` decode rows is being scheduled: whether its greedy rows draft
-        (:class:`StepGate`)."""
-        self._gate_open = self.gate.open(decode_rows) if self.enabled else False
+        """A step with ``decode_rows`` decode rows is being scheduled: how many of its greedy rows may draft
+        (:class:`~.step_gate.StepGate`)."""
+        self._greedy_allowed = self.gate.allowed(decode_rows) if self.enabled and decode_rows else 0
         self.step_draft_seconds = 0.0
 
     def drafts(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
@@ -297,8 +237,9 @@ class Speculator:
         the rows together (:meth:`~.model_drafter.ModelDrafter.propose`)."""
         out: list[list[int]] = [[] for _ in seqs]
         asks: list[tuple[int, _RowState, list[int], int]] = []
+        greedy = self._greedy_drafters(seqs, rooms)
         for i, (seq, room) in enumerate(zip(seqs, rooms)):
-            state = self._state(seq, room)
+            state = self._state(seq, room, i in greedy)
             if state is not None:
                 want = max(min(state.length.current(), room), 0)
                 asks.append((i, state, seq.request.prompt_ids + seq.generated, want))
@@ -318,11 +259,34 @@ class Speculator:
             out[i] = drafts
         return out
 
-    def _state(self, seq: Sequence, room: int) -> _RowState | None:
+    def _greedy_drafters(self, seqs: list[Sequence], rooms: list[int]) -> set[int]:
+        """Which of the step's greedy rows may draft: all, none, or as many as the gate allows, those with the
+        least context the draft model must catch up on first (a probe should cost one short catch-up, not 16
+        prompts)."""
+        rows = [
+            i
+            for i, (seq, room) in enumerate(zip(seqs, rooms))
+            if room > 0 and not seq.chooser.params.sampling and speculable(seq)
+        ]
+        if self._greedy_allowed >= len(rows):
+            return set(rows)
+        if self._greedy_allowed <= 0:
+            return set()
+        return set(sorted(rows, key=lambda i: self._behind(seqs[i]))[: self._greedy_allowed])
+
+    def _behind(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its drafter has not seen yet (all of them before its first draft)."""
+        state = self._rows.get(seq)
+        total = len(seq.request.prompt_ids) + len(seq.generated)
+        if state is None or not isinstance(state.drafter, RowDraft):
+            return total if self.model is not None else 0
+        return total - len(state.drafter.held)
+
+    def _state(self, seq: Sequence, room: int, greedy_allowed: bool) -> _RowState | None:
         """``seq``'s drafting state, made on its first draft; None for a row that does not draft this step."""
         if not self.enabled or room <= 0 or not speculable(seq):
             return None
-        if not self._gate_open and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
+        if not greedy_allowed and not seq.chooser.params.sampling:  # timing may decide for greedy rows only
             return None
         state = self._rows.get(seq)
         if state is None:

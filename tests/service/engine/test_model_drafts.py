@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.engine.engine import Engine
 from service.engine.speculation.model_drafter import DraftAsk, ModelDrafter
+from service.engine.speculation.step_gate import StepGate
 from service.engine.speculation.verification import Speculator
 from service.model.draft_copy import draft_dtype, load_draft_copy
 from tests.models import demo_model_dir
@@ -62,6 +63,34 @@ def test_greedy_is_identical_with_quantized_drafts_half_on_disk(tiny_llama: Path
     assert "disk" in set(model.hf_device_map.values())
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     _same_with_and_without(model, tok, "int4", tiny_llama, concurrent)
+
+
+class _ProbingGate(StepGate):
+    """A gate that probes every step: one greedy row of the batch drafts, as a shut gate's probe lets it."""
+
+    def _decide(self, rows: int) -> int:
+        return 1
+
+
+def test_a_probe_drafts_one_row_of_the_batch_and_keeps_greedy_tokens(tiny_llama: Path) -> None:
+    """A shut gate's probe must cost one row's catch-up, not every row's prompt: one row a step drafts, and the
+    batch's tokens are still plain greedy decoding's."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    reqs = _requests(tok, 6, 20)
+    plain, _ = _generate(model, tok, reqs, "off", slots=6)
+    copy = load_draft_copy(tiny_llama, "int4", "float32")
+    engine = Engine(
+        model, tok, max_batch_size=6, max_queue=64, speculate="int4", speculate_tokens=4, draft_model=copy.model
+    )
+    engine.speculator.gate = _ProbingGate()
+    engine.start()
+    try:
+        assert _tokens(engine, reqs) == plain
+    finally:
+        engine.stop()
+    passes = engine.speculator.stats.verify_passes
+    assert 0 < passes <= engine.steps  # at most one verify row a step (six would draft with the gate open)
 
 
 def test_a_trained_models_int8_copy_is_mostly_accepted_on_text_that_does_not_repeat() -> None:

@@ -15,7 +15,8 @@ from service.engine.engine import Engine
 from service.engine.requests import ErrorEvent, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.sampling import Choice, SamplingParams
 from service.engine.speculation.ngram_drafter import NgramIndex, propose
-from service.engine.speculation.verification import PROBE_EVERY, DraftLength, StepGate, accepted, sampled
+from service.engine.speculation.step_gate import PROBE_EVERY, StepGate
+from service.engine.speculation.verification import DraftLength, accepted, sampled
 from tests.models import llama_100m_dir
 
 #: Prompts that repeat themselves, so that prompt lookup has something to find.
@@ -250,29 +251,50 @@ def test_the_longest_prefix_of_matching_drafts_is_accepted_plus_the_target_token
     assert verdict.accepted == 3 and [c.token for c in verdict.choices] == [5, 6, 9, 1]
 
 
-def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes_again() -> None:
+def test_the_gate_shuts_greedy_drafting_where_it_costs_more_per_token_and_probes_with_one_row() -> None:
     gate = StepGate()
-    assert gate.open(1)  # nothing measured yet
-    gate.observe(1, 0.010, 1, drafted=False)
-    gate.observe(1, 0.030, 2, drafted=True)  # 15 ms a token against 10
-    assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
-    assert gate.open(1)  # a probe
-    assert gate.open(4)  # another batch size is measured on its own
-    for _ in range(10):  # drafts start paying: 5 ms a token
-        gate.observe(1, 0.020, 4, drafted=True)
-    assert gate.drafted[1] < gate.plain[1] and gate.open(1)
+    assert gate.allowed(16) == 1  # nothing measured yet: one row probes, so a first look costs one catch-up
+    gate.observe(16, 0.300, 20, drafted=True)  # 15 ms a token
+    assert gate.allowed(16) == 0  # a plain step to compare with
+    gate.observe(16, 0.160, 16, drafted=False)  # 10 ms a token: the probe cost more
+    assert not any(gate.allowed(16) for _ in range(PROBE_EVERY - 1))
+    assert gate.allowed(16) == 1  # the next probe is one row again
+    assert gate.allowed(15) == 0  # a count never compared borrows the nearest one's verdict: no new probe
+
+
+def test_a_probe_that_pays_earns_every_row_a_trial_and_drafting_that_pays_stays_open() -> None:
+    gate = StepGate()
+    gate.observe(16, 0.160, 16, drafted=False)  # 10 ms a token
+    assert gate.allowed(16) == 1
+    gate.observe(16, 0.100, 20, drafted=True)  # the probe: 5 ms a token
+    assert gate.allowed(16) == 16  # every row drafts, to measure that
+    gate.observe(16, 0.120, 32, drafted=True)  # 3.75 ms a token: it pays
+    assert gate.allowed(16) == 16 and gate.allowed(9) == 9  # a narrower batch borrows the verdict: all 9 draft
     # while drafting pays, one step in PROBE_EVERY is plain, to keep the plain cost current
-    opened = [gate.open(1) for _ in range(PROBE_EVERY)]
-    assert opened.count(False) == 1
+    opened = [gate.allowed(16) for _ in range(PROBE_EVERY)]
+    assert opened.count(0) == 1 and set(opened) == {0, 16}
+
+
+def test_a_trial_that_costs_more_shuts_the_gate_until_the_next_probe() -> None:
+    gate = StepGate()
+    gate.observe(16, 0.160, 16, drafted=False)
+    gate.allowed(16)
+    gate.observe(16, 0.100, 20, drafted=True)  # the one-row probe pays ...
+    assert gate.allowed(16) == 16
+    gate.observe(16, 0.480, 32, drafted=True)  # ... but every row drafting costs 15 ms a token
+    steps = 1
+    while gate.allowed(16) != 1:
+        steps += 1
+    assert steps == PROBE_EVERY
 
 
 def test_the_gate_measures_a_plain_step_when_every_step_drafted() -> None:
     """Rows whose drafts are always accepted never rest: the gate itself lets a plain step through to compare."""
     gate = StepGate()
     gate.observe(1, 0.030, 2, drafted=True)
-    assert not gate.open(1)  # drafted steps measured, plain ones never: one plain step
+    assert gate.allowed(1) == 0  # drafted steps measured, plain ones never: one plain step
     gate.observe(1, 0.010, 1, drafted=False)  # 10 ms a token against 15: drafting costs more
-    assert not any(gate.open(1) for _ in range(PROBE_EVERY - 1))
+    assert not any(gate.allowed(1) for _ in range(PROBE_EVERY - 1))
 
 
 def test_the_gate_probes_less_often_while_drafts_keep_costing_more() -> None:
@@ -282,13 +304,13 @@ def test_the_gate_probes_less_often_while_drafts_keep_costing_more() -> None:
     gaps = []
     for _ in range(6):
         steps = 1
-        while not gate.open(1):
+        while not gate.allowed(1):
             steps += 1
         gaps.append(steps)
     assert gaps == [64, 128, 256, 512, 1024, 1024]  # each probe (a drafting step) found drafts dearer
     for _ in range(10):
         gate.observe(1, 0.010, 4, drafted=True)  # drafting pays now: the interval starts over
-    assert gate.open(1) and gate.probe_every == PROBE_EVERY
+    assert gate.allowed(1) == 1 and gate.probe_every == PROBE_EVERY
 
 
 def test_the_draft_length_adapts_and_rests_after_failures() -> None:
