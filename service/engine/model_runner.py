@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from loaders.native.decode_step import NativeDecoder
 from service.engine.kv_pool import BatchedBinding, BoundSlotCache, PackedBinding, SlotKVCache
 
+#: Most tokens a decode row may feed and still run on the native decode step (:meth:`ModelRunner.run`): a verify
+#: pass's drafts plus one, or a draft model's catch-up after a verify pass.
+SHORT_ROW = 17
+
 #: The lowest transformers the runner works with (pyproject's bound; a test keeps the two equal). Older ones take
 #: ``cache=`` into ``**kwargs`` without using it, so the model decodes without its KV cache: wrong tokens, no error.
 MIN_TRANSFORMERS = "5.24"
@@ -82,6 +86,10 @@ class Row:
     start: int
     tokens: Sequence[int]
     every_logits: bool = False
+    #: A decode row: a sequence's last token, and the drafts it verifies if any, or a draft model's few tokens of
+    #: catch-up; such a row may run on the native decode step one token a step-row (:meth:`ModelRunner.run`). A
+    #: prompt chunk is not one: it runs the model's forward, as transformers does.
+    decoding: bool = False
 
 
 @dataclass
@@ -183,7 +191,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, rows: Sequence[Row]) -> RunOutput:
-        """Feed every row's tokens in one forward (batched or packed, see the module docstring)."""
+        """Feed every row's tokens in one forward (batched or packed, see the module docstring; decode rows of a
+        few tokens each on the native decode step, see :meth:`_short_rows_native`)."""
+        native = self._short_rows_native(rows)
+        if native is not None:
+            return native
         calls = self.prepare(rows)
         self.forwards += len(calls)
         logits = [self._call(c) for c in calls]
@@ -191,6 +203,33 @@ class ModelRunner:
             self.model
         )  # a shard read in place was truncated during the step: its logits are not the model's
         return self.collect(rows, calls, logits)
+
+    def _short_rows_native(self, rows: Sequence[Row]) -> RunOutput | None:
+        """Decode rows that feed several tokens (a verify pass's drafts, a draft model's catch-up) on the native
+        decode step, each token a step-row of its own in its sequence's slot, or None where it does not take them.
+        The step writes every step-row's key and value before any attends, and step-row ``i`` attends positions
+        ``0 .. start + i`` of its slot, so a row's later tokens see its earlier ones exactly as in a forward; the
+        products are the one-token step's, so a verified token gets the logits plain decoding would give it (the
+        model's forward costs ~10 ms of overhead a call on a small model, the step a tenth of that)."""
+        decoder = self.native_decoder
+        if decoder is None or all(len(r.tokens) == 1 for r in rows):
+            return None
+        if not all(len(r.tokens) == 1 or (r.decoding and len(r.tokens) <= SHORT_ROW) for r in rows):
+            return None
+        flat = [Row(r.slot, r.start + i, [token]) for r in rows for i, token in enumerate(r.tokens)]
+        if not decoder.takes(len(flat), self.cache.keys):
+            return None
+        logits = self.forward(flat)
+        last: list[torch.Tensor] = []
+        every: dict[int, torch.Tensor] = {}
+        at = 0
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            last.append(logits[at + n - 1])
+            if r.every_logits:
+                every[b] = logits[at : at + n]
+            at += n
+        return RunOutput(last=torch.stack(last), every=every)
 
     def close(self) -> None:
         """Nothing to stop (the device pipeline's runner stops its workers here)."""

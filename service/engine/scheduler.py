@@ -199,7 +199,7 @@ class Scheduler:
         """``seq``'s decode row: its last token at its own position, followed by the tokens it drafts, if any
         (:mod:`service.engine.speculation.verification`), which then asks for the logits after every fed token."""
         start = len(seq.request.prompt_ids) + len(seq.generated) - 1
-        row = Row(seq.slot, start, [*seq.generated[-1:], *drafts], every_logits=bool(drafts))
+        row = Row(seq.slot, start, [*seq.generated[-1:], *drafts], every_logits=bool(drafts), decoding=True)
         return ScheduledRow(seq, row, False, tuple(drafts))
 
     def trim(self, seq: Sequence) -> None:

@@ -35,15 +35,15 @@ import torch
 
 from planner.placement.draft_budget import DRAFT_PREFILL_CHUNK
 from service.engine.kv_pool import SlotKVCache
-from service.engine.model_runner import ModelRunner, Row
+from service.engine.model_runner import SHORT_ROW, ModelRunner, Row
 from service.engine.prefix_index import common_prefix
 
 #: Most tokens one forward of the copy feeds, all rows together (bounds its activations on long prompts; the
 #: target's plan reserves the draft's working memory for this many).
 PREFILL_CHUNK = DRAFT_PREFILL_CHUNK
 #: New tokens beyond which a draft prefills them in a forward of their own, timed apart (a verify pass emits at most
-#: ``k + 1``; more means the row rested or starts).
-CATCH_UP = 17
+#: ``k + 1``; more means the row rested or starts). Fewer run on the native decode step where the copy takes it.
+CATCH_UP = SHORT_ROW
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class ModelDrafter:
                 take = max(1, min(len(tokens), budget - after))
                 budget -= take
                 taken.append((i, tokens[:take]))
-                rows.append(Row(asks[i].row.slot, len(asks[i].row.held), tokens[:take]))
+                rows.append(Row(asks[i].row.slot, len(asks[i].row.held), tokens[:take], decoding=True))
             last = self.runner.run(rows).last
             for b, (i, chunk) in enumerate(taken):
                 asks[i].row.held.extend(chunk)

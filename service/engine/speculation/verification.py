@@ -29,8 +29,10 @@ one token. So a model or a text where drafts fail pays for few wasted positions.
 
 The row is verified on its logits as the forward returns them, so it meets the same numbers as plain decoding only
 as far as the runner gives a row the same logits whatever it is batched with: exactly in fp32 (to ~1e-6, tested
-token for token); in bf16 a verify row runs on the prompt path's kernels, not the one-token decode step, and a near
-tie may then fall the other way.
+token for token). Where the native decode step runs the model, a verify row runs on it too, one step-row a token
+(:meth:`~service.engine.model_runner.ModelRunner.run`), so in bf16 each token gets the bits plain decoding gives it;
+a step too wide for it (more than 32 tokens in all) runs the forward's prompt kernels, and a bf16 near tie may then
+fall the other way.
 """
 
 from __future__ import annotations

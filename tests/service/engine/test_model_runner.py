@@ -213,6 +213,47 @@ def test_decode_rows_run_the_native_step_with_transformers_tokens(tiny_llama: Pa
         torch.testing.assert_close(step[row], ref_logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_rows_of_several_tokens_run_the_native_step_with_each_tokens_decode_logits(
+    tiny_llama: Path, dtype: str
+) -> None:
+    """A verify row (a decode row's token and its drafts, every token's logits) runs on the native decode step, one
+    step-row a token, next to a one-token row: each token's logits are those decoding it alone gives (bit for bit
+    in bf16, where a forward's prompt kernels would round differently), and a prompt chunk still takes the forward."""
+    import loaders
+
+    model = loaders.load_model(tiny_llama, device_map={"": "cpu"}, dtype=dtype, show_progress=False)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    drafts = [7, 11, 13, 5]
+
+    def runner_after_prompts() -> ModelRunner:
+        runner = ModelRunner(model, CPU, SlotKVCache(slots=4, max_len=64))
+        runner.forward([Row(s, 0, p) for s, p in enumerate(prompts)])
+        return runner
+
+    together = runner_after_prompts()
+    steps = together.native_decoder.steps
+    out = together.run(
+        [
+            Row(0, len(prompts[0]), [9, *drafts], every_logits=True, decoding=True),
+            Row(1, len(prompts[1]), [9], decoding=True),
+        ]
+    )
+    assert together.native_decoder.steps == steps + 1  # one step: five step-rows and one
+    alone = runner_after_prompts()
+    for i, token in enumerate([9, *drafts]):
+        logits = alone.forward([Row(0, len(prompts[0]) + i, [token])])[0]
+        if dtype == "bfloat16":
+            assert torch.equal(out.every[0][i], logits)
+        else:
+            torch.testing.assert_close(out.every[0][i], logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.last[0], out.every[0][-1])
+    steps = together.native_decoder.steps
+    together.run([Row(2, 0, prompts[0][:5])])
+    assert together.native_decoder.steps == steps  # a prompt chunk is the model's forward
+
+
 def test_the_row_independence_probe_sees_a_product_that_depends_on_its_batch() -> None:
     """The probe behind bf16 packing answers from what the products give: torch's GEMM as it is on this CPU, and a
     product whose rows pick up a trace of the rows beside them (which no CPU here gives, so it is written out)."""
