@@ -10,7 +10,9 @@ Measuring is not free either. A draft model's copy of a row's context is only ke
 rested must first be caught up (its whole prompt, on a first draft), which on 16 rows of a few hundred tokens costs
 more than a dozen plain steps. So a shut gate probes with **one** row (the one with least to catch up), and only a
 probe that pays earns a trial with every row. Row counts the gate has not compared yet borrow the verdict of the
-nearest count it has: a batch that shrinks by one as a request finishes is not a new machine.
+nearest count it has within a quarter of their own: a batch that shrinks by one as a request finishes is not a new
+machine, but 16 rows are not 2 (a 2-row verdict that drafting pays once opened 64 steps of 16 rows drafting, each
+catching up, before the gate had measured a plain 16-row step to compare with).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ PROBE_EVERY = 64
 #: ... doubled after each probe that found drafting still dearer, up to this (a probe costs its row's catch-up and
 #: a verify pass, which on a model where drafts never pay should not recur every 64 steps).
 MAX_PROBE_EVERY = 1024
+#: A row count not compared yet borrows the verdict of a compared count at most this fraction of it away.
+BORROW_WITHIN = 0.25
 
 
 @dataclass
@@ -84,8 +88,8 @@ class StepGate:
 
     def _ratio(self, table: dict[int, float], rows: int) -> float | None:
         """Seconds per token in ``table`` over those of plain steps, at the row count nearest ``rows`` where both
-        were measured; None where none was."""
-        both = [r for r in table if r in self.plain]
+        were measured, within :data:`BORROW_WITHIN` of ``rows``; None where none was."""
+        both = [r for r in table if r in self.plain and abs(r - rows) <= BORROW_WITHIN * rows]
         if not both:
             return None
         near = min(both, key=lambda r: (abs(r - rows), r))

@@ -269,7 +269,7 @@ def test_a_probe_that_pays_earns_every_row_a_trial_and_drafting_that_pays_stays_
     gate.observe(16, 0.100, 20, drafted=True)  # the probe: 5 ms a token
     assert gate.allowed(16) == 16  # every row drafts, to measure that
     gate.observe(16, 0.120, 32, drafted=True)  # 3.75 ms a token: it pays
-    assert gate.allowed(16) == 16 and gate.allowed(9) == 9  # a narrower batch borrows the verdict: all 9 draft
+    assert gate.allowed(16) == 16 and gate.allowed(13) == 13  # a batch a little narrower borrows the verdict
     # while drafting pays, one step in PROBE_EVERY is plain, to keep the plain cost current
     opened = [gate.allowed(16) for _ in range(PROBE_EVERY)]
     assert opened.count(0) == 1 and set(opened) == {0, 16}
@@ -286,6 +286,17 @@ def test_a_trial_that_costs_more_shuts_the_gate_until_the_next_probe() -> None:
     while gate.allowed(16) != 1:
         steps += 1
     assert steps == PROBE_EVERY
+
+
+def test_a_batch_far_wider_than_any_compared_measures_for_itself() -> None:
+    """Drafting that pays at 2 rows says nothing of 16: the gate compares a plain 16-row step and a probe first."""
+    gate = StepGate()
+    gate.observe(2, 0.020, 2, drafted=False)
+    gate.observe(2, 0.020, 6, drafted=True)  # at 2 rows drafting pays
+    assert gate.allowed(2) == 2
+    assert gate.allowed(16) == 0  # no verdict within a quarter of 16 rows: a plain step to compare with
+    gate.observe(16, 0.050, 16, drafted=False)
+    assert gate.allowed(16) == 1  # then a one-row probe, not every row's catch-up at once
 
 
 def test_the_gate_measures_a_plain_step_when_every_step_drafted() -> None:
