@@ -23,6 +23,14 @@ not otherwise, and the caller runs the model's own forward. Prompts always run t
 same cache, which holds each layer's keys and values as ``[slots, kv_heads, capacity, head_dim]``.
 
 Each row's result depends on that row alone, as on the module path, so batched decode equals sequential decode.
+
+Each call runs on as many threads as its work pays for (:func:`team`), up to torch's count: a parallel region costs
+its fork and barrier whatever it does, and on a small model every call of a step is small. Where libgomp stops
+spinning between regions (two threads of the process start them: a program that loaded on one thread and decodes on
+another, as ``bench.speculate`` does) a region costs ~11 us; there the 4-layer demo model (192 hidden, ~60 calls a
+step of a few microseconds' work each) decoded 530 tok/s on two threads, 1,419 on one and 1,632 with teams sized by
+work. The server, where one thread starts regions, ran it at the same speed either way. The count never changes a
+result: every kernel here splits its work by output rows or (row, head) tasks, never a sum.
 Forward pre-hooks (disk readahead) on a layer or its parts are called when the step reaches that layer.
 """
 
@@ -55,6 +63,16 @@ LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 FIXED_ROPE_TYPES = ("default", "linear", "llama3")
 #: Rows one step takes: the float kernels' row limit (``kernel_build.KERNELS``). Bigger decode batches run the model.
 MAX_ROWS = 32
+#: Bytes a kernel call reads or writes per thread it runs on (:func:`team`). Below this a second thread costs more
+#: to wake and join than it saves: on 2 cores of an AMD EPYC a 192x512 fp32 product (393 KB) took 20 us on one
+#: thread and 26 on two, a 1024x1024 one (4 MB) 126 and 50.
+MIN_BYTES_PER_THREAD = 512 * 1024
+
+
+def team(threads: int, work_bytes: int) -> int:
+    """Threads for a kernel call touching ``work_bytes``: one per :data:`MIN_BYTES_PER_THREAD`, at least one, at
+    most ``threads`` (torch's count, which the CPU share and the thread governor set)."""
+    return max(1, min(threads, work_bytes // MIN_BYTES_PER_THREAD))
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _ON = ("1", "true", "on", "yes", "")
@@ -70,6 +88,12 @@ class _Product:
     """One linear layer as a bound kernel call: ``out[:m] = x[:m] @ W^T (+ b)`` on the step's buffers."""
 
     call: Callable[[int, int], None]  # (rows, threads)
+    nbytes: int  # the weights' bytes (scales, zero points and bias included): what one row's product reads
+
+    def run(self, rows: int, threads: int) -> None:
+        """The product for ``rows`` rows, on the threads its work pays for: the weight read, plus an eighth of it
+        per extra row (its arithmetic; a row costs far less than the weights' read on these kernels)."""
+        self.call(rows, team(threads, self.nbytes * (7 + rows) // 8))
 
 
 @dataclass
@@ -254,7 +278,7 @@ class _KernelBinder:
             if fn(xp, ldx, count, *arrays, m, k, threads) != 0:
                 raise RuntimeError("the native multi-product kernel rejected a decode step's shapes")
 
-        return [_Product(call)]
+        return [_Product(call, _bytes_of(linears))]
 
     def product(self, linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> _Product:
         """``out = x @ W^T (+ b)`` on the float kernel of the model's dtype, or the int8 or 4-bit one."""
@@ -270,7 +294,7 @@ class _KernelBinder:
                 if fn(xp, ldx, wp, ldw, bias, yp, ldy, m, n, k, threads) != 0:
                     raise RuntimeError("the native linear kernel rejected a decode step's shapes")
 
-            return _Product(call)
+            return _Product(call, _bytes_of([linear]))
         if isinstance(linear, Fp8CPULinear):
             return self._fp8_product(linear, x, out, bias)
         if isinstance(linear, Mxfp4CPULinear):
@@ -301,7 +325,7 @@ class _KernelBinder:
             if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
                 raise RuntimeError("the native quantized kernel rejected a decode step's shapes")
 
-        return _Product(qcall)
+        return _Product(qcall, _bytes_of([linear]))
 
     def _fp8_product(self, linear: Fp8CPULinear, x: torch.Tensor, out: torch.Tensor, bias: int | None) -> _Product:
         """``out = x @ W^T (+ b)`` on the FP8 kernel, reading the layer's stored e4m3 bytes."""
@@ -330,7 +354,12 @@ class _KernelBinder:
             if fn(xp, ldx, bf16, *args, bias, yp, ldy, m, n, k, threads) != 0:
                 raise RuntimeError(f"the native {label} kernel rejected a decode step's shapes")
 
-        return _Product(call)
+        return _Product(call, _bytes_of([linear]))
+
+
+def _bytes_of(modules: Sequence[nn.Module]) -> int:
+    """Bytes of the modules' parameters and buffers: what their products read per step."""
+    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
 class NativeDecoder:
@@ -463,6 +492,11 @@ class NativeDecoder:
         ld = g.hidden
         runs, mask, span = _runs(pos_list, slot_list)
         mp = mask.data_ptr() if mask is not None else None
+        es = h.element_size()
+        # the element-wise calls' teams: a norm reads and writes its rows, silu_mul two inputs and an output
+        t_norm = team(threads, 2 * m * ld * es)
+        t_head_norm = team(threads, 2 * m * g.heads * g.head_dim * es)
+        t_silu = team(threads, 3 * m * g.intermediate * es)
         hooks = any(m._forward_pre_hooks for m in self._modules)  # noqa: SLF001 - disk readahead's, usually none
         if hooks:
             _call_hooks([m for m in self._outer if m._forward_pre_hooks] + _hooked(self.embed))  # noqa: SLF001
@@ -475,15 +509,15 @@ class NativeDecoder:
             kc, vc = keys[layer.index], values[layer.index]
             w, eps = layer.input_norm
             # the previous layer's MLP output joins the residual stream here, then this layer's input norm
-            rc |= fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            rc |= fn["add_rms_norm"](hp, ld, None if first else dp, ld, w, xp, ld, m, ld, eps, bf16, t_norm)
             first = False
             for p in layer.qkv:
-                p.call(m, threads)
+                p.run(m, threads)
             if layer.head_norms is not None:  # each head of q and k normalised on its own, in place
                 d = g.head_dim
                 for qk, heads, (w, eps) in zip((buf.q, buf.k), (g.heads, g.kv_heads), layer.head_norms):
                     p = qk.data_ptr()
-                    rc |= fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, threads)
+                    rc |= fn["add_rms_norm"](p, d, None, d, w, p, d, m * heads, d, eps, bf16, t_head_norm)
             rc |= fn["rope_store"](
                 buf.q.data_ptr(), buf.q.stride(0), buf.k.data_ptr(), buf.k.stride(0), buf.v.data_ptr(),
                 buf.v.stride(0), self._cos.data_ptr(), self._sin.data_ptr(), self._cos.stride(0),
@@ -491,23 +525,23 @@ class NativeDecoder:
                 kc.stride(2), m, g.heads, g.kv_heads, g.head_dim, bf16,
             )  # fmt: skip
             self._attend(layer, kc, vc, runs, mp, span, threads)
-            layer.o.call(m, threads)
+            layer.o.run(m, threads)
             w, eps = layer.post_norm
-            rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+            rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, t_norm)
             for p in layer.gate_up:
-                p.call(m, threads)
+                p.run(m, threads)
             rc |= fn["silu_mul"](
                 buf.gate.data_ptr(), g.intermediate, buf.up.data_ptr(), g.intermediate, buf.act.data_ptr(),
-                g.intermediate, m, g.intermediate, bf16, threads,
+                g.intermediate, m, g.intermediate, bf16, t_silu,
             )  # fmt: skip
-            layer.down.call(m, threads)
+            layer.down.run(m, threads)
         if hooks:
             _call_hooks(_hooked(self.final_norm_module) + _hooked(self.head_module))
         w, eps = self.final_norm
-        rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, threads)
+        rc |= fn["add_rms_norm"](hp, ld, dp, ld, w, xp, ld, m, ld, eps, bf16, t_norm)
         if rc:
             raise RuntimeError(f"a native decoder kernel (norm, rotary or activation) rejected a step of {m} rows")
-        self.head.call(m, threads)
+        self.head.run(m, threads)
         self.steps += 1
         return buf.logits[:m].clone()
 
@@ -527,13 +561,15 @@ class NativeDecoder:
         qd = g.heads * g.head_dim
         d = g.head_dim
         for run in runs:
+            # each row's keys and values are read once per KV head: the call's bytes
+            work = run.rows * run.keys * g.kv_heads * d * 2 * es
             rc = self._fn["decode_attention"](
                 buf.q.data_ptr() + run.first * qd * es, qd, d, 0,
                 kc.data_ptr() + run.slot * kc.stride(0) * es, kc.stride(0), kc.stride(1), kc.stride(2),
                 vc.data_ptr() + run.slot * vc.stride(0) * es, vc.stride(0), vc.stride(1), vc.stride(2),
                 (mask_ptr + run.first * span) if run.masked and mask_ptr is not None else None, span, 0,
                 buf.attn.data_ptr() + run.first * qd * es, qd, qd, d,
-                run.rows, g.heads, g.kv_heads, 1, run.keys, d, layer.scale, g.bf16, threads,
+                run.rows, g.heads, g.kv_heads, 1, run.keys, d, layer.scale, g.bf16, team(threads, work),
             )  # fmt: skip
             if rc != 0:
                 raise RuntimeError(f"the native attention kernel rejected a decode step ({rc})")

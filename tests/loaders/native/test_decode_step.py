@@ -18,7 +18,8 @@ from transformers import (
 
 import loaders
 from loaders.native.attention import use_native_attention
-from loaders.native.decode_step import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul
+from loaders.native import decode_step
+from loaders.native.decode_step import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul, team
 from loaders.native.linear import use_native_linears
 from tests.models import tiny_gpt2_dir, tiny_llama_dir
 
@@ -128,6 +129,32 @@ def test_fp32_step_matches_transformers(native_path, kind):
             model(torch.tensor([prompt + [token]]), cache=cache, use_cache=True)
             k = cache.layers[1].keys[0, :, -1]
             assert (keys[1][slot, :, len(prompt)] - k).abs().max().item() <= 1e-5
+
+
+def test_a_call_gets_a_thread_per_share_of_work_it_pays_for() -> None:
+    share = decode_step.MIN_BYTES_PER_THREAD
+    assert team(2, 8 * 1024) == 1  # a norm of one 2048-wide fp32 row: waking a second thread costs more
+    assert team(2, 2 * share) == 2 and team(2, 40 * share) == 2  # never past torch's count
+    assert team(1, 40 * share) == 1 and team(4, 3 * share) == 3
+    assert team(2, 0) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_gives_the_same_bits_on_one_thread_or_two_per_call(native_path, monkeypatch, dtype):
+    """Teams split work by output rows and (row, head) tasks, never a sum: the thread count changes no bit."""
+    model = _model("qwen3", dtype)
+    decoder = NativeDecoder(model)
+    keys, values = _prefilled(model, {s: p for s, p, _ in ROWS})
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(decode_step, "MIN_BYTES_PER_THREAD", 1)  # every call on both threads
+        both = _step(decoder, ROWS, {i: k.clone() for i, k in keys.items()}, values)
+        monkeypatch.setattr(decode_step, "MIN_BYTES_PER_THREAD", 1 << 40)  # every call on one
+        one = _step(decoder, ROWS, keys, values)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(both, one)
 
 
 def test_bf16_row_does_not_depend_on_its_batch(native_path):
