@@ -15,7 +15,12 @@ With ``--clients N`` the N prompts of ``bench.serve`` go to the engine at once i
 the rate is the aggregate: every generated token over the wall time from submission to the last finish. That is
 issue 35's "nothing lost at 16 clients" run on the random 100M, where drafts mostly fail.
 
-Run: ``.venv/bin/python -m bench.speculate [--model DIR] [--modes off,ngram,int4,int8] [--new-tokens 128]
+With ``--peers`` llama.cpp's own speculative decoding runs after ours on the same weights, prompt, token count and
+threads (:mod:`bench.peers.llamacpp_speculative`; built on first use, never in CI): plain, and with a ``q8_0`` and a
+``q4_0`` draft of the model (our ``int8`` and ``int4`` copies' counterparts), best of ``--repeats``; each of our
+modes is printed as a ratio to llama.cpp's speculative rate and to its plain one.
+
+Run: ``.venv/bin/python -m bench.speculate [--peers] [--model DIR] [--modes off,ngram,int4,int8] [--new-tokens 128]
 [--repeats 3] [--threads 2] [--disk-layers N] [--clients 16]``
 """
 
@@ -172,6 +177,31 @@ def run(
     return rows
 
 
+def _llamacpp_rows(path: Path, args: argparse.Namespace) -> list[dict]:
+    """llama.cpp on the same weights: plain greedy decode and its speculative example with q8_0 and q4_0 drafts,
+    best of ``--repeats`` each, the runs alternating."""
+    from bench.common import model_cache_dir
+    from bench.peers import llamacpp_speculative as peer
+
+    cache = model_cache_dir().parent / "peers"
+    bin_dir = peer.tools(cache)
+    target = peer.draft_file(bin_dir, path, cache, "f32")
+    drafts = {kind: peer.draft_file(bin_dir, path, cache, kind) for kind in ("q8_0", "q4_0")}
+    threads = args.threads or torch.get_num_threads()
+    runs: dict[str, list] = {"plain": [], **{f"draft {kind}": [] for kind in drafts}}
+    for _ in range(args.repeats):
+        runs["plain"].append(peer.plain(bin_dir, target, args.prompt, args.new_tokens, threads))
+        for kind, draft in drafts.items():
+            runs[f"draft {kind}"].append(
+                peer.speculative(bin_dir, target, draft, args.prompt, args.new_tokens, threads, args.draft_tokens)
+            )
+    rows = []
+    for mode, rs in runs.items():
+        best = max(rs, key=lambda r: r.tok_s)
+        rows.append({"mode": mode, "decode_tok_s": best.tok_s, "acceptance": best.acceptance})
+    return rows
+
+
 def _device_map(path: Path, disk_layers: int) -> dict[str, str]:
     """Everything on the CPU, but the last ``disk_layers`` decoder layers read from the checkpoint each step."""
     if disk_layers <= 0:
@@ -198,6 +228,7 @@ def main() -> int:
     parser.add_argument(
         "--clients", type=int, default=1, help="concurrent requests (distinct prompts): aggregate tokens/s instead"
     )
+    parser.add_argument("--peers", action="store_true", help="also run llama.cpp's speculative example (not in CI)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -238,6 +269,17 @@ def main() -> int:
             ("same_tokens", "same tokens"),
         ],
     )
+    peers = _llamacpp_rows(path, args) if args.peers else []
+    for peer in peers:
+        print(f"llama.cpp {peer['mode']}: {peer['decode_tok_s']:.1f} tok/s, acceptance {peer['acceptance']}")
+    if peers:
+        best_spec = max(p["decode_tok_s"] for p in peers if p["mode"] != "plain")
+        plain = next(p["decode_tok_s"] for p in peers if p["mode"] == "plain")
+        for row in rows:
+            print(
+                f"ours {row['mode']}: {row['decode_tok_s'] / best_spec:.2f}x llama.cpp's best speculative, "
+                f"{row['decode_tok_s'] / plain:.2f}x its plain decode"
+            )
     if args.out:
         write_json(
             args.out,
@@ -248,6 +290,7 @@ def main() -> int:
                 "always_draft": args.always_draft,
                 "clients": args.clients,
                 "rows": rows,
+                "llamacpp": peers,
             },
         )
     return 0 if all(row["same_tokens"] for row in rows) else 1
