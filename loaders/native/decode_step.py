@@ -74,6 +74,7 @@ def team(threads: int, work_bytes: int) -> int:
     most ``threads`` (torch's count, which the CPU share and the thread governor set)."""
     return max(1, min(threads, work_bytes // MIN_BYTES_PER_THREAD))
 
+
 _DTYPES = (torch.float32, torch.bfloat16)
 _ON = ("1", "true", "on", "yes", "")
 _OFF = ("0", "false", "off", "no")

@@ -17,8 +17,8 @@ from transformers import (
 )
 
 import loaders
-from loaders.native.attention import use_native_attention
 from loaders.native import decode_step
+from loaders.native.attention import use_native_attention
 from loaders.native.decode_step import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul, team
 from loaders.native.linear import use_native_linears
 from tests.models import tiny_gpt2_dir, tiny_llama_dir
