@@ -23,15 +23,15 @@ not otherwise, and the caller runs the model's own forward. Prompts always run t
 same cache, which holds each layer's keys and values as ``[slots, kv_heads, capacity, head_dim]``.
 
 Each row's result depends on that row alone, as on the module path, so batched decode equals sequential decode.
+Forward pre-hooks (disk readahead) on a layer or its parts are called when the step reaches that layer.
 
 Each call runs on as many threads as its work pays for (:func:`team`), up to torch's count: a parallel region costs
 its fork and barrier whatever it does, and on a small model every call of a step is small. Where libgomp stops
 spinning between regions (two threads of the process start them: a program that loaded on one thread and decodes on
-another, as ``bench.speculate`` does) a region costs ~11 us; there the 4-layer demo model (192 hidden, ~60 calls a
+another, as ``bench.speculate`` does) a region costs ~11 us; there the 4-layer demo model (192 hidden, ~45 calls a
 step of a few microseconds' work each) decoded 530 tok/s on two threads, 1,419 on one and 1,632 with teams sized by
 work. The server, where one thread starts regions, ran it at the same speed either way. The count never changes a
 result: every kernel here splits its work by output rows or (row, head) tasks, never a sum.
-Forward pre-hooks (disk readahead) on a layer or its parts are called when the step reaches that layer.
 """
 
 from __future__ import annotations
