@@ -195,15 +195,36 @@ def _bnb_int8_layer(w):
 
 def bnb_4bit_tensors(w: torch.Tensor, quant_type: str, double_quant: bool, blocksize: int = 64):
     """``w`` quantized by bitsandbytes' ``quantize_4bit``, as ``Linear4bit`` saves it: ``{suffix: tensor}`` with
-    ``weight`` and the packed quant state under ``weight.``; and bitsandbytes' own float32 dequantization."""
-    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    ``weight`` and the packed quant state under ``weight.``; and bitsandbytes' own float32 dequantization
+    (:func:`bnb_4bit_dequantized`)."""
+    from bitsandbytes.functional import quantize_4bit
 
     packed, state = quantize_4bit(
         w.float(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
     )
     t = {"weight": packed}
     t.update({f"weight.{k}": v for k, v in state.as_dict(packed=True).items()})
-    return t, dequantize_4bit(packed, state).float()
+    return t, bnb_4bit_dequantized(packed, state)
+
+
+def bnb_4bit_dequantized(packed: torch.Tensor, state) -> torch.Tensor:
+    """A bitsandbytes 4-bit weight decoded to float32 by bitsandbytes' own reference code: ``dequantize_4bit``'s steps
+    (the nested absmax decoded by its ``dequantize_blockwise``, plus the offset), then the torch implementation its
+    CPU backend falls back to and says matches its C++ and CUDA kernels, run eagerly.
+
+    Why not ``dequantize_4bit`` itself: on a CPU with AVX-512, bitsandbytes 0.50's CPU kernel decodes some shapes
+    wrongly. A 96x160 nf4 weight in blocks of 64 came back 0.09 off the weights on a Zen 4, where the code table
+    times each block's absmax is 0.025 off (the quantization error), wrong from the fourth block on; on AVX2 the
+    kernel and this agree bit for bit."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.functional import dequantize_blockwise
+
+    absmax = state.absmax
+    if state.nested:
+        absmax = dequantize_blockwise(state.absmax, state.state2) + state.offset
+    eager = getattr(_dequantize_4bit_compute, "__wrapped__", _dequantize_4bit_compute)  # not torch.compile's
+    flat = packed.reshape(-1).view(torch.uint8)
+    return eager(flat, absmax.float(), state.code.float(), state.blocksize, state.shape, torch.float32)
 
 
 def _quant_config(fmt: str, **o) -> dict:

@@ -1,4 +1,6 @@
-"""Our torch decoding of bitsandbytes 4-bit layers against bitsandbytes' own ``dequantize_4bit`` (its CPU backend).
+"""Our torch decoding of bitsandbytes 4-bit layers against bitsandbytes' own reference decoding
+(:func:`bench.quant_checkpoints.bnb_4bit_dequantized`: ``dequantize_4bit``'s steps on its torch implementation, since
+its AVX-512 CPU kernel decodes some shapes wrongly).
 
 Each layer is quantized by bitsandbytes' ``quantize_4bit``, saved under ``Linear4bit``'s keys through safetensors
 and read back, then decoded twice: by :func:`loaders.native.bnb_4bit.dequantize_bnb_4bit` from the stored tensors,
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bitsandbytes.functional import QuantState, dequantize_4bit
+from bitsandbytes.functional import QuantState
 from safetensors.torch import load_file, save_file
 
-from bench.quant_checkpoints import bnb_4bit_tensors
+from bench.quant_checkpoints import bnb_4bit_dequantized, bnb_4bit_tensors
 from loaders.errors import CheckpointError
 from loaders.native import operators
 from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit, read_quant_state
@@ -59,7 +61,7 @@ def test_decodes_as_bitsandbytes_does_bit_for_bit(quant_type, double_quant, n, k
     }
     assert ("weight.nested_absmax" in stored) == double_quant
     state = QuantState.from_dict({s.removeprefix("weight."): t for s, t in stored.items() if s != "weight"}, "cpu")
-    want = dequantize_4bit(stored["weight"], state).float()
+    want = bnb_4bit_dequantized(stored["weight"], state)
     got = dequantize_bnb_4bit(_stored_layer(stored, quant_type, n, k), "q_proj")
     assert got.shape == (n, k) and got.dtype == torch.float32
     assert torch.equal(got, want)
