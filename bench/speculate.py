@@ -185,8 +185,8 @@ def _llamacpp_rows(path: Path, args: argparse.Namespace) -> list[dict]:
 
     cache = model_cache_dir().parent / "peers"
     bin_dir = peer.tools(cache)
-    target = peer.draft_file(bin_dir, path, cache, "f32")
-    drafts = {kind: peer.draft_file(bin_dir, path, cache, kind) for kind in ("q8_0", "q4_0")}
+    target = peer.gguf(bin_dir, path, cache, "f32")
+    drafts = {kind: peer.gguf(bin_dir, path, cache, kind) for kind in ("q8_0", "q4_0")}
     threads = args.threads or torch.get_num_threads()
     runs: dict[str, list] = {"plain": [], **{f"draft {kind}": [] for kind in drafts}}
     for _ in range(args.repeats):

@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,36 +69,42 @@ def ensure_installed() -> None:
 LLAMA_QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
-def gguf_file(model_dir: Path, cache: Path, weight_type: str) -> Path:
+def gguf_file(
+    model_dir: Path, cache: Path, weight_type: str, quantize: Callable[[Path, Path, str], None] | None = None
+) -> Path:
     """The GGUF copy of ``model_dir`` in ``weight_type``, written once: ``f32``/``bf16``/``q8_0`` by
     :mod:`bench.peers.gguf_export`, the 4-bit types by llama.cpp's own quantizer from the ``f32`` copy (as its
-    ``llama-quantize`` tool makes them)."""
+    ``llama-quantize`` tool makes them): ``quantize(source, out, weight_type)``, through the binding by default
+    (:mod:`bench.peers.llamacpp_speculative` passes the tool itself). Written whole or not at all."""
     from bench.peers.gguf_export import export
 
     out = cache / "gguf" / f"{model_dir.name}-{weight_type}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    if weight_type in LLAMA_QUANTIZED:
-        _llama_quantize(gguf_file(model_dir, cache, "f32"), out, weight_type)
-    else:
-        export(model_dir, out, weight_type)
+    if weight_type not in LLAMA_QUANTIZED:
+        return export(model_dir, out, weight_type)
+    source = gguf_file(model_dir, cache, "f32")
+    partial = out.with_suffix(".partial")
+    try:
+        (quantize or _llama_quantize)(source, partial, weight_type)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(out)
     return out
 
 
 def _llama_quantize(source: Path, out: Path, weight_type: str) -> None:
-    """``source`` quantized to ``weight_type`` by llama.cpp (``llama_model_quantize``), written whole or not at all."""
+    """``source`` quantized to ``weight_type`` by llama.cpp (``llama_model_quantize``) into ``out``."""
     import llama_cpp as lc
 
     params = lc.llama_model_quantize_default_params()
     params.ftype = getattr(lc, LLAMA_QUANTIZED[weight_type])
     params.nthread = os.cpu_count() or 1
-    partial = out.with_suffix(".partial")
-    rc = lc.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    rc = lc.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
     if rc != 0:
-        partial.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize to {weight_type} failed with {rc}")
-    partial.replace(out)
 
 
 @dataclass

@@ -5,8 +5,8 @@ weights, prompt, token count and threads.
 Outside CI. The binding ``bench.peers.llamacpp`` installs builds no examples, so this module builds the two tools
 once from the source distribution of ``llama-cpp-python`` (pip-downloaded; it vendors llama.cpp whole) into
 ``<cache>/llama.cpp-<version>/build`` (``cmake``, native instruction set, about 5 minutes on 2 cores). The target
-is the checkpoint written as ``f32`` GGUF, the draft its ``q8_0`` (``bench.peers.gguf_export``) or ``q4_0``
-(llama.cpp's own ``llama-quantize``): llama.cpp's nearest counterparts of our ``int8`` and ``int4`` copies.
+is the checkpoint written as ``f32`` GGUF, the draft its ``q8_0`` or ``q4_0`` (:func:`gguf`; the latter by
+llama.cpp's own ``llama-quantize``): llama.cpp's nearest counterparts of our ``int8`` and ``int4`` copies.
 
 Both tools run greedy (``--temp 0``), ``--ignore-eos``, with the prompt as text (the GGUF carries the checkpoint's
 byte-level BPE vocabulary). The rate is llama.cpp's own: ``decoded N tokens in S seconds`` for the speculative
@@ -22,7 +22,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.peers.gguf_export import export
+from bench.peers.llamacpp import gguf_file
 
 #: The tools built, and the flags: CPU only, this CPU's instruction set, no tests, server or network.
 TARGETS = ("llama-speculative-simple", "llama-completion", "llama-quantize")
@@ -63,20 +63,16 @@ def tools(cache: Path) -> Path:
     return build / "bin"
 
 
-def draft_file(bin_dir: Path, model_dir: Path, cache: Path, kind: str) -> Path:
-    """The GGUF of ``model_dir`` in ``kind`` (``f32``, ``q8_0`` or ``q4_0``), written once under ``cache``."""
-    out = cache / "gguf" / f"{model_dir.name}-{kind}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "q4_0":
-        source = draft_file(bin_dir, model_dir, cache, "f32")
-        partial = out.with_suffix(".partial")
-        subprocess.run([str(bin_dir / "llama-quantize"), str(source), str(partial), "q4_0"], check=True,
+def gguf(bin_dir: Path, model_dir: Path, cache: Path, kind: str) -> Path:
+    """The GGUF of ``model_dir`` in ``kind`` (``f32``, ``q8_0`` or ``q4_0``), written once under ``cache`` as
+    :func:`bench.peers.llamacpp.gguf_file` writes it, ``q4_0`` by the ``llama-quantize`` tool built here (the binding
+    need not be installed)."""
+
+    def quantize(source: Path, out: Path, weight_type: str) -> None:
+        subprocess.run([str(bin_dir / "llama-quantize"), str(source), str(out), weight_type], check=True,
                        capture_output=True)  # fmt: skip
-        partial.replace(out)
-        return out
-    return export(model_dir, out, kind)
+
+    return gguf_file(model_dir, cache, kind, quantize)
 
 
 def _run(cmd: list[str]) -> str:

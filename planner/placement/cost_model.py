@@ -159,20 +159,20 @@ def predict(
 
     seconds_by_dev: dict[DeviceId, float] = {}
     rate_of: dict[DeviceId, float] = {}
+    # a disk block in the page cache: read at this rate, warm or (on a host without GPUs) after a cold read
+    cached_rate = measured.get("disk_warm", cpu.link_bandwidth if has_gpu else cpu.bandwidth) if cpu else None
     for dev_id, dev in by_id.items():
         if isinstance(dev_id, int):
             rate_of[dev_id] = dev.bandwidth
         elif dev_id == "cpu":
             rate_of[dev_id] = measured.get("cpu", dev.link_bandwidth if has_gpu else dev.bandwidth)
-        elif warm and cpu is not None:
-            rate_of[dev_id] = measured.get("disk_warm", cpu.link_bandwidth if has_gpu else cpu.bandwidth)
+        elif warm and cached_rate is not None:
+            rate_of[dev_id] = cached_rate
         else:
             rate_of[dev_id] = measured.get("disk", dev.bandwidth)
     cpu_compute_rate = _cpu_compute_rate(cpu, cal, dtype) if has_gpu else None
     # cold disk blocks on a host without GPUs: read, then computed from the page cache (the module docstring)
-    cold_compute_rate = None
-    if not warm and not has_gpu and cpu is not None:
-        cold_compute_rate = measured.get("disk_warm", cpu.bandwidth)
+    cold_compute_rate = cached_rate if not warm and not has_gpu else None
     host_blocks: set[int] = set()  # skeleton blocks (layers) the CPU computes whole: their experts add no hop
     for i, (item, dev) in enumerate(zip(problem.items, assignment)):
         runs_on = problem.item_runs_on(i, dev)
