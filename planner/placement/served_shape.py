@@ -18,8 +18,12 @@ from planner.placement.solve import Solution, lone_speed, make_problem, solve
 from planner.types import PREFILL_CHUNK, Workload
 
 #: Slots beyond one, or a step beyond the smallest, may cost a lone stream at most this fraction of its predicted
-#: speed: concurrency and prefill speed are taken where they are nearly free, not bought with a user's latency.
-SPEED_FLOOR = 0.9
+#: speed: concurrency and prefill speed are taken where they are cheap, not bought with much of a user's latency.
+#: 0.85, not 0.9, since the cost model overlaps a cold disk tier's reads with the CPU's work: each byte pushed to
+#: disk then weighs more against the shorter step. The 1.03B fp32 in a 3 GiB box on a Zen 4 (2026-12-07) fell to
+#: one slot at 0.9 (a second one predicted at 0.89x): one stream 1.94-2.18 tok/s, 16 clients 4.2-6.0; with two,
+#: one stream 1.80-2.25 and 16 clients 12.7-15.1.
+SPEED_FLOOR = 0.85
 #: The smallest prefill step a tight box is planned for: below it a long prompt takes many reads of the offloaded
 #: weights (one per step) for little memory.
 MIN_PREFILL_CHUNK = 256
