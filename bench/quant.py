@@ -14,7 +14,9 @@ kernels on the path ``LOADMASTER_CPU_ISA`` picks (default: the best this CPU run
 - ``gptq4``, ``awq4``, ``ct-int4``, ``ct-int8``, ``mxfp4``, ``bnb-nf4`` (when named): the model written once in that format
   (:data:`PREQUANTIZED`), loaded with ``dtype="bfloat16"``: the layers run the kernel the plan names for them;
 - ``quantization=int8`` (when named): ``load_model(..., quantization="int8")``, which on a machine without a GPU
-  takes the native int8 kernels (:mod:`planner.placement.quantization_choice`), quantized at load.
+  takes the native int8 kernels (:mod:`planner.placement.quantization_choice`), quantized at load;
+- ``quantization=nf4`` (when named): ``load_model(..., quantization="nf4")``, bitsandbytes quantizing at load and
+  computing with its own CPU backend, beside ``bnb-nf4`` (a saved nf4 checkpoint on our ``linear_nf4``).
 
 Each format's ratio to the contender issue 36 measures it against is printed after the table (:data:`TARGETS`).
 
@@ -68,6 +70,10 @@ PREQUANTIZED = {
 }
 #: ``load_model(..., quantization="int8")`` on this CPU-only machine: the native int8 kernels (not bitsandbytes).
 ASKED_INT8 = "quantization=int8"
+#: ``load_model(..., quantization="nf4")`` on this CPU-only machine: bitsandbytes' own CPU backend, beside
+#: ``bnb-nf4`` (the same format run by our ``linear_nf4``).
+ASKED_NF4 = "quantization=nf4"
+ASKED = {ASKED_INT8: "int8", ASKED_NF4: "nf4"}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CT2 = "ctranslate2-int8"  # the peer --peers adds (bench/peers/kernels_ctranslate2.py)
 LLAMACPP = "llama.cpp-q8_0"  # and llama.cpp's 8-bit (bench/peers/llamacpp.py)
@@ -125,6 +131,7 @@ class Target:
 TARGETS = (
     *(Target(s, "int4", 0.9) for s in ("gptq4", "awq4", "ct-int4", "mxfp4")),
     Target("bnb-nf4", "int4", None),
+    Target("bnb-nf4", ASKED_NF4, None),
     Target("ct-int8", "int8", 0.9),
     Target(FP8, "int8", 0.9),
     Target(FP8, "bf16", 1.8),
@@ -179,7 +186,7 @@ def worker(spec: dict) -> dict:
     elif scheme in PREQUANTIZED:  # repacked once, then mapped from the saved copy (as a server restarting does)
         kw = {"cpu_quantized_dir": str(Path(spec["saved"]) / scheme)}
     else:
-        kw = {"quantization": "int8"} if scheme == ASKED_INT8 else {}
+        kw = {"quantization": ASKED[scheme]} if scheme in ASKED else {}
     model = loaders.load_model(path, device_map={"": "cpu"}, dtype="bfloat16", show_progress=False, **kw)
     ready = time.perf_counter() - t0
     gen = time_engine_generation(model, new_tokens=spec["new_tokens"], vocab=model.config.vocab_size)
@@ -277,7 +284,7 @@ def main(argv=None) -> int:
         return 0
     path = args.model or llama_dir("1b", "bfloat16")
     schemes = args.schemes.split(",")
-    known = (*SCHEMES, ASKED_INT8, *PREQUANTIZED)
+    known = (*SCHEMES, *ASKED, *PREQUANTIZED)
     bad = [s for s in schemes if s not in known]
     if bad:
         raise SystemExit(f"--schemes: unknown {bad}; choose from {', '.join(known)}")
