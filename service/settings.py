@@ -16,7 +16,8 @@ from planner.errors import PlanError
 from planner.placement.inputs import PlanInputs
 from planner.placement.quantization_choice import NATIVE_ON_CPU
 from planner.placement.sizing import normalize_quantization
-from planner.types import PREFILL_CHUNK
+from planner.placement.speculative_rate import default_draft_tokens
+from planner.types import PREFILL_CHUNK, Plan
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -157,7 +158,18 @@ class ServiceSettings(BaseSettings):
         description="Draft tokens and verify them in one forward: ngram (prompt lookup), int4/int8 (the model's own "
         "weights quantized at load and kept on the CPU as the draft model; needs a CPU/disk plan), or off.",
     )
-    speculate_tokens: int = Field(4, ge=1, le=16, description="Most draft tokens a row proposes per verify pass.")
+    speculate_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="Most draft tokens a row proposes per verify pass (default: 4, or 8 where the plan streams the "
+        "model's weights: planner.placement.speculative_rate.default_draft_tokens).",
+    )
+
+    def draft_tokens(self, plan: Plan | None) -> int:
+        """``speculate_tokens``, or the default for where ``plan`` keeps the model's weights."""
+        return self.speculate_tokens or default_draft_tokens(plan)
+
     draft_model: str | None = Field(
         None,
         description="A smaller checkpoint with the target's tokenizer (directory: safetensors + config + tokenizer) "

@@ -22,11 +22,14 @@ queued read of a block the step has passed is skipped.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from loaders.checkpoint.device_order import module_for_entry
+
+log = logging.getLogger(__name__)
 
 
 class DiskReadahead:
@@ -61,7 +64,8 @@ class DiskReadahead:
                 return
             try:
                 self.reader.make_resident(path, start, end)
-            except (OSError, ValueError):  # best effort: the products fault in whatever is missing
+            except Exception:  # noqa: BLE001 - best effort off the step's path: the products fault in what is missing
+                log.warning("reading disk block %d ahead failed; its pages will be faulted in", j, exc_info=True)
                 return
 
     def _hook(self, ranges, done: int | None, j: int):

@@ -15,7 +15,8 @@ reach the computing device:
 On a host without GPUs, where two or more disk blocks are read whole from a cold disk, a thread reads the next disk
 block while the CPU computes (:mod:`loaders.run.readahead`), so a step takes the larger of the disk's reads and
 everything else, not their sum. Measured on a Zen 4 (1.03B fp32, cold): the sum predicted 1.57 tok/s in a 3 GiB box
-where 2.33 ran (-32%), and 0.72 in 1.5 GiB where 1.12 ran (-35%); the larger of the two predicts about 0.9x measured.
+where 2.33 ran (-32%), and 0.72 in 1.5 GiB where 1.12 ran (-35%); the larger of the two came within -28% to +11%
+of measured over six rounds (docs/benchmarks.md).
 
 Load time is the bytes copied out of the checkpoint over the storage read rate, plus the GPU share over the
 link. Disk-placed tensors are served from the checkpoint in place, so they cost nothing to load.

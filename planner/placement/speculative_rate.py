@@ -14,13 +14,19 @@ optimistic on a fast resident model, where the engine's gate stops drafting that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.types import Plan
 
 #: The acceptance the plan assumes before any draft was verified: about what the quantized copies of a trained
 #: model reach (the trained demo model's int4 copy: 0.82-0.84; its int8 copy: 0.93-0.95).
 DEFAULT_ACCEPTANCE = 0.7
+#: Draft tokens a row proposes at most per verify pass where the server was not told (``--speculate-tokens``), for
+#: a target held where it computes, and for one whose weights stream (from disk, or to the GPUs). A streamed pass
+#: reads the streamed weights once however many drafts it verifies, so more drafts a pass pay there: the 1.03B fp32
+#: in a 3 GiB box with its int4 copy drafting went from 5.53 tok/s at 4 to 6.38 at 8 (docs/benchmarks.md).
+RESIDENT_DRAFT_TOKENS = 4
+STREAMED_DRAFT_TOKENS = 8
 
 
 def tokens_per_pass(acceptance: float, draft_tokens: int) -> float:
@@ -64,3 +70,29 @@ def at_acceptance(predicted: float, assumed: float, measured: float, draft_token
     on how many of its drafts are accepted, only the tokens it yields."""
     seconds_per_pass = tokens_per_pass(assumed, draft_tokens) / predicted
     return tokens_per_pass(measured, draft_tokens) / seconds_per_pass
+
+
+def default_draft_tokens(plan: Plan | None) -> int:
+    """Most drafts a pass verifies where ``--speculate-tokens`` was not given: more where the plan streams weights."""
+    return STREAMED_DRAFT_TOKENS if plan is not None and plan.offloaded_bytes > 0 else RESIDENT_DRAFT_TOKENS
+
+
+def with_draft_tokens(plan: Plan, draft_tokens: int) -> Plan:
+    """``plan`` with its draft verifying ``draft_tokens`` a pass, the speculative prediction redone for them: a
+    pass is one plain step plus one draft-token time per draft, so the draft-token time comes out of the prediction
+    made for the old count (unchanged where the plan has no draft or no prediction of it)."""
+    prediction, draft = plan.prediction, plan.workload.draft
+    if draft is None or draft.tokens == draft_tokens:
+        return plan
+    workload = replace(plan.workload, draft=replace(draft, tokens=draft_tokens))
+    rate, acceptance, lone = (
+        prediction.speculative_tokens_per_s,
+        prediction.speculative_acceptance,
+        prediction.lone_decode_tokens_per_s,
+    )
+    if not rate or acceptance is None or not lone:
+        return replace(plan, workload=workload)
+    step = 1.0 / lone
+    draft_seconds = max(tokens_per_pass(acceptance, draft.tokens) / rate - step, 0.0) / draft.tokens
+    redone = speculative_tokens_per_s(step, draft_seconds, draft_tokens, acceptance)
+    return replace(plan, workload=workload, prediction=replace(prediction, speculative_tokens_per_s=round(redone, 4)))

@@ -114,7 +114,10 @@ def _add_serve_flags(parser: argparse.ArgumentParser, with_model: bool) -> None:
         "off; greedy output is unchanged, sampled output keeps its distribution",
     )
     g.add_argument(
-        "--speculate-tokens", type=int, default=None, help="most draft tokens a request proposes per pass (default 4)"
+        "--speculate-tokens",
+        type=int,
+        default=None,
+        help="most draft tokens a request proposes per pass (default 4, or 8 where the plan streams the weights)",
     )
     g.add_argument(
         "--draft-model",

@@ -31,13 +31,14 @@ import torch
 
 from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.devices import torch_device_name
+from planner.placement.speculative_rate import RESIDENT_DRAFT_TOKENS
 from planner.types import PREFILL_CHUNK
 from service.engine.kv_pool import SlotKVCache
 from service.engine.model_runner import require_transformers, supports_slot_cache
 from service.engine.requests import EngineMetrics, Event, GenerationRequest, NoMetrics, Sequence
 from service.engine.scheduler import Scheduler
 from service.engine.speculation.model_drafter import ModelDrafter
-from service.engine.speculation.verification import DEFAULT_DRAFT_TOKENS, SpeculationMode, Speculator
+from service.engine.speculation.verification import SpeculationMode, Speculator
 from service.engine.step_executor import StepExecutor
 from service.errors import GenerationError, NotReadyError, ServiceError
 
@@ -95,7 +96,7 @@ class Engine:
         threads: ThreadGovernor | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         speculate: SpeculationMode = "off",
-        speculate_tokens: int = DEFAULT_DRAFT_TOKENS,
+        speculate_tokens: int = RESIDENT_DRAFT_TOKENS,
         draft_model: torch.nn.Module | None = None,
     ):
         require_transformers()

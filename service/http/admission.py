@@ -113,7 +113,7 @@ class Runtime:
             threads=self.threads,
             prefill_chunk=engine_prefill_chunk(loaded),
             speculate=s.speculation_mode,
-            speculate_tokens=s.speculate_tokens,
+            speculate_tokens=s.draft_tokens(loaded.plan),
             draft_model=loaded.draft.model if loaded.draft is not None else None,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)

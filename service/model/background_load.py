@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
 from planner.placement.served_shape import choose_slots, choose_step
+from planner.placement.speculative_rate import with_draft_tokens
 from planner.types import PREFILL_CHUNK, Plan
 from service.model.disk_tier import with_checkpoint_disk
 from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy
@@ -254,6 +255,8 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     the_plan = result.plan
     assert the_plan is not None, "a load from plan inputs carries its plan"
     the_plan.reasons.extend(shape_reasons)
+    # the draft was budgeted before the target's plan said whether its weights stream: now the default can follow
+    the_plan = with_draft_tokens(the_plan, settings.draft_tokens(the_plan))
     draft = None
     if drafting is not None:
         copy = drafting.scheme in DRAFT_SCHEMES

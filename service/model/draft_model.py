@@ -159,9 +159,9 @@ def plan_drafting(
         path = draft_dir(settings, allowed_root_option)
         check_same_vocabulary(target, target_tok, path, load_tokenizer(path))
         plan = plan_draft(path, inputs)
-        return Drafting(replace(draft_budget(path, plan), tokens=settings.speculate_tokens), "model", path, plan)
+        return Drafting(replace(draft_budget(path, plan), tokens=settings.draft_tokens(None)), "model", path, plan)
     if settings.speculate in DRAFT_SCHEMES:
-        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=settings.speculate_tokens)
+        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=settings.draft_tokens(None))
         return Drafting(budget, settings.speculate)
     return None
 

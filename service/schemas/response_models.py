@@ -281,7 +281,10 @@ class SpeculationInfo(_Answer):
         description="off, ngram (prompt lookup), int4/int8 (the model's own weights quantized as the draft model), "
         "or model (--draft-model)."
     )
-    draft_tokens: int = Field(description="Most draft tokens a row proposes per verify pass.")
+    draft_tokens: int = Field(
+        description="Most draft tokens a row proposes per verify pass: --speculate-tokens, else 4, or 8 once the "
+        "loaded model's plan streams its weights."
+    )
     proposed: int = 0
     accepted: int = 0
     verify_passes: int = 0

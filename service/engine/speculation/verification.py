@@ -46,6 +46,7 @@ from typing import Literal
 
 import torch
 
+from planner.placement.speculative_rate import RESIDENT_DRAFT_TOKENS
 from service.engine.requests import Sequence
 from service.engine.sampling import Choice, draw
 from service.engine.speculation import ngram_drafter
@@ -59,9 +60,6 @@ SPECULATION_MODES: tuple[str, ...] = ("off", "ngram", "int4", "int8", "model")
 #: The modes whose drafts come from a draft model (:mod:`.model_drafter`): a quantized copy of the target, or
 #: another checkpoint.
 MODEL_DRAFTS: tuple[str, ...] = ("int4", "int8", "model")
-
-#: Draft tokens a row proposes at most per pass, unless the server says otherwise (``--speculate-tokens``).
-DEFAULT_DRAFT_TOKENS = 4
 
 #: Decode steps a row whose draft length fell to zero waits before it probes again with one draft token.
 COOLDOWN_STEPS = 8
@@ -201,7 +199,7 @@ class Speculator:
     gate weighs a drafting step with them, since a draft model's forwards are not free)."""
 
     mode: SpeculationMode = "off"
-    tokens: int = DEFAULT_DRAFT_TOKENS
+    tokens: int = RESIDENT_DRAFT_TOKENS
     model: ModelDrafter | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     gate: StepGate = field(default_factory=StepGate)

@@ -10,10 +10,14 @@ from planner.api import plan_inputs
 from planner.placement.inputs import PlanInputs
 from planner.placement.speculative_rate import (
     DEFAULT_ACCEPTANCE,
+    RESIDENT_DRAFT_TOKENS,
+    STREAMED_DRAFT_TOKENS,
     at_acceptance,
     current_prediction,
+    default_draft_tokens,
     speculative_tokens_per_s,
     tokens_per_pass,
+    with_draft_tokens,
 )
 from planner.types import DraftBudget
 from tests.models import tiny_llama_dir
@@ -49,3 +53,31 @@ def test_the_plan_predicts_with_its_draft_at_the_stated_acceptance():
     assert current_prediction(plan, None).tokens_per_s == p.speculative_tokens_per_s
     plain = plan_inputs(str(tiny_llama_dir()), PlanInputs(max_memory={"cpu": "8GiB"}))
     assert plain.prediction.speculative_tokens_per_s is None and current_prediction(plain, 0.9) is None
+
+
+def test_more_drafts_a_pass_by_default_where_the_plan_streams_and_the_prediction_follows():
+    """A plan that streams weights (disk) takes 8 drafts a pass by default, a resident one 4; the prediction redone
+    for 8 keeps the step and the draft-token time the plan predicted with, and is what the plan predicts when made
+    for 8 from the start."""
+    draft = DraftBudget(label="int4 copy", device="cpu", weights=50 << 20, working=1 << 20, kv_per_token=1024, tokens=4)
+    resident = plan_inputs(str(tiny_llama_dir()), PlanInputs(max_memory={"cpu": "8GiB"}, draft=draft))
+    assert resident.offloaded_bytes == 0 and default_draft_tokens(resident) == RESIDENT_DRAFT_TOKENS
+    assert default_draft_tokens(None) == RESIDENT_DRAFT_TOKENS
+    strategy = {"model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
+    box = PlanInputs(max_memory={"cpu": "8GiB", "disk": "8GiB"}, draft=draft, strategy=strategy)
+    streamed = plan_inputs(str(tiny_llama_dir()), box)
+    assert streamed.offloaded_bytes > 0 and default_draft_tokens(streamed) == STREAMED_DRAFT_TOKENS
+    redone = with_draft_tokens(streamed, STREAMED_DRAFT_TOKENS)
+    assert redone.workload.draft.tokens == STREAMED_DRAFT_TOKENS and streamed.workload.draft.tokens == 4
+    direct = plan_inputs(
+        str(tiny_llama_dir()),
+        PlanInputs(
+            max_memory=box.max_memory,
+            strategy=strategy,
+            draft=DraftBudget(**{**draft.__dict__, "tokens": STREAMED_DRAFT_TOKENS}),
+        ),
+    )
+    assert math.isclose(
+        redone.prediction.speculative_tokens_per_s, direct.prediction.speculative_tokens_per_s, rel_tol=1e-3
+    )
+    assert with_draft_tokens(streamed, 4) is streamed

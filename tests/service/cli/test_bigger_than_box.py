@@ -101,6 +101,7 @@ def test_an_int4_draft_copy_loads_in_the_box_and_keeps_greedy_tokens(tmp_path: P
     with _served_in(BOX, tmp_path, "--speculate", "int4", "--context", "1024") as (url, proc):
         info = httpx.get(url + "/info", timeout=30).json()
         assert info["speculation"]["draft_model"]["scheme"] == "int4"
+        assert info["speculation"]["draft_tokens"] == 8  # the plan streams weights: more drafts a pass by default
         assert _greedy_ids(url) == _reference_ids()
         assert proc.poll() is None
 

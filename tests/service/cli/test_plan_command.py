@@ -252,7 +252,7 @@ def test_plan_caps_the_context_at_the_positions_and_refuses_beyond(tiny_llama, c
     assert "--context 4096 is more than the 1024 positions" in err, err
 
 
-def test_plan_reserves_room_for_serves_draft_and_says_what_it_costs(tiny_llama, tiny_draft_llama):
+def test_plan_reserves_room_for_serves_draft_and_says_what_it_costs(tiny_llama, tiny_draft_llama, tmp_path):
     """``--speculate int4`` and ``--draft-model DIR`` on ``plan``: the plan serve would make beside its draft, with the
     draft's bytes in the CPU's budget and the cost in its reasons; the two drafts together are refused."""
     box = ("--max-memory", "cpu=16MiB", "--context", "512")
@@ -266,6 +266,16 @@ def test_plan_reserves_room_for_serves_draft_and_says_what_it_costs(tiny_llama, 
         cpu = plan.budget("cpu")
         assert cpu is not None and cpu.draft > 0 and cpu.total <= cpu.capacity
         assert any(reason.startswith(f"draft: {label}") for reason in plan.reasons), plan.reasons
+        assert plan.workload.draft.tokens == 4  # resident here: serve's default of 4 drafts a pass
+    # where the plan streams weights (layers on disk), serve drafts 8 a pass by default, and the plan says so
+    f = tmp_path / "map.json"
+    f.write_text(json.dumps({"model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}))
+    on_disk = ("--max-memory", "cpu=1GiB,disk=1GiB", "--strategy", f"@{f}", "--speculate", "int4", "--json")
+    streamed = Plan.from_json(run("plan", str(tiny_llama), *on_disk).stdout)
+    assert streamed.offloaded_bytes > 0 and streamed.workload.draft.tokens == 8
+    asked = Plan.from_json(run("plan", str(tiny_llama), *on_disk, "--speculate-tokens", "3").stdout)
+    assert asked.workload.draft.tokens == 3
+    assert asked.prediction.speculative_tokens_per_s != streamed.prediction.speculative_tokens_per_s
     table = run("plan", str(tiny_llama), *box, "--draft-model", str(tiny_draft_llama))
     assert table.returncode == 0 and "draft model: " in table.stdout and "held on cpu" in table.stdout
     both = run("plan", str(tiny_llama), *box, "--draft-model", str(tiny_draft_llama), "--speculate", "int8")
