@@ -163,12 +163,8 @@ class ServiceSettings(BaseSettings):
         ge=1,
         le=16,
         description="Most draft tokens a row proposes per verify pass (default: 4, or 8 where the plan streams the "
-        "model's weights: planner.placement.speculative_rate.default_draft_tokens).",
+        "model's weights: draft_tokens below).",
     )
-
-    def draft_tokens(self, plan: Plan | None) -> int:
-        """``speculate_tokens``, or the default for where ``plan`` keeps the model's weights."""
-        return self.speculate_tokens or default_draft_tokens(plan)
 
     draft_model: str | None = Field(
         None,
@@ -337,3 +333,9 @@ class ServiceSettings(BaseSettings):
 
     def planned_context(self) -> int:
         return self.context or self.max_total_tokens
+
+
+def draft_tokens(settings: ServiceSettings, plan: Plan | None) -> int:
+    """``--speculate-tokens``, or the default for where ``plan`` keeps the model's weights
+    (:func:`planner.placement.speculative_rate.default_draft_tokens`)."""
+    return settings.speculate_tokens or default_draft_tokens(plan)

@@ -35,7 +35,7 @@ from service.model.background_load import (
 from service.model.positions import loaded_position_limit, served_positions
 from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
-from service.settings import ServiceSettings
+from service.settings import ServiceSettings, draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Runtime:
             threads=self.threads,
             prefill_chunk=engine_prefill_chunk(loaded),
             speculate=s.speculation_mode,
-            speculate_tokens=s.draft_tokens(loaded.plan),
+            speculate_tokens=draft_tokens(s, loaded.plan),
             draft_model=loaded.draft.model if loaded.draft is not None else None,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)

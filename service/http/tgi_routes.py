@@ -59,6 +59,7 @@ from service.schemas.token_requests import (
     tokenize_shape,
     vllm_tokens,
 )
+from service.settings import draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -340,11 +341,11 @@ async def info(request: Request) -> dict[str, Any]:
         "model_id": None,
         "prefix_cache": s.prefix_cache,
         "cpu_threads": cpu_threads_report(runtime),
-        "speculation": {"mode": s.speculation_mode, "draft_tokens": s.draft_tokens(None)},
+        "speculation": {"mode": s.speculation_mode, "draft_tokens": draft_tokens(s, None)},
     }
     if loaded is None:
         return out
-    out["speculation"]["draft_tokens"] = s.draft_tokens(loaded.plan)
+    out["speculation"]["draft_tokens"] = draft_tokens(s, loaded.plan)
     slots = engine_slots(s, loaded)  # the KV slots of the full context its plan budgets (reason in the plan)
     out["limits"]["max_batch_size"] = slots
     out["limits"]["kv_pool_tokens"] = slots * runtime.max_total_tokens

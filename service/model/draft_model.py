@@ -25,7 +25,7 @@ from planner.placement.inputs import PlanInputs
 from planner.types import DraftBudget, Plan
 from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy, copy_budget, load_draft_copy
 from service.model.model_paths import confine_model_files, real_roots
-from service.settings import ServiceSettings
+from service.settings import ServiceSettings, draft_tokens
 
 #: Special-token ids a tokenizer names, compared between target and draft.
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -159,9 +159,9 @@ def plan_drafting(
         path = draft_dir(settings, allowed_root_option)
         check_same_vocabulary(target, target_tok, path, load_tokenizer(path))
         plan = plan_draft(path, inputs)
-        return Drafting(replace(draft_budget(path, plan), tokens=settings.draft_tokens(None)), "model", path, plan)
+        return Drafting(replace(draft_budget(path, plan), tokens=draft_tokens(settings, None)), "model", path, plan)
     if settings.speculate in DRAFT_SCHEMES:
-        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=settings.draft_tokens(None))
+        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=draft_tokens(settings, None))
         return Drafting(budget, settings.speculate)
     return None
 
