@@ -16,8 +16,7 @@ from planner.errors import PlanError
 from planner.placement.inputs import PlanInputs
 from planner.placement.quantization_choice import NATIVE_ON_CPU
 from planner.placement.sizing import normalize_quantization
-from planner.placement.speculative_rate import default_draft_tokens
-from planner.types import PREFILL_CHUNK, Plan
+from planner.types import PREFILL_CHUNK
 
 CommaList = Annotated[list[str], NoDecode]
 
@@ -163,9 +162,8 @@ class ServiceSettings(BaseSettings):
         ge=1,
         le=16,
         description="Most draft tokens a row proposes per verify pass (default: 4, or 8 where the plan streams the "
-        "model's weights: draft_tokens below).",
+        "model's weights: planner.placement.speculative_rate.draft_tokens).",
     )
-
     draft_model: str | None = Field(
         None,
         description="A smaller checkpoint with the target's tokenizer (directory: safetensors + config + tokenizer) "
@@ -333,9 +331,3 @@ class ServiceSettings(BaseSettings):
 
     def planned_context(self) -> int:
         return self.context or self.max_total_tokens
-
-
-def draft_tokens(settings: ServiceSettings, plan: Plan | None) -> int:
-    """``--speculate-tokens``, or the default for where ``plan`` keeps the model's weights
-    (:func:`planner.placement.speculative_rate.default_draft_tokens`)."""
-    return settings.speculate_tokens or default_draft_tokens(plan)

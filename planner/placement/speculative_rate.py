@@ -72,19 +72,22 @@ def at_acceptance(predicted: float, assumed: float, measured: float, draft_token
     return tokens_per_pass(measured, draft_tokens) / seconds_per_pass
 
 
-def default_draft_tokens(plan: Plan | None) -> int:
-    """Most drafts a pass verifies where ``--speculate-tokens`` was not given: more where the plan streams weights."""
+def draft_tokens(asked: int | None, plan: Plan | None) -> int:
+    """Most drafts a pass verifies: ``asked`` (``--speculate-tokens``) where given, else more where ``plan`` streams
+    weights (None: not planned yet)."""
+    if asked is not None:
+        return asked
     return STREAMED_DRAFT_TOKENS if plan is not None and plan.offloaded_bytes > 0 else RESIDENT_DRAFT_TOKENS
 
 
-def with_draft_tokens(plan: Plan, draft_tokens: int) -> Plan:
-    """``plan`` with its draft verifying ``draft_tokens`` a pass, the speculative prediction redone for them: a
+def with_draft_tokens(plan: Plan, count: int) -> Plan:
+    """``plan`` with its draft verifying ``count`` drafts a pass, the speculative prediction redone for them: a
     pass is one plain step plus one draft-token time per draft, so the draft-token time comes out of the prediction
     made for the old count (unchanged where the plan has no draft or no prediction of it)."""
     prediction, draft = plan.prediction, plan.workload.draft
-    if draft is None or draft.tokens == draft_tokens:
+    if draft is None or draft.tokens == count:
         return plan
-    workload = replace(plan.workload, draft=replace(draft, tokens=draft_tokens))
+    workload = replace(plan.workload, draft=replace(draft, tokens=count))
     rate, acceptance, lone = (
         prediction.speculative_tokens_per_s,
         prediction.speculative_acceptance,
@@ -94,5 +97,5 @@ def with_draft_tokens(plan: Plan, draft_tokens: int) -> Plan:
         return replace(plan, workload=workload)
     step = 1.0 / lone
     draft_seconds = max(tokens_per_pass(acceptance, draft.tokens) / rate - step, 0.0) / draft.tokens
-    redone = speculative_tokens_per_s(step, draft_seconds, draft_tokens, acceptance)
+    redone = speculative_tokens_per_s(step, draft_seconds, count, acceptance)
     return replace(plan, workload=workload, prediction=replace(prediction, speculative_tokens_per_s=round(redone, 4)))

@@ -19,7 +19,7 @@ from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.placement.estimate import estimate
 from planner.placement.inputs import DEFAULT_CONTEXT, PlanInputs
-from planner.placement.speculative_rate import RESIDENT_DRAFT_TOKENS, default_draft_tokens, with_draft_tokens
+from planner.placement.speculative_rate import draft_tokens, with_draft_tokens
 from planner.types import PREFILL_CHUNK, Plan
 from service.model.disk_tier import with_checkpoint_disk
 from service.model.positions import model_position_limit, planned_context
@@ -212,8 +212,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     inputs = with_checkpoint_disk(inputs_from_args(args), Path(args.model).expanduser())  # serve's disk tier
     result = plan_inputs(args.model, with_draft(args, inputs))
-    if args.speculate_tokens is None:  # as serve: more drafts a pass where the plan streams the weights
-        result = with_draft_tokens(result, default_draft_tokens(result))
+    result = with_draft_tokens(result, draft_tokens(args.speculate_tokens, result))  # as serve, once planned
     sys.stdout.write((result.to_json() if args.json else format_plan(result)) + "\n")
     write_pictures(result, svg=args.svg, html=args.html)
     return 0
@@ -231,7 +230,7 @@ def with_draft(args: argparse.Namespace, inputs: PlanInputs) -> PlanInputs:
         return replace(
             inputs,
             draft=replace(
-                copy_budget(args.model, args.speculate, inputs), tokens=args.speculate_tokens or RESIDENT_DRAFT_TOKENS
+                copy_budget(args.model, args.speculate, inputs), tokens=draft_tokens(args.speculate_tokens, None)
             ),
         )
     if args.draft_model is None:
@@ -243,7 +242,7 @@ def with_draft(args: argparse.Namespace, inputs: PlanInputs) -> PlanInputs:
         raise PlanError(f"--draft-model {str(path)!r} is not a directory; give the draft checkpoint's directory")
     inputs = replace(inputs, resolved_hardware=inputs.hardware())  # the draft and the model on the same devices
     budget = draft_budget(path, plan_draft(path, inputs))
-    return replace(inputs, draft=replace(budget, tokens=args.speculate_tokens or RESIDENT_DRAFT_TOKENS))
+    return replace(inputs, draft=replace(budget, tokens=draft_tokens(args.speculate_tokens, None)))
 
 
 def write_pictures(result: Plan, svg: str | None, html: str | None) -> None:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from loaders.native.cpu_threads import ThreadGovernor
 from planner.hardware.cpu_share import CpuShare, cpu_share
+from planner.placement.speculative_rate import draft_tokens
 from service.engine.engine import Engine, eos_ids
 from service.engine.requests import ErrorEvent, Event, FinishEvent, GenerationRequest, TokenEvent
 from service.engine.structured_output import resolve_grammars
@@ -35,7 +36,7 @@ from service.model.background_load import (
 from service.model.positions import loaded_position_limit, served_positions
 from service.model.weights_watch import WeightsWatch, weight_files
 from service.schemas.validation import Validator
-from service.settings import ServiceSettings, draft_tokens
+from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Runtime:
             threads=self.threads,
             prefill_chunk=engine_prefill_chunk(loaded),
             speculate=s.speculation_mode,
-            speculate_tokens=draft_tokens(s, loaded.plan),
+            speculate_tokens=draft_tokens(s.speculate_tokens, loaded.plan),
             draft_model=loaded.draft.model if loaded.draft is not None else None,
         )
         self.metrics.device_pipeline(engine.device_pipeline.runs, engine.device_pipeline.micro_batches)

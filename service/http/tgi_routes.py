@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import ServerSentEvent
 
-from planner.placement.speculative_rate import current_prediction
+from planner.placement.speculative_rate import current_prediction, draft_tokens
 from service.engine.requests import ErrorEvent, FinishEvent, PrefillToken, TokenEvent
 from service.errors import NOT_READY_RETRY_AFTER_S, NotReadyError, RequestValidationError
 from service.http.admission import (
@@ -59,7 +59,6 @@ from service.schemas.token_requests import (
     tokenize_shape,
     vllm_tokens,
 )
-from service.settings import draft_tokens
 
 log = logging.getLogger(__name__)
 
@@ -341,11 +340,11 @@ async def info(request: Request) -> dict[str, Any]:
         "model_id": None,
         "prefix_cache": s.prefix_cache,
         "cpu_threads": cpu_threads_report(runtime),
-        "speculation": {"mode": s.speculation_mode, "draft_tokens": draft_tokens(s, None)},
+        "speculation": {"mode": s.speculation_mode, "draft_tokens": draft_tokens(s.speculate_tokens, None)},
     }
     if loaded is None:
         return out
-    out["speculation"]["draft_tokens"] = draft_tokens(s, loaded.plan)
+    out["speculation"]["draft_tokens"] = draft_tokens(s.speculate_tokens, loaded.plan)
     slots = engine_slots(s, loaded)  # the KV slots of the full context its plan budgets (reason in the plan)
     out["limits"]["max_batch_size"] = slots
     out["limits"]["kv_pool_tokens"] = slots * runtime.max_total_tokens

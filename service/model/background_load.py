@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import LoadmasterError
 from planner.placement.inputs import PlanInputs
 from planner.placement.served_shape import choose_slots, choose_step
-from planner.placement.speculative_rate import with_draft_tokens
+from planner.placement.speculative_rate import draft_tokens, with_draft_tokens
 from planner.types import PREFILL_CHUNK, Plan
 from service.model.disk_tier import with_checkpoint_disk
 from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy
@@ -26,7 +26,7 @@ from service.model.draft_model import draft_dir, load_drafting, plan_drafting
 from service.model.model_paths import confine_model_files, real_roots
 from service.model.positions import model_position_limit, planned_context, served_context
 from service.model.storage_rate import with_disk_rate, with_memory_rate
-from service.settings import ServiceSettings, draft_tokens
+from service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the loader (torch, transformers) is imported on the loading thread, not with the service
     from loaders.checkpoint.load_progress import LoadStats
@@ -256,7 +256,7 @@ def load_model(settings: ServiceSettings, progress: Callable[[Any], None]) -> Lo
     assert the_plan is not None, "a load from plan inputs carries its plan"
     the_plan.reasons.extend(shape_reasons)
     # the draft was budgeted before the target's plan said whether its weights stream: now the default can follow
-    the_plan = with_draft_tokens(the_plan, draft_tokens(settings, the_plan))
+    the_plan = with_draft_tokens(the_plan, draft_tokens(settings.speculate_tokens, the_plan))
     draft = None
     if drafting is not None:
         copy = drafting.scheme in DRAFT_SCHEMES

@@ -22,10 +22,11 @@ from planner.errors import ModelSourceError
 from planner.hardware.devices import device_label
 from planner.placement.draft_budget import DRAFT_PREFILL_CHUNK
 from planner.placement.inputs import PlanInputs
+from planner.placement.speculative_rate import draft_tokens
 from planner.types import DraftBudget, Plan
 from service.model.draft_copy import DRAFT_SCHEMES, DraftCopy, copy_budget, load_draft_copy
 from service.model.model_paths import confine_model_files, real_roots
-from service.settings import ServiceSettings, draft_tokens
+from service.settings import ServiceSettings
 
 #: Special-token ids a tokenizer names, compared between target and draft.
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -152,17 +153,18 @@ def plan_drafting(
 ) -> Drafting | None:
     """The server's draft, planned on the box ``inputs`` resolved (None when it drafts without a model): for
     ``--draft-model``, its directory and vocabulary checked (before any weight is read) and its own plan made; for
-    ``--speculate int4|int8``, the copy sized from the target's Skeleton."""
+    ``--speculate int4|int8``, the copy sized from the target's Skeleton. Budgeted for a resident target's draft
+    count where none was asked; the target's plan may raise it (``with_draft_tokens``)."""
+    tokens = draft_tokens(settings.speculate_tokens, None)
     if settings.draft_model is not None:
         from loaders import load_tokenizer
 
         path = draft_dir(settings, allowed_root_option)
         check_same_vocabulary(target, target_tok, path, load_tokenizer(path))
         plan = plan_draft(path, inputs)
-        return Drafting(replace(draft_budget(path, plan), tokens=draft_tokens(settings, None)), "model", path, plan)
+        return Drafting(replace(draft_budget(path, plan), tokens=tokens), "model", path, plan)
     if settings.speculate in DRAFT_SCHEMES:
-        budget = replace(copy_budget(target, settings.speculate, inputs), tokens=draft_tokens(settings, None))
-        return Drafting(budget, settings.speculate)
+        return Drafting(replace(copy_budget(target, settings.speculate, inputs), tokens=tokens), settings.speculate)
     return None
 
 

@@ -14,7 +14,7 @@ from planner.placement.speculative_rate import (
     STREAMED_DRAFT_TOKENS,
     at_acceptance,
     current_prediction,
-    default_draft_tokens,
+    draft_tokens,
     speculative_tokens_per_s,
     tokens_per_pass,
     with_draft_tokens,
@@ -61,12 +61,12 @@ def test_more_drafts_a_pass_by_default_where_the_plan_streams_and_the_prediction
     for 8 from the start."""
     draft = DraftBudget(label="int4 copy", device="cpu", weights=50 << 20, working=1 << 20, kv_per_token=1024, tokens=4)
     resident = plan_inputs(str(tiny_llama_dir()), PlanInputs(max_memory={"cpu": "8GiB"}, draft=draft))
-    assert resident.offloaded_bytes == 0 and default_draft_tokens(resident) == RESIDENT_DRAFT_TOKENS
-    assert default_draft_tokens(None) == RESIDENT_DRAFT_TOKENS
+    assert resident.offloaded_bytes == 0 and draft_tokens(None, resident) == RESIDENT_DRAFT_TOKENS
+    assert draft_tokens(None, None) == RESIDENT_DRAFT_TOKENS
     strategy = {"model.layers.2": "disk", "model.layers.3": "disk", "": "cpu"}
     box = PlanInputs(max_memory={"cpu": "8GiB", "disk": "8GiB"}, draft=draft, strategy=strategy)
     streamed = plan_inputs(str(tiny_llama_dir()), box)
-    assert streamed.offloaded_bytes > 0 and default_draft_tokens(streamed) == STREAMED_DRAFT_TOKENS
+    assert streamed.offloaded_bytes > 0 and draft_tokens(None, streamed) == STREAMED_DRAFT_TOKENS
     redone = with_draft_tokens(streamed, STREAMED_DRAFT_TOKENS)
     assert redone.workload.draft.tokens == STREAMED_DRAFT_TOKENS and streamed.workload.draft.tokens == 4
     direct = plan_inputs(
