@@ -286,6 +286,15 @@ def test_playground_streams(session: PageSession, ui_server: LiveServer) -> None
     page = session.page
     # Record the token count at every change of the output: a stream shows tokens as they come (in as many
     # pieces as the network delivers them), not all at the end.
+    # The tiny model streams its 48 tokens in about 0.2 s; a renderer busy for that long (a loaded 2-core machine)
+    # would read them as one piece. Chromium's own throttling paces the ~6 KB of events over about two seconds, so
+    # a page that draws as it reads must show several counts, and one that waits for the end still shows one.
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": 3000, "uploadThroughput": -1},
+    )
     page.evaluate("""() => { window.__counts = [];
         const out = document.getElementById('play-output');
         new MutationObserver(() => window.__counts.push(Number(out.dataset.tokens)))
