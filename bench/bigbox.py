@@ -27,8 +27,10 @@ Method:
 - **loadmaster.** ``python -m service.cli serve MODEL --port P`` and nothing else (``HF_HUB_OFFLINE=1``); time to
   ready (``GET /health/ready`` == 200, from the spawn). One stream: ``POST /generate_stream`` of a fixed prompt,
   greedy, ``--new-tokens`` tokens; decode tokens/s = (n − 1) ÷ (time of the last token − time of the first). Then
-  ``--clients`` threads at once, each one greedy request of ``--new-tokens`` on its own prompt
-  (:func:`bench.serve.run_clients`): aggregate tokens/s = tokens generated ÷ wall time. ``GET /info`` gives the
+  ``--clients`` streams at once, one per thread, each one greedy request of ``--new-tokens`` on its own prompt
+  (:func:`bench.serve.prompts`): aggregate tokens/s = tokens generated ÷ wall time (their prompts' prefill included),
+  and the aggregate decode rate while all of them decode (:func:`concurrent_decode_rate`), set against the plan's
+  prediction for that many sequences at once (``plan.prediction.concurrent``). ``GET /info`` gives the
   plan's predicted decode tokens/s of one stream (``plan.prediction.lone_decode_tokens_per_s``), ``GET /metrics`` the storage bytes
   read per token and the resident/streamed weights per device.
 - **accelerate.** In a fresh process in the same box: ``AutoModelForCausalLM.from_pretrained(MODEL,
@@ -83,7 +85,11 @@ class Run:
     ready_s: float | None = None
     one_stream_tok_s: float | None = None
     clients_tok_s: float | None = None
+    #: The clients' aggregate rate while every one of them decodes (:func:`concurrent_decode_rate`).
+    clients_decode_tok_s: float | None = None
     predicted_tok_s: float | None = None
+    #: The plan's predicted aggregate decode rate for that many sequences at once (``prediction.concurrent``).
+    predicted_clients_tok_s: float | None = None
     storage_bytes_per_token: float | None = None
     storage_bytes_per_token_clients: float | None = None
     weights_bytes: dict[str, int] = field(default_factory=dict)
@@ -109,10 +115,13 @@ class Row:
     ready_s: float | None
     one_stream_tok_s: float | None
     clients_tok_s: float | None
+    clients_decode_tok_s: float | None
     ideal_tok_s: float | None
     ratio_to_ideal: float | None
     predicted_tok_s: float | None
     prediction_error_pct: float | None
+    predicted_clients_tok_s: float | None
+    clients_prediction_error_pct: float | None
     storage_bytes_per_token: float | None
     #: Accepted over proposed draft tokens in the best run (None without speculation).
     acceptance: float | None
@@ -202,11 +211,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 # -- loadmaster ----------------------------------------------------------------------------------------------------
-def stream_one(url: str, new_tokens: int) -> tuple[list[int], list[float]]:
-    """One greedy ``/generate_stream`` of :data:`PROMPT`: the token ids and each token's arrival time."""
+def stream_one(url: str, new_tokens: int, prompt: str = PROMPT) -> tuple[list[int], list[float]]:
+    """One greedy ``/generate_stream`` of ``prompt``: the token ids and each token's arrival time."""
     import httpx
 
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": new_tokens, "do_sample": False}}
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "do_sample": False}}
     ids: list[int] = []
     stamps: list[float] = []
     with httpx.Client(base_url=url, timeout=None) as c, c.stream("POST", "/generate_stream", json=body) as r:
@@ -222,14 +231,59 @@ def stream_one(url: str, new_tokens: int) -> tuple[list[int], list[float]]:
     return ids, stamps
 
 
-def clients_rate(url: str, clients: int, new_tokens: int) -> float:
-    """``clients`` greedy requests at once, one per thread: generated tokens ÷ wall time."""
-    from bench.serve import prompts, run_clients
+@dataclass(frozen=True)
+class ClientsRates:
+    """``clients`` greedy streams at once: tokens ÷ wall time (their prompts' prefill included), and the aggregate
+    rate while every one of them decodes."""
 
-    out = run_clients(url, prompts(clients), clients, new_tokens)
-    if out["errors"]:
-        raise RuntimeError(f"{len(out['errors'])} client requests failed: {out['errors'][0]}")
-    return out["tokens_per_s"]
+    tokens_per_s: float
+    decode_tokens_per_s: float | None
+
+
+def concurrent_decode_rate(stamps: list[list[float]]) -> float | None:
+    """Tokens of every stream that arrived after the last stream's first token and up to the first stream's last
+    token, over that time: the aggregate decode rate of all the streams at once, their prompts excluded (what the
+    plan's concurrent prediction is for). None where no such window exists."""
+    if not stamps or any(len(s) < 2 for s in stamps):
+        return None
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if end <= start:
+        return None
+    return sum(1 for s in stamps for t in s if start < t <= end) / (end - start)
+
+
+def clients_rate(url: str, clients: int, new_tokens: int) -> ClientsRates:
+    """``clients`` greedy streams at once, one per thread, each on its own prompt (:func:`bench.serve.prompts`)."""
+    import threading
+
+    from bench.serve import prompts
+
+    stamps: list[list[float]] = [[] for _ in range(clients)]
+    errors: list[str] = []
+
+    def client(i: int, text: str) -> None:
+        try:
+            stamps[i] = stream_one(url, new_tokens, text)[1]
+        except Exception as e:  # recorded; the run reports the first
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(i, t)) for i, t in enumerate(prompts(clients))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} client requests failed: {errors[0]}")
+    return ClientsRates(sum(len(s) for s in stamps) / wall, concurrent_decode_rate(stamps))
+
+
+def predicted_concurrent_rate(info: dict[str, Any], sequences: int) -> float | None:
+    """The plan's predicted aggregate decode tokens/s of ``sequences`` at once from ``GET /info``, if it states it."""
+    plan = info.get("plan") or (info.get("model") or {}).get("plan") or {}
+    rates = (plan.get("prediction") or {}).get("concurrent") or []
+    return next((c["tokens_per_s"] for c in rates if c.get("sequences") == sequences), None)
 
 
 def predicted_rate(info: dict[str, Any]) -> float | None:
@@ -296,8 +350,10 @@ def measure_loadmaster(url: str, run: Run, args: argparse.Namespace) -> None:
     run.predicted_tok_s = predicted_rate(info)
     run.batch_slots = (info.get("limits") or {}).get("max_batch_size")
     run.storage_bytes_per_token, run.weights_bytes = storage_metrics(samples)
+    run.predicted_clients_tok_s = predicted_concurrent_rate(info, args.clients)
     if args.clients > 0:
-        run.clients_tok_s = clients_rate(url, args.clients, args.new_tokens)
+        rates = clients_rate(url, args.clients, args.new_tokens)
+        run.clients_tok_s, run.clients_decode_tok_s = rates.tokens_per_s, rates.decode_tokens_per_s
         run.storage_bytes_per_token_clients, _ = storage_metrics(metric_samples(url))
 
 
@@ -463,16 +519,21 @@ def summarize(runs: list[Run], ideal: float | None, reference: list[int]) -> Row
     best = max(runs, key=lambda r: r.one_stream_tok_s or 0.0)
     drafted = best.draft_tokens > 0
     predicted = _best([r.predicted_tok_s for r in runs], max)
+    busiest = max(runs, key=lambda r: r.clients_decode_tok_s or 0.0)
+    measured, foreseen = busiest.clients_decode_tok_s, busiest.predicted_clients_tok_s
     return Row(
         box=format_bytes(runs[0].box),
         contender=runs[0].contender,
         ready_s=_best([r.ready_s for r in runs], min),
         one_stream_tok_s=one,
         clients_tok_s=_best([r.clients_tok_s for r in runs], max),
+        clients_decode_tok_s=measured,
         ideal_tok_s=ideal,
         ratio_to_ideal=one / ideal if one and ideal else None,
         predicted_tok_s=predicted,
         prediction_error_pct=100 * (predicted - one) / one if predicted and one else None,
+        predicted_clients_tok_s=foreseen,
+        clients_prediction_error_pct=100 * (foreseen - measured) / measured if foreseen and measured else None,
         storage_bytes_per_token=best.storage_bytes_per_token,
         acceptance=best.accepted_tokens / best.draft_tokens if drafted else None,
         tokens_per_pass=(best.verify_passes + best.accepted_tokens) / best.verify_passes if drafted else None,
@@ -499,6 +560,11 @@ def table_rows(rows: list[Row], clients: int) -> list[dict[str, Any]]:
                 "ready": n(r.ready_s),
                 "one": n(r.one_stream_tok_s),
                 "clients": n(r.clients_tok_s),
+                "clients_decode": n(r.clients_decode_tok_s),
+                "clients_predicted": n(r.predicted_clients_tok_s),
+                "clients_error": "-"
+                if r.clients_prediction_error_pct is None
+                else f"{r.clients_prediction_error_pct:+.0f}%",
                 "ideal": "resident" if r.ideal_tok_s is None else n(r.ideal_tok_s),
                 "ratio": n(r.ratio_to_ideal, 2),
                 "predicted": n(r.predicted_tok_s),
@@ -524,6 +590,9 @@ def columns(clients: int) -> list[tuple[str, str]]:
         ("ready", "ready s"),
         ("one", "1 stream tok/s"),
         ("clients", f"{clients} clients tok/s"),
+        ("clients_decode", f"{clients} decoding at once tok/s"),
+        ("clients_predicted", f"predicted at {clients}"),
+        ("clients_error", f"error at {clients}"),
         ("ideal", "ideal tok/s"),
         ("ratio", "× ideal"),
         ("predicted", "predicted tok/s"),

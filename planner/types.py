@@ -283,6 +283,15 @@ class DeviceBudget:
         return self.capacity - self.total
 
 
+@dataclass(frozen=True)
+class ConcurrentRate:
+    """The aggregate decode tokens/s the cost model predicts with ``sequences`` decoding at once on a plan's placement,
+    each of :data:`~planner.placement.cost_model.CONCURRENT_CONTEXT` tokens: what that many users get together."""
+
+    sequences: int
+    tokens_per_s: float
+
+
 @dataclass
 class Prediction:
     """What the cost model predicts for a plan, and the model it used (stated, so it can be argued with)."""
@@ -297,6 +306,18 @@ class Prediction:
     #: (:mod:`planner.placement.speculative_rate`); None without a draft.
     speculative_tokens_per_s: float | None = None
     speculative_acceptance: float | None = None
+    #: The aggregate decode rate at several numbers of sequences decoding at once (:data:`CONCURRENCY`); empty in
+    #: plans saved before it existed.
+    concurrent: list[ConcurrentRate] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prediction:
+        fields = {k: v for k, v in d.items() if k != "concurrent"}
+        return cls(**fields, concurrent=[ConcurrentRate(**c) for c in d.get("concurrent", [])])
+
+    def concurrent_rate(self, sequences: int) -> float | None:
+        """The predicted aggregate decode tokens/s of ``sequences`` at once, if the plan states it."""
+        return next((c.tokens_per_s for c in self.concurrent if c.sequences == sequences), None)
 
 
 @dataclass
@@ -351,7 +372,7 @@ class Plan:
             device_map=dict(d["device_map"]),
             budgets=budgets,
             offloaded_bytes=int(d["offloaded_bytes"]),
-            prediction=Prediction(**d["prediction"]),
+            prediction=Prediction.from_dict(d["prediction"]),
             warnings=list(d.get("warnings", [])),
             reasons=list(d.get("reasons", [])),
             placement=dict(d.get("placement", {})),

@@ -54,6 +54,9 @@ class KernelRate:
     call_overhead: float = 0.0
     #: Seconds each output row (one dot product) costs besides its bytes.
     row_overhead: float = 0.0
+    #: The fraction of a one-row product's time each further row of x (another sequence of the decode batch) adds,
+    #: from 16 rows against one on the sweep's largest matrices; None where not measured (older calibrations).
+    extra_row_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,16 @@ class Calibration:
         k = self.kernels.get(dtype or "")
         return 0.0 if k is None else k.row_overhead
 
+    def extra_row_cost(self, family: str | None) -> float | None:
+        """The measured :attr:`KernelRate.extra_row_cost` of ``family``'s kernels (a dtype), or None."""
+        k = self.kernels.get(family or "")
+        return None if k is None else k.extra_row_cost
+
     def summary(self) -> str:
         kernels = ", ".join(
             f"{k.dtype} {k.path} {k.resident / 1e9:.1f}/{k.mapped / 1e9:.1f} GB/s + {k.call_overhead * 1e6:.0f} us/call"
             f" + {k.row_overhead * 1e9:.0f} ns/row"
+            + (f" + {k.extra_row_cost:.1%} per decode row" if k.extra_row_cost is not None else "")
             for k in self.kernels.values()
         )
         link = f", link {self.link / 1e9:.1f} GB/s" if self.link else ""
@@ -136,6 +145,13 @@ class Calibration:
                 raise ValueError(f"{name} must be seconds in [0, 1), got {value!r}")
             return float(value)
 
+        def fraction(name: str, value: Any) -> float | None:
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+                raise ValueError(f"{name} must be a fraction in [0, 10), got {value!r}")
+            return float(value)
+
         kernels_in = d.get("kernels")
         if not isinstance(kernels_in, Mapping) or not kernels_in:
             raise ValueError("kernels must be a non-empty object of dtype -> rates")
@@ -150,6 +166,7 @@ class Calibration:
                 mapped=rate(f"kernels.{dtype}.mapped", k.get("mapped")),
                 call_overhead=seconds(f"kernels.{dtype}.call_overhead", k.get("call_overhead", 0.0)),
                 row_overhead=seconds(f"kernels.{dtype}.row_overhead", k.get("row_overhead", 0.0)),
+                extra_row_cost=fraction(f"kernels.{dtype}.extra_row_cost", k.get("extra_row_cost")),
             )
 
         threads = d.get("threads")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from planner.hardware.devices import device_label
 from planner.hardware.units import format_bytes
 from planner.model.moe import unquantized_experts_warning
-from planner.placement.cost_model import compute_dtype, predict
+from planner.placement.cost_model import CONCURRENCY, CONCURRENT_CONTEXT, compute_dtype, extra_row_cost, predict
 from planner.placement.draft_budget import held_for_draft
 from planner.placement.hf_device_map import merge_device_map
 from planner.placement.sizing import kv_explanation, tensor_bytes
@@ -20,7 +20,17 @@ from planner.placement.solve import Solution, lone_speed, make_problem
 from planner.placement.speculative_rate import DEFAULT_ACCEPTANCE, speculative_tokens_per_s
 from planner.placement.strategies import Loads, Problem, compute_loads
 from planner.placement.tier_kernels import tier_kernels
-from planner.types import DeviceBudget, DeviceId, DraftBudget, Hardware, Plan, Prediction, Skeleton, Workload
+from planner.types import (
+    ConcurrentRate,
+    DeviceBudget,
+    DeviceId,
+    DraftBudget,
+    Hardware,
+    Plan,
+    Prediction,
+    Skeleton,
+    Workload,
+)
 
 
 @dataclass(frozen=True)
@@ -104,12 +114,18 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     placed = _placed(solution)
     problem, assignment, names = placed.problem, placed.assignment, placed.names
     placement = dict(zip(names, assignment))
-    prediction = predict(problem, assignment, placed.loads, workload.batch_size, compute_dtype(workload))
+    dtype, row_cost = compute_dtype(workload), extra_row_cost(workload)
+    prediction = predict(problem, assignment, placed.loads, workload.batch_size, dtype, row_cost)
+    concurrent = [
+        ConcurrentRate(n, predict(problem, assignment, placed.loads, n, dtype, row_cost, kv).decode_tokens_per_s)
+        for n in CONCURRENCY
+        for kv in [n * min(CONCURRENT_CONTEXT, workload.context) / (workload.batch_size * workload.context)]
+    ]
     lone = prediction.decode_tokens_per_s
     if workload.batch_size > 1:
         lone_problem = make_problem(skeleton, problem.hardware, replace(workload, batch_size=1))
         lone = round(lone_speed(solution, lone_problem, compute_dtype(workload)), 4)
-    prediction = replace(prediction, lone_decode_tokens_per_s=lone)
+    prediction = replace(prediction, lone_decode_tokens_per_s=lone, concurrent=concurrent)
     if workload.draft is not None and lone:
         prediction = with_speculation(prediction, workload.draft, problem.hardware)
     offloaded = sum(it.weight for it, s in zip(problem.items, placed.streamed) if s)

@@ -18,6 +18,11 @@ everything else, not their sum. Measured on a Zen 4 (1.03B fp32, cold): the sum 
 where 2.33 ran (-32%), and 0.72 in 1.5 GiB where 1.12 ran (-35%); the larger of the two came within -28% to +11%
 of measured over six rounds (docs/benchmarks.md).
 
+Several sequences decoding at once read the weights once per step, but the CPU's kernels also do each row's
+arithmetic: on a host without GPUs, the seconds of every block the CPU computes grow by :func:`extra_row_cost` of
+themselves for each row past the first (measured by ``env --calibrate`` per dtype, else :data:`EXTRA_ROW_COST`).
+A cold disk tier's reads do not grow; a GPU's products are taken as memory-bound at any decode batch.
+
 Load time is the bytes copied out of the checkpoint over the storage read rate, plus the GPU share over the
 link. Disk-placed tensors are served from the checkpoint in place, so they cost nothing to load.
 
@@ -47,7 +52,8 @@ COST_MODEL = (
     "decode step = sum over blocks of bytes read per token / bandwidth of where they are read from "
     "(GPU memory; host link for cpu-offloaded blocks; RAM or disk read for disk blocks, warm if the disk share fits "
     "in free RAM; a cold disk block without GPUs adds its bytes over RAM to the cpu's) "
-    "+ KV cache / bandwidth of its device; without GPUs, cold disk reads overlap the rest: step = max(disk, rest); "
+    "+ KV cache / bandwidth of its device; without GPUs, what the CPU computes grows by a measured fraction per "
+    "decode row past the first, and cold disk reads overlap the rest: step = max(disk, rest); "
     "tokens/s = batch / step; "
     "load = non-disk bytes / storage read + GPU bytes / host link"
 )
@@ -59,6 +65,41 @@ MOE_COST_MODEL = (
     "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states), "
     "whole blocks when streamed"
 )
+
+
+#: The numbers of sequences decoding at once a plan states its aggregate decode rate for
+#: (:attr:`~planner.types.Prediction.concurrent`): a few users, the benches' 16 clients, the engine's default
+#: ``--max-batch-size``.
+CONCURRENCY = (4, 16, 32)
+#: The tokens (prompt and output) of each of those sequences: a chat turn's, not the context's limit, so the rate
+#: states what the weights' reads and the CPU's arithmetic allow rather than a pool of full contexts.
+CONCURRENT_CONTEXT = 256
+
+#: The fraction of a one-row decode product's time that each further row of the same step adds on the CPU's
+#: kernels, by the kernel family (:func:`kernel_family`), where no calibration measured it. Measured on 2 cores of
+#: an AMD EPYC (Zen 4, AVX-512), 24 products of 5632x2048, 16 rows against one (2026-12-07): fp32 1.49x (the
+#: products stay bound by the weights' read), bf16 1.26x, int8 4.2x and int4 4.9x (each row's activations are
+#: quantized and summed in integers, so the small weights stop being the limit).
+EXTRA_ROW_COST = {"float32": 0.033, "bfloat16": 0.017, "int8": 0.21, "int4": 0.26}
+#: For a kernel family not measured above (float16, bitsandbytes' formats): the fp32 figure.
+DEFAULT_EXTRA_ROW_COST = EXTRA_ROW_COST["float32"]
+
+
+def kernel_family(workload: Workload) -> str | None:
+    """Which CPU kernels decode the workload's CPU-computed weights: its native CPU quantization (int8, int4), else
+    :func:`compute_dtype`."""
+    return workload.cpu_quantization or compute_dtype(workload)
+
+
+def extra_row_cost(workload: Workload) -> float:
+    """The fraction of a one-row CPU product's time each further decode row adds (see :data:`EXTRA_ROW_COST`): the
+    calibration's figure for the workload's kernels where it measured one, else the table's."""
+    family = kernel_family(workload)
+    cal = load_calibration()
+    measured = cal.extra_row_cost(family) if cal is not None else None
+    if measured is not None:
+        return measured
+    return EXTRA_ROW_COST.get(family or "", DEFAULT_EXTRA_ROW_COST)
 
 
 def _is_default(value: float, kind: str) -> bool:
@@ -156,9 +197,17 @@ def compute_dtype(workload: Workload) -> str | None:
 
 
 def predict(
-    problem: Problem, assignment: list[DeviceId], loads: Loads, batch_size: int, dtype: str | None = None
+    problem: Problem,
+    assignment: list[DeviceId],
+    loads: Loads,
+    batch_size: int,
+    dtype: str | None = None,
+    row_cost: float = 0.0,
+    kv_scale: float = 1.0,
 ) -> Prediction:
-    """``dtype``: :func:`compute_dtype` of the workload (picks the calibrated kernel rate)."""
+    """``dtype``: :func:`compute_dtype` of the workload (picks the calibrated kernel rate); ``row_cost``: its
+    :func:`extra_row_cost`, by which the CPU's share of a step grows per decode row past the first; ``kv_scale``:
+    the share of the problem's KV cache a step reads (its sequences shorter, or fewer, than the pool holds)."""
     hw = problem.hardware
     by_id = {d.id: d for d in hw.devices}
     cpu = by_id.get("cpu")
@@ -185,44 +234,66 @@ def predict(
     cpu_compute_rate = _cpu_compute_rate(cpu, cal, dtype) if has_gpu else None
     # cold disk blocks on a host without GPUs: read, then computed from the page cache (the module docstring)
     cold_compute_rate = cached_rate if not warm and not has_gpu else None
+    rows = 1.0 if has_gpu else 1.0 + row_cost * max(batch_size - 1, 0)  # the CPU's arithmetic for the other rows
     host_blocks: set[int] = set()  # skeleton blocks (layers) the CPU computes whole: their experts add no hop
     for i, (item, dev) in enumerate(zip(problem.items, assignment)):
         runs_on = problem.item_runs_on(i, dev)
         hop = item.block not in host_blocks
         if item.in_place and dev == "cpu" and item.is_layer:
             host_blocks.add(item.block)
-        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + block_read_seconds(
-            item, dev, runs_on, rate_of[dev], cpu_compute_rate, hop
-        )
+        read = block_read_seconds(item, dev, runs_on, rate_of[dev], cpu_compute_rate, hop)
+        computed_here = not (dev == "disk" and cold_compute_rate)  # a cold disk block's seconds are its reads
+        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + read * (rows if computed_here else 1.0)
         if dev == "disk" and cold_compute_rate:  # the CPU's products, once the pages are in
-            seconds_by_dev["cpu"] = seconds_by_dev.get("cpu", 0.0) + item.read_per_token / cold_compute_rate
+            products = item.read_per_token / cold_compute_rate * rows
+            seconds_by_dev["cpu"] = seconds_by_dev.get("cpu", 0.0) + products
         if item.kv:
             kv_rate = measured["kv"] if runs_on == "cpu" and "kv" in measured else by_id[runs_on].bandwidth
-            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv / kv_rate
+            seconds_by_dev[runs_on] = seconds_by_dev.get(runs_on, 0.0) + item.kv * kv_scale / kv_rate
     seconds = {device_key(d): v for d, v in seconds_by_dev.items()}
     step = sum(seconds.values())
-    line = COST_MODEL
-    if any(item.expert_weight or item.in_place for item in problem.items):
-        line += MOE_COST_MODEL
     if cal is not None and not has_gpu:
         overhead = calibrated_overhead(problem, assignment, cal, dtype)
         seconds["overhead"] = overhead
         step += overhead
-    if cal is not None:
-        used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
-        extra = (
-            f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer "
-            f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call "
-            f"+ {cal.row_overhead(dtype) * 1e9:.0f} ns/matrix row"
-            if "overhead" in seconds
-            else ""
-        )
-        line = f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
     if cold_compute_rate and _streamed_disk_blocks(problem, assignment) >= 2:
         disk = seconds.get("disk", 0.0)
         step = max(disk, step - disk)
     tps = batch_size / step if step > 0 else float("inf")
 
+    load = _load_seconds(problem, assignment, measured)
+    return Prediction(
+        load_seconds=round(load, 4),
+        decode_tokens_per_s=round(tps, 4) if tps != float("inf") else 0.0,
+        seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
+        cost_model=_cost_model_line(problem, cal, measured, dtype, "overhead" in seconds),
+    )
+
+
+def _cost_model_line(
+    problem: Problem, cal: Calibration | None, measured: dict[str, float], dtype: str | None, overhead: bool
+) -> str:
+    """The one-line statement of the model a prediction used, with the calibration's figures where it had one."""
+    line = COST_MODEL
+    if any(item.expert_weight or item.in_place for item in problem.items):
+        line += MOE_COST_MODEL
+    if cal is None:
+        return line
+    used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
+    extra = (
+        f" + overhead {cal.step_overhead * 1e3:.2f} ms/step + {cal.layer_overhead * 1e3:.3f} ms/layer "
+        f"(+{cal.disk_layer_overhead * 1e3:.3f} on disk) + {cal.call_overhead(dtype) * 1e3:.3f} ms/head call "
+        f"+ {cal.row_overhead(dtype) * 1e9:.0f} ns/matrix row"
+        if overhead
+        else ""
+    )
+    return f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
+
+
+def _load_seconds(problem: Problem, assignment: list[DeviceId], measured: dict[str, float]) -> float:
+    """Bytes copied out of the checkpoint over the storage read rate, plus the GPU share over the host link
+    (disk-placed tensors are served from the checkpoint in place)."""
+    hw = problem.hardware
     storage = measured.get("storage", hw.storage_bandwidth)
     link = measured.get("link", hw.link_bandwidth)
     load = 0.0
@@ -232,9 +303,4 @@ def predict(
         load += item.weight / storage
         if isinstance(dev, int):
             load += item.weight / link
-    return Prediction(
-        load_seconds=round(load, 4),
-        decode_tokens_per_s=round(tps, 4) if tps != float("inf") else 0.0,
-        seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
-        cost_model=line,
-    )
+    return load

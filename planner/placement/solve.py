@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner.errors import PlanError
 from planner.hardware.devices import device_label, is_gpu
-from planner.placement.cost_model import compute_dtype, predict
+from planner.placement.cost_model import compute_dtype, extra_row_cost, predict
 from planner.placement.draft_budget import reserve_draft
 from planner.placement.hf_device_map import resolve_custom_map
 from planner.placement.inputs import ResolvedInputs, Strategy
@@ -227,7 +227,9 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
         if r.assignment is None:
             continue
         r.loads = r.loads or compute_loads(p, r.assignment)
-        tps = predict(p, r.assignment, r.loads, workload.batch_size, compute_dtype(workload)).decode_tokens_per_s
+        tps = predict(
+            p, r.assignment, r.loads, workload.batch_size, compute_dtype(workload), extra_row_cost(workload)
+        ).decode_tokens_per_s
         candidates.append(Candidate(name, p, r, tps, _peak_gpu_use(p, r.assignment), _hops(r.assignment, skeleton)))
     if not candidates:
         return Solution(problem, seq, "auto")

@@ -181,6 +181,11 @@ def format_plan(plan: Plan) -> str:
             else ""
         ),
         *_speculative_lines(plan),
+        *(
+            ["at once: " + ", ".join(f"{c.sequences} streams {c.tokens_per_s:.3g} tokens/s" for c in p.concurrent)]
+            if p.concurrent
+            else []
+        ),
         f"cost model: {p.cost_model}",
         "",
         "kernels:",

@@ -367,6 +367,11 @@ class PlanBudget(_Answer):
     free: int
 
 
+class PlanConcurrentRate(_Answer):
+    sequences: int
+    tokens_per_s: float = Field(description="Aggregate decode tokens/s with this many sequences decoding at once.")
+
+
 class PlanPrediction(_Answer):
     load_seconds: float
     decode_tokens_per_s: float = Field(description="Decode tokens/s of the workload's batch, all rows together.")
@@ -378,6 +383,10 @@ class PlanPrediction(_Answer):
     )
     speculative_acceptance: float | None = Field(
         None, description="The share of draft tokens accepted that speculative_tokens_per_s assumes."
+    )
+    concurrent: list[PlanConcurrentRate] = Field(
+        default_factory=list,
+        description="Aggregate decode tokens/s with several short sequences decoding at once on the same placement.",
     )
 
 

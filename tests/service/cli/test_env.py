@@ -199,5 +199,6 @@ def test_calibration_measures_this_machine(tmp_path: Path) -> None:
     assert cal.machine == machine_id() and cal.memory_read > 1e8 and cal.disk_warm > 1e7 and cal.disk_cold > 1e6
     assert set(cal.kernels) == {"float32", "bfloat16"}
     assert all(k.resident > 1e8 and k.mapped > 1e8 for k in cal.kernels.values())
+    assert all(k.extra_row_cost is not None and 0 <= k.extra_row_cost < 10 for k in cal.kernels.values())
     assert cal.link is None or torch.cuda.is_available()
     assert list(tmp_path.iterdir()) == [], "scratch files are removed"
