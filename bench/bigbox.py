@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULT_PREFIX, ROOT, drop_cache, emit, machine, print_table, write_json
+from bench.common import RESULT_PREFIX, ROOT, drop_cache, emit, machine, print_table, run_together, write_json
 from bench.memory_box import MemoryBox, cgroup_unavailable, make_box
 from loaders.checkpoint.disk_rate import DiskRate, cold_read_rate, streamed_read_rate
 from planner.hardware.units import format_bytes, parse_size
@@ -267,13 +267,7 @@ def clients_rate(url: str, clients: int, new_tokens: int) -> ClientsRates:
         except Exception as e:  # recorded; the run reports the first
             errors.append(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=client, args=(i, t)) for i, t in enumerate(prompts(clients))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_together([threading.Thread(target=client, args=(i, t)) for i, t in enumerate(prompts(clients))])
     if errors:
         raise RuntimeError(f"{len(errors)} client requests failed: {errors[0]}")
     return ClientsRates(sum(len(s) for s in stamps) / wall, concurrent_decode_rate(stamps))

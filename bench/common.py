@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -107,6 +108,17 @@ def reset_rss_peak() -> None:
 
 
 # -- page cache --------------------------------------------------------------------------------------------------
+def run_together(threads: Sequence[threading.Thread]) -> float:
+    """Start every thread, wait for all of them: the wall seconds from the first start to the last end (how the
+    benches time clients sent at once)."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def drop_cache(paths: Iterable[Path]) -> int:
     """Evict the files' pages from the page cache (``POSIX_FADV_DONTNEED``). Mapped, touched pages stay."""
     n = 0

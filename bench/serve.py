@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import spawn_server, wait_ready
+from bench.common import run_together, spawn_server, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,13 +159,8 @@ def run_clients(url: str, texts: list[str], clients: int, max_new_tokens: int) -
                     lat.append(dt)
                     tokens[0] += r.json()["details"]["generated_tokens"]
 
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    out = summarize(lat, tokens[0], time.perf_counter() - t0)
+    wall = run_together([threading.Thread(target=worker) for _ in range(clients)])
+    out = summarize(lat, tokens[0], wall)
     out["clients"] = clients
     out["errors"] = errors
     return out

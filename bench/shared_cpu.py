@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULT_PREFIX, write_json
+from bench.common import RESULT_PREFIX, run_together, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path(os.environ.get("LOADMASTER_TEST_CACHE") or ROOT / ".cache" / "test-models") / "llama-100m-float32"
@@ -141,13 +141,7 @@ def measure_server(url: str, prompts: list[str]) -> dict[str, Any]:
     out = {}
     for n in LEVELS:
         results: list[dict] = []
-        threads = [threading.Thread(target=_stream, args=(url, prompts[i], results)) for i in range(n)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = run_together([threading.Thread(target=_stream, args=(url, prompts[i], results)) for i in range(n)])
         ttft = [r["stamps"][0] - r["start"] for r in results if r["stamps"]]
         itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
         out[str(n)] = {

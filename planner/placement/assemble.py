@@ -109,6 +109,18 @@ def with_speculation(prediction: Prediction, draft: DraftBudget, hardware: Hardw
     return replace(prediction, speculative_tokens_per_s=round(rate, 4), speculative_acceptance=DEFAULT_ACCEPTANCE)
 
 
+def _concurrent_rates(placed: _Placed, workload: Workload, dtype: str | None, row_cost: float) -> list[ConcurrentRate]:
+    """The aggregate decode rate of each of :data:`CONCURRENCY` sequences of :data:`CONCURRENT_CONTEXT` tokens on the
+    placement: the problem's KV cache (sized for the workload's batch and context) scaled to what they hold."""
+    pool_tokens = workload.batch_size * workload.context
+    rates = []
+    for n in CONCURRENCY:
+        kv_scale = n * min(CONCURRENT_CONTEXT, workload.context) / pool_tokens
+        p = predict(placed.problem, placed.assignment, placed.loads, n, dtype, row_cost, kv_scale)
+        rates.append(ConcurrentRate(n, p.decode_tokens_per_s))
+    return rates
+
+
 def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan:
     """The Plan of a solution that fits: merged device map, per-device budgets, predictions, reasons, warnings."""
     placed = _placed(solution)
@@ -116,15 +128,11 @@ def assemble(skeleton: Skeleton, solution: Solution, workload: Workload) -> Plan
     placement = dict(zip(names, assignment))
     dtype, row_cost = compute_dtype(workload), extra_row_cost(workload)
     prediction = predict(problem, assignment, placed.loads, workload.batch_size, dtype, row_cost)
-    concurrent = [
-        ConcurrentRate(n, predict(problem, assignment, placed.loads, n, dtype, row_cost, kv).decode_tokens_per_s)
-        for n in CONCURRENCY
-        for kv in [n * min(CONCURRENT_CONTEXT, workload.context) / (workload.batch_size * workload.context)]
-    ]
+    concurrent = _concurrent_rates(placed, workload, dtype, row_cost)
     lone = prediction.decode_tokens_per_s
     if workload.batch_size > 1:
         lone_problem = make_problem(skeleton, problem.hardware, replace(workload, batch_size=1))
-        lone = round(lone_speed(solution, lone_problem, compute_dtype(workload)), 4)
+        lone = round(lone_speed(solution, lone_problem, dtype), 4)
     prediction = replace(prediction, lone_decode_tokens_per_s=lone, concurrent=concurrent)
     if workload.draft is not None and lone:
         prediction = with_speculation(prediction, workload.draft, problem.hardware)

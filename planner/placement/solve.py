@@ -223,13 +223,12 @@ def _auto(skeleton: Skeleton, problem: Problem, workload: Workload) -> Solution:
     ):
         tried += experts_on_cpu_candidates(skeleton, problem)
     candidates: list[Candidate] = []
+    dtype, row_cost = compute_dtype(workload), extra_row_cost(workload)
     for name, p, r in tried:
         if r.assignment is None:
             continue
         r.loads = r.loads or compute_loads(p, r.assignment)
-        tps = predict(
-            p, r.assignment, r.loads, workload.batch_size, compute_dtype(workload), extra_row_cost(workload)
-        ).decode_tokens_per_s
+        tps = predict(p, r.assignment, r.loads, workload.batch_size, dtype, row_cost).decode_tokens_per_s
         candidates.append(Candidate(name, p, r, tps, _peak_gpu_use(p, r.assignment), _hops(r.assignment, skeleton)))
     if not candidates:
         return Solution(problem, seq, "auto")

@@ -173,11 +173,11 @@ def _sweep(
     return out
 
 
-#: Rows of x the decode-batch probe multiplies, against one (:func:`extra_row_cost`): the bench's 16 clients.
+#: Rows of x the decode-batch probe multiplies, against one (:func:`measure_extra_row_cost`): the bench's 16 clients.
 BATCH_ROWS = 16
 
 
-def extra_row_cost(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pool: torch.Tensor) -> float:
+def measure_extra_row_cost(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], pool: torch.Tensor) -> float:
     """The fraction of a one-row pass's time each further row adds: a pass over the pool's widest, largest matrices
     with :data:`BATCH_ROWS` rows against one, each the best of :data:`RUNS` medians, taking turns. What several
     sequences decoding at once cost the CPU beyond one weight read (the cost model's per-row term)."""
@@ -200,7 +200,7 @@ def extra_row_cost(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], poo
 def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path) -> KernelRate:
     """One-row products (a decode step's linears) over a sweep of matrix sizes and widths, weights resident and
     memory-mapped, timed interleaved: the fitted bytes/s, fixed seconds per call and per output row; then what each
-    further decode row adds (:func:`extra_row_cost`)."""
+    further decode row adds (:func:`measure_extra_row_cost`)."""
     elt = torch.tensor([], dtype=dtype).element_size()
     numel = max(nbytes // elt, max(SWEEP_WIDTHS) * 64)
     path_name, fn = _linear_fn(dtype)
@@ -214,7 +214,7 @@ def kernel_rate(dtype: torch.dtype, nbytes: int, folder: Path) -> KernelRate:
             mapped_pool = torch.from_file(name, shared=True, size=numel, dtype=dtype)
             fits = _sweep(fn, {"resident": pool, "mapped": mapped_pool})
             del mapped_pool
-            per_row = extra_row_cost(fn, pool)
+            per_row = measure_extra_row_cost(fn, pool)
         finally:
             Path(name).unlink(missing_ok=True)
     resident = fits["resident"]

@@ -340,11 +340,13 @@ async def info(request: Request) -> dict[str, Any]:
         "model_id": None,
         "prefix_cache": s.prefix_cache,
         "cpu_threads": cpu_threads_report(runtime),
-        "speculation": {"mode": s.speculation_mode, "draft_tokens": draft_tokens(s.speculate_tokens, None)},
+        "speculation": {
+            "mode": s.speculation_mode,
+            "draft_tokens": draft_tokens(s.speculate_tokens, loaded.plan if loaded is not None else None),
+        },
     }
     if loaded is None:
         return out
-    out["speculation"]["draft_tokens"] = draft_tokens(s.speculate_tokens, loaded.plan)
     slots = engine_slots(s, loaded)  # the KV slots of the full context its plan budgets (reason in the plan)
     out["limits"]["max_batch_size"] = slots
     out["limits"]["kv_pool_tokens"] = slots * runtime.max_total_tokens
