@@ -82,14 +82,22 @@ LLAMACPP_TYPES = {LLAMACPP: "q8_0", "llama.cpp-q4_0": "q4_0", "llama.cpp-q4_k_m"
 
 
 def _weight_bytes_per_token(model) -> int:
-    """Bytes one decode step reads: linear weights and scales (quantized or not), norms; one embedding row."""
+    """Bytes one decode step reads: linear weights and scales (quantized or not), norms; one embedding row; of a
+    MoE layer's fused experts, the ``top_k`` of ``E`` one token is routed to."""
     import torch
 
     total, seen = 0, set()
-    for mod in model.modules():
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Embedding):
             seen.add(id(mod.weight))
             total += mod.weight.shape[1] * mod.weight.element_size()
+        experts = getattr(mod, "num_experts", None)  # the routed experts; the router beside them is read whole
+        if top_k and name.endswith(".experts") and isinstance(experts, int) and experts > 0:
+            for t in list(mod.parameters()) + list(mod.buffers()):
+                if t.dim() >= 2 and t.shape[0] == experts and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size() * min(top_k, experts) // experts
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) in seen or t.dtype in (torch.int64,) or t.dim() == 0:
             continue

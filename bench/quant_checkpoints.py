@@ -3,8 +3,9 @@
 Round-to-nearest quantization (not GPTQ's or AWQ's search: the layout is what is tested), packed as each format
 stores it: GPTQ and AWQ by this module, following their documented packing; compressed-tensors through the
 ``compressed-tensors`` package's own ``pack_to_int32`` where it installs; MXFP4 in the gpt-oss layout applied to
-linear layers (``weight_blocks`` / ``weight_scales``), its reference weights dequantized by transformers' own
-MXFP4 dequantizer (``convert_moe_packed_tensors``); bitsandbytes ``load_in_8bit`` quantized and dequantized by
+linear layers (``weight_blocks`` / ``weight_scales``), or, for a gpt-oss model, on its routed experts alone as
+gpt-oss ships them (``experts.gate_up_proj_blocks`` / ``_scales``, ...), its reference weights dequantized by
+transformers' own MXFP4 dequantizer (``convert_moe_packed_tensors``); bitsandbytes ``load_in_8bit`` quantized and dequantized by
 bitsandbytes' own ``int8_vectorwise_quant`` / ``int8_vectorwise_dequant`` (its CPU backend), saved under the keys
 ``Linear8bitLt`` writes (``weight``, ``SCB``, ``weight_format``); bitsandbytes ``load_in_4bit`` (nf4, fp4, double
 quant or not) quantized by its ``quantize_4bit`` and saved under the keys ``Linear4bit`` writes (``weight`` and
@@ -185,6 +186,24 @@ def _mxfp4_layer(w):
     return {"weight_blocks": blocks, "weight_scales": scales}, mxfp4_reference(blocks, scales)
 
 
+#: gpt-oss's fused experts projections, held transposed (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``).
+GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj")
+#: What gpt-oss's own config leaves unquantized: everything but the routed experts.
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _mxfp4_experts(t: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A gpt-oss experts parameter ``[E, K, N]`` as gpt-oss stores it: ``_blocks [E, N, K/32, 16]`` and ``_scales
+    [E, N, K/32]`` (each expert's ``[N, K]`` weight in the MXFP4 linear layout), and the float32 parameter
+    transformers' own dequantizer (``convert_moe_packed_tensors``) makes of them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    pairs = [mxfp4_quantize(t[e].t().float()) for e in range(t.shape[0])]
+    blocks = torch.stack([b for b, _ in pairs])
+    scales = torch.stack([s for _, s in pairs])
+    return {"blocks": blocks, "scales": scales}, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+
 def _bnb_int8_layer(w):
     from bitsandbytes.functional import int8_vectorwise_dequant, int8_vectorwise_quant
 
@@ -278,9 +297,15 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
         state.update(load_file(f))
     out: dict[str, torch.Tensor] = {}
     ref: dict[str, torch.Tensor] = {}
+    config = json.loads((source / "config.json").read_text())
+    experts_only = config.get("model_type") == "gpt_oss"  # gpt-oss quantizes its routed experts alone
     for key, t in state.items():
         mod, _, leaf = key.rpartition(".")
-        if leaf != "weight" or mod.rpartition(".")[2] not in LINEARS:
+        if fmt == "mxfp4" and experts_only and leaf in GPT_OSS_EXPERTS and mod.endswith(".experts"):
+            packed, ref[key] = _mxfp4_experts(t)
+            out.update({f"{key}_{part}": v.contiguous() for part, v in packed.items()})
+            continue
+        if leaf != "weight" or mod.rpartition(".")[2] not in LINEARS or experts_only:
             out[key] = t
             ref[key] = t.float()
             continue
@@ -308,8 +333,9 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
     for f in source.iterdir():
         if f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json", "config.json"):
             shutil.copy(f, dest / f.name)
-    config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = _quant_config(fmt, **o)
+    if experts_only:
+        config["quantization_config"]["modules_to_not_convert"] = GPT_OSS_NOT_CONVERTED
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     return ref

@@ -45,6 +45,12 @@ def tiny_moe_dir() -> Path:
     return build_model("mixtral", cache_dir() / "tiny-mixtral", size="tiny")
 
 
+def tiny_gpt_oss_dir() -> Path:
+    """gpt-oss, 4 layers alternating sliding and full attention (with sinks), 4 experts with top-2 routing; fp32,
+    sharded: the layout gpt-oss's MXFP4 experts are written from."""
+    return build_model("gpt_oss", cache_dir() / "tiny-gpt-oss", size="tiny")
+
+
 def tiny_qwen_moe_dir() -> Path:
     """Qwen2-MoE, 4 layers, 8 routed experts with top-2 routing and a gated shared expert; fp32, sharded."""
     return build_model("qwen2_moe", cache_dir() / "tiny-qwen-moe", size="tiny")

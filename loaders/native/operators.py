@@ -431,7 +431,7 @@ def dequantize_mxfp4(
     nibble. Exact in float32 and bfloat16 (a code's two significant bits times a power of two)."""
     n0, n1 = rows or (0, blocks.shape[0])
     r, nb = n1 - n0, blocks.shape[1]
-    pairs = _MXFP4_PAIRS.index_select(0, blocks[n0:n1].reshape(-1).to(torch.int32))
+    pairs = _MXFP4_PAIRS.to(blocks.device).index_select(0, blocks[n0:n1].reshape(-1).to(torch.int32))
     w = pairs.view(r, nb, MXFP4_BLOCK) * mxfp4_scales(scales[n0:n1])[..., None]
     return w.view(r, nb * MXFP4_BLOCK).to(dtype)
 

@@ -17,7 +17,9 @@ Every format is first read into one form: integer codes ``[N, K]``, a scale and 
   dequantized, and the log says so;
 - MXFP4 (e2m1 blocks of 32 with e8m0 scales, the gpt-oss layout on linear layers): kept as stored, blocks and
   scale bytes, for the native MXFP4 kernel (:class:`~loaders.native.mxfp4_linear.Mxfp4CPULinear`), which reads half
-  a byte per weight in place (a disk layer's from the shard's map). No repacking, no dequantization on the CPU;
+  a byte per weight in place (a disk layer's from the shard's map). No repacking, no dequantization on the CPU.
+  gpt-oss's fused MoE experts (:class:`~planner.model.packed_experts.PackedExperts`) likewise, each hit expert's
+  slice on the same kernel (:class:`~loaders.native.mxfp4_experts.Mxfp4Experts`);
 - bitsandbytes ``load_in_8bit`` (``weight`` int8 and ``SCB``): the native int8 layout, scale ``SCB / 127`` per
   row: exactly our int8 grid (bitsandbytes writes codes -127..127);
 - bitsandbytes ``load_in_4bit`` (nf4, fp4, with or without double quant): kept as stored, codes and float32
@@ -52,11 +54,13 @@ from torch import nn
 
 from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit
 from loaders.native.fp8_linear import Fp8CPULinear
+from loaders.native.mxfp4_experts import Mxfp4Experts, dequantized_experts
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.operators import GROUP, dequantize_mxfp4
 from loaders.native.quantization import QuantizedCPULinear
 from loaders.native.repack_cache import RepackCache, layer_tensors
 from planner.hardware.units import format_bytes
+from planner.model.packed_experts import PackedExperts
 from planner.model.packed_linear import PackedLinear
 from planner.model.quant_config import BNB_4BIT_LAYOUTS, FP8_LAYOUTS, MXFP4_LAYOUT, QuantFormat
 
@@ -247,11 +251,15 @@ def _dequantized(m: PackedLinear, weight: torch.Tensor, dtype: torch.dtype) -> n
 
 
 def repack(
-    m: PackedLinear, dtype: torch.dtype, stats: PackedStats, native: bool = True, name: str = "layer"
+    m: PackedLinear | PackedExperts, dtype: torch.dtype, stats: PackedStats, native: bool = True, name: str = "layer"
 ) -> tuple[nn.Module, str]:
     """The runnable layer for one stored layer (``name``, for errors), and the kind it became (``native``: False on
     a GPU, where every layer is dequantized)."""
     fmt = m.fmt
+    if isinstance(m, PackedExperts):  # gpt-oss's MXFP4 experts
+        if native:
+            return Mxfp4Experts(m), "mxfp4 experts"
+        return dequantized_experts(m, dtype), f"mxfp4 experts -> {str(dtype).removeprefix('torch.')}"
     if fmt.layout in BNB_4BIT_LAYOUTS.values():
         quant_type = fmt.layout.removeprefix("bnb-")
         layer = Bnb4CPULinear.from_packed(m, name) if native else None
@@ -341,7 +349,7 @@ def repack_packed_linears(
     repacked layers are saved once and mapped from (:mod:`loaders.native.repack_cache`); ``disk_tensors``: the
     names of the tensors the plan put on disk, whose layers, repacked without a cache, are held in memory (the log
     says how much)."""
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (PackedLinear, PackedExperts))]
     if not layers:
         return None
     t0 = time.perf_counter()

@@ -111,15 +111,16 @@ def _keys_by_module(headers: Mapping[str, HeaderTensor], linears: set[str]) -> d
 
 
 def _refuse_stray_blocks(keys_by_module: Mapping[str, list[str]], model: nn.Module) -> None:
-    """MXFP4 blocks stored for something other than a linear layer's weight (gpt-oss's fused MoE experts store
-    ``experts.gate_up_proj_blocks``): a :class:`PlanError` naming the tensor, since nothing would load them."""
+    """MXFP4 blocks stored for something other than a linear layer's weight or gpt-oss's fused experts
+    (:mod:`planner.model.packed_experts`, swapped first): a :class:`PlanError` naming the tensor, since nothing would
+    load them."""
     for mod, suffixes in keys_by_module.items():
         for suffix in suffixes:
-            if suffix.endswith("_blocks") and not isinstance(_find(model, mod), PackedLinear):
+            if suffix.endswith("_blocks") and not getattr(_find(model, mod), "loadmaster_packed", False):
                 raise PlanError(
-                    f"{mod}.{suffix}: MXFP4 blocks of something other than an nn.Linear weight (fused MoE experts, "
-                    "as gpt-oss stores them) are not loaded by loadmaster yet; supported: <linear>.weight_blocks and "
-                    "<linear>.weight_scales."
+                    f"{mod}.{suffix}: MXFP4 blocks of something other than an nn.Linear weight or gpt-oss's "
+                    "fused experts are not loaded by loadmaster yet; supported: <linear>.weight_blocks and "
+                    "<linear>.weight_scales, <experts>.gate_up_proj_blocks and the like (gpt-oss)."
                 )
 
 

@@ -269,11 +269,13 @@ def _describe(
     build = dtype or default
     model = build_meta_model(cfg, build if build in _BUILD_DTYPES else None)
     if fmt is not None:
+        from planner.model.packed_experts import swap_packed_experts
         from planner.model.packed_linear import swap_packed_linears
 
+        experts = swap_packed_experts(model, fmt, headers.tensors)
         n = swap_packed_linears(model, fmt, headers.tensors)
         model.loadmaster_quant_format = fmt
-        log.info("%s: %d linear layers stored as %s", name, n, fmt.describe)
+        log.info("%s: %d linear layers and %d experts modules stored as %s", name, n, experts, fmt.describe)
     skel = _with_checkpoint(
         skeleton_from_model(model, name=name), headers, str(getattr(model, "base_model_prefix", "") or ""), name
     )

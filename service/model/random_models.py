@@ -79,6 +79,30 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
         num_experts_per_tok=2,
         max_position_embeddings=1024,
     ),
+    ("gpt_oss", "tiny"): dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=131072,  # 32 x 4096: gpt-oss's YaRN factor over its original context
+    ),
+    ("gpt_oss", "bench"): dict(  # gpt-oss-20b's shape scaled down: 32 experts, top 4, widths of 1024
+        hidden_size=1024,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,
+    ),
     ("qwen2_moe", "tiny"): dict(
         hidden_size=64,
         intermediate_size=128,
@@ -95,7 +119,7 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 # How many shards a default build aims for: even tiny models must exercise the sharded-index path.
-TARGET_SHARDS = {"tiny": 3, "draft": 2, "100m": 4, "300m": 4, "1b": 5}
+TARGET_SHARDS = {"tiny": 3, "draft": 2, "100m": 4, "300m": 4, "1b": 5, "bench": 4}
 
 
 def transformers_version() -> str:
@@ -113,7 +137,7 @@ def _torch_dtype(dtype: str):
 
 def make_config(kind: str, spec: dict[str, Any], tokenizer, dtype: str):
     """The transformers config for ``kind`` with vocab and special-token ids taken from the tokenizer."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
+    from transformers import GPT2Config, GptOssConfig, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
     ids = dict(
         bos_token_id=tokenizer.bos_token_id,
@@ -127,6 +151,8 @@ def make_config(kind: str, spec: dict[str, Any], tokenizer, dtype: str):
         cfg = GPT2Config(vocab_size=vocab, tie_word_embeddings=True, **ids, **spec)
     elif kind == "mixtral":
         cfg = MixtralConfig(vocab_size=vocab, tie_word_embeddings=False, **ids, **spec)
+    elif kind == "gpt_oss":
+        cfg = GptOssConfig(vocab_size=vocab, tie_word_embeddings=False, **ids, **spec)
     elif kind == "qwen2_moe":
         cfg = Qwen2MoeConfig(vocab_size=vocab, tie_word_embeddings=False, **ids, **spec)
     else:  # pragma: no cover - callers validate kind first
@@ -235,12 +261,13 @@ def build_model(
     seed: int = 0,
     max_shard_size: str | int | None = None,
 ) -> Path:
-    """Build a random-weight model of ``kind`` ("llama", "gpt2", "mixtral", "qwen2_moe") into ``out_dir`` and return it.
+    """Build a random-weight model of ``kind`` ("llama", "gpt2", "mixtral", "gpt_oss", "qwen2_moe") into ``out_dir`` and return it.
 
     The folder holds sharded safetensors with ``model.safetensors.index.json``, ``config.json``,
     ``generation_config.json`` and the tokenizer, loadable by plain ``from_pretrained``. The same
     arguments always give the same bytes; a folder already holding that build is returned untouched.
-    Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m", "300m" and "1b" for "llama".
+    Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m", "300m" and "1b" for "llama";
+    "bench" for "gpt_oss" (0.83B parameters, 0.12B of them read per token).
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if (kind, size) not in MODEL_SPECS:

@@ -271,7 +271,8 @@ def test_mxfp4_in_features_must_be_whole_blocks():
 
 
 def test_mxfp4_expert_blocks_of_no_linear_layer_are_refused(written, tmp_path):
-    """gpt-oss's fused MoE experts store ``experts.gate_up_proj_blocks``: nothing would load them, so the plan says so."""
+    """``experts.gate_up_proj_blocks`` under a Llama, which has no experts module to hold them (gpt-oss's own are
+    ``test_mxfp4_experts.py``'s): nothing would load them, so the plan says so."""
     import shutil
 
     from safetensors.torch import load_file, save_file

@@ -83,3 +83,30 @@ def test_served_prequantized_checkpoint_answers_tgi_and_openai(name: str, tmp_pa
             assert plan["placement"]["model.layers.1"] == "disk" and plan["kernels"]["disk"].startswith("linear_fp8")
     finally:
         server.stop()
+
+
+def test_served_gpt_oss_mxfp4_experts_with_layers_on_disk_answer_tgi_and_openai(tmp_path: Path) -> None:
+    """gpt-oss's own MXFP4 layout (its routed experts packed, the rest float), half its layers on disk: the clients'
+    greedy tokens are our own load's of the same checkpoint, and the plan names the MXFP4 kernel for the disk."""
+    from tests.models import tiny_gpt_oss_dir
+
+    d = tmp_path / "gpt-oss-mxfp4"
+    write_quantized(tiny_gpt_oss_dir(), d, "mxfp4")
+    tok = AutoTokenizer.from_pretrained(d)
+    want = _greedy(
+        load_model(d, device_map="cpu", dtype="float32", show_progress=False),
+        tok(PROMPT, return_tensors="pt")["input_ids"],
+    )
+    placement = {"model.layers.1": "disk", "model.layers.2": "disk", "": "cpu"}
+    serve = dict(dtype="float32", max_memory=["cpu=4GiB", "disk=4GiB"], strategy=json.dumps(placement))
+    server = LiveServer(settings_for(d, **serve)).start()
+    try:
+        tgi = text_generation.Client(server.url, timeout=60).generate(PROMPT, max_new_tokens=NEW)
+        assert [t.id for t in tgi.details.tokens] == want
+        oa = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        c = oa.completions.create(model="gpt-oss-mxfp4", prompt=PROMPT, max_tokens=NEW, temperature=0)
+        assert c.choices[0].text == tgi.generated_text and c.usage.completion_tokens == NEW
+        plan = httpx.get(server.url + "/info", timeout=30).json()["plan"]
+        assert plan["placement"]["model.layers.1"] == "disk" and plan["kernels"]["disk"].startswith("linear_mxfp4")
+    finally:
+        server.stop()
