@@ -78,10 +78,10 @@ def install_expert_kernels(modules: Iterable[torch.nn.Module], choice: str = "au
     where the kernel is available, ``"native"`` raises where it is not, ``"torch"`` switches nothing."""
     if choice == "torch":
         return 0
-    switched = 0
+    switched, kept = 0, set()
     for module in modules:
         if not takes_native_kernels(module):
-            log.info("%s keeps transformers' experts forward (layout not taken by the kernels)", type(module).__name__)
+            kept.add(type(module).__name__)
             continue
         dtype = module.gate_up_proj.dtype
         st = kernel_build.status(dtype)
@@ -94,6 +94,8 @@ def install_expert_kernels(modules: Iterable[torch.nn.Module], choice: str = "au
             continue
         module.forward = types.MethodType(native_experts_forward, module)
         switched += 1
+    for name in sorted(kept):
+        log.info("%s keeps its own experts forward (layout not taken by the native experts path)", name)
     return switched
 
 

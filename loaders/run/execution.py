@@ -25,6 +25,7 @@ from loaders.checkpoint.device_order import entry_of, module_for_entry, ordered_
 from loaders.checkpoint.placement import PlacedModel
 from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
+from loaders.native.experts import install_expert_kernels
 from loaders.native.linear import use_native_linears
 from loaders.native.packed_formats import PackedStats, repack_packed_linears
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
@@ -116,6 +117,9 @@ def apply_execution(
             release=lambda weight: _give_back(placed.reader, weight),
         )
     native = use_native_linears(model, cpu_kernels)
+    native += install_expert_kernels(
+        [m for name, m in model.named_modules() if name.endswith(".experts")], cpu_kernels
+    )  # routed experts, as beside GPUs: a decode step hands each a few rows, the kernels' case
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
 

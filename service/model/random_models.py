@@ -79,6 +79,16 @@ MODEL_SPECS: dict[tuple[str, str], dict[str, Any]] = {
         num_experts_per_tok=2,
         max_position_embeddings=1024,
     ),
+    ("mixtral", "bench"): dict(  # Mixtral's routing (8 experts, top 2) at widths of 1024
+        hidden_size=1024,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    ),
     ("gpt_oss", "tiny"): dict(
         hidden_size=64,
         intermediate_size=64,
@@ -267,7 +277,7 @@ def build_model(
     ``generation_config.json`` and the tokenizer, loadable by plain ``from_pretrained``. The same
     arguments always give the same bytes; a folder already holding that build is returned untouched.
     Sizes: "tiny" for every kind; "draft" (a one-layer draft for the tiny one), "100m", "300m" and "1b" for "llama";
-    "bench" for "gpt_oss" (0.83B parameters, 0.12B of them read per token).
+    "bench" for "gpt_oss" (0.83B parameters, 0.12B of them read per token) and "mixtral".
     """
     out_dir = Path(out_dir).expanduser().resolve()
     if (kind, size) not in MODEL_SPECS:

@@ -238,6 +238,19 @@ def test_cpu_experts_on_the_native_kernels_match_transformers(fixture, request, 
     assert_equivalent(model, path)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_moe", "tiny_qwen_moe"])
+def test_a_cpu_only_model_runs_its_experts_on_the_native_kernels(fixture, request, kernel_path):
+    """With no GPU at all, the routed experts take the native kernels too (a decode step hands each a few rows):
+    within 1e-5 of transformers (fp32), greedy tokens equal; torch's where this CPU lacks the kernel path."""
+    path = request.getfixturevalue(fixture)
+    model = loaders.load_model(path, device_map={"": "cpu"}, show_progress=False)
+    experts = [m for n, m in model.named_modules() if n.endswith(".mlp.experts")]
+    native = [e for e in experts if getattr(e.forward, "__func__", None) is native_experts_forward]
+    assert experts and len(native) == (len(experts) if kernel_path.available else 0)
+    assert (_native_ops_run(model, path) > 0) == kernel_path.available
+    assert_equivalent(model, path)
+
+
 def test_layers_computed_on_the_cpu_use_the_native_kernels_too(tiny_qwen_moe, native_path):
     """The attention and shared-expert linears of a layer the plan computes on the CPU run on the native kernels,
     with the model still equal to transformers."""
