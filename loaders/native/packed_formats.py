@@ -290,6 +290,10 @@ def repack(
     return _dequantized(m, weight, dtype), f"int{grid.bits} -> {str(dtype).removeprefix('torch.')}"
 
 
+def _under(name: str, keys: Collection[str]) -> bool:
+    return any(name == k or name.startswith(k + ".") for k in keys)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -342,19 +346,24 @@ def repack_packed_linears(
     native: bool = True,
     cache: RepackCache | None = None,
     disk_tensors: Collection[str] = (),
+    cpu_computed: Collection[str] = (),
 ) -> PackedStats | None:
     """Replace every stored layer of a loaded ``model`` with its runnable form (see the module docstring); None
     when the model has none. Layers dequantized for want of a native layout are said in the log. ``native``:
     False where GPUs compute (every layer is then dequantized on its device). ``cache``: where the int4/int8
     repacked layers are saved once and mapped from (:mod:`loaders.native.repack_cache`); ``disk_tensors``: the
     names of the tensors the plan put on disk, whose layers, repacked without a cache, are held in memory (the log
-    says how much)."""
+    says how much). ``cpu_computed``: the keys of modules the CPU computes while GPUs compute the rest (routed
+    experts kept in host RAM, a plan's CPU layers): their stored layers take the native CPU kernels even where
+    ``native`` is False, instead of being dequantized in host RAM (gpt-oss's MXFP4 experts would grow fourfold)."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (PackedLinear, PackedExperts))]
     if not layers:
         return None
     t0 = time.perf_counter()
     stats = PackedStats()
-    on_cpu = {name: native and next(m.buffers()).device.type == "cpu" for name, m in layers}
+    on_cpu = {
+        name: (native or _under(name, cpu_computed)) and next(m.buffers()).device.type == "cpu" for name, m in layers
+    }
     cacheable = [name for name, m in layers if on_cpu[name] and m.fmt.layout in _GRIDS]
     saved = cache.entries(cacheable) if cache is not None and cacheable else None
     stats.from_file = saved is not None

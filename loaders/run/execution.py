@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loaders.checkpoint.device_order import entry_of, module_for_entry, ordered_entries
+from loaders.checkpoint.device_order import cpu_compute_entries, entry_of, module_for_entry, ordered_entries
 from loaders.checkpoint.placement import PlacedModel
 from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
@@ -67,12 +67,14 @@ def apply_execution(
     for mm in list(placed.reader.maps.values()):  # read in place: a truncated shard then fails a step, not the process
         map_guard.guard(mm)
     cache = RepackCache(cpu_quantized_dir, list(checkpoint_files), placed.reader) if cpu_quantized_dir else None
+    on_gpus = placed.execution_device.type != "cpu"
     packed = repack_packed_linears(
         model,
         _compute_dtype(model),
-        native=placed.execution_device.type == "cpu",
+        native=not on_gpus,
         cache=cache,
         disk_tensors=placed.disk_ranges,
+        cpu_computed=cpu_compute_entries(model, device_map, placed.cpu_compute) if on_gpus else (),
     )
     disk_ranges = dict(placed.disk_ranges)
     if packed is not None:

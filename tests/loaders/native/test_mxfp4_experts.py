@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 from bench.quant_checkpoints import write_quantized
 from loaders import load_model
 from loaders.native.mxfp4_experts import Mxfp4Experts, dequantized_experts
+from loaders.native.packed_formats import repack_packed_linears
 from planner.errors import PlanError
 from planner.model.packed_experts import PackedExperts
 from planner.model.quant_config import quant_format
@@ -140,16 +141,8 @@ def _mapped_file(address: int) -> str | None:
 def test_the_dequantized_form_where_gpus_compute_is_transformers_forward_exactly(written, reference):
     """Where GPUs compute, the experts are dequantized once (no native kernel there): run here on the CPU, the
     module's forward equals transformers' own experts forward on the same weights, to float32 rounding."""
-    d, _ = written
     source = reference.get_submodule(EXPERTS.format(1))
-    fmt = quant_format(json.loads((d / "config.json").read_text()))
-    state = load_file(d / "model.safetensors")
-    prefix = EXPERTS.format(1) + "."
-    stored = {k[len(prefix) :]: (tuple(v.shape), v.dtype) for k, v in state.items() if k.startswith(prefix)}
-    stored = {k: v for k, v in stored.items() if not k.endswith("_bias")}
-    packed = PackedExperts(fmt, source, stored)
-    for name in stored:
-        setattr(packed, name, state[prefix + name])
+    packed = _packed(written, reference, 1)
     experts = dequantized_experts(packed, torch.float32)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
     idx = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]])
@@ -158,6 +151,35 @@ def test_the_dequantized_form_where_gpus_compute_is_transformers_forward_exactly
         torch.testing.assert_close(experts(x, idx, weights), source(x, idx, weights), rtol=1e-5, atol=1e-6)
         native = Mxfp4Experts(packed)(x, idx, weights)
         assert _within_tolerance(native, source(x, idx, weights))
+
+
+def _packed(written, reference, layer: int) -> PackedExperts:
+    """Layer ``layer``'s experts as the loader holds them before repacking: the stored tensors, on the CPU."""
+    d, _ = written
+    fmt = quant_format(json.loads((d / "config.json").read_text()))
+    state = load_file(d / "model.safetensors")
+    prefix = EXPERTS.format(layer) + "."
+    stored = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and not k.endswith("_bias")}
+    packed = PackedExperts(
+        fmt, reference.get_submodule(EXPERTS.format(layer)), {k: (v.shape, v.dtype) for k, v in stored.items()}
+    )
+    for name, t in stored.items():
+        setattr(packed, name, t)
+    return packed
+
+
+def test_experts_the_cpu_computes_beside_gpus_stay_packed_and_the_rest_are_dequantized(written, reference):
+    """Where GPUs compute (``native=False``), experts kept in host RAM for the CPU to compute (the plan's
+    ``experts_on_cpu``) keep their blocks for the CPU kernel rather than grow fourfold in bf16; the others are
+    dequantized for their GPU."""
+    root = torch.nn.Module()
+    root.host = _packed(written, reference, 0)
+    root.gpu = _packed(written, reference, 1)
+    stats = repack_packed_linears(root, torch.bfloat16, native=False, cpu_computed=["host"])
+    assert isinstance(root.host, Mxfp4Experts) and root.host.packed
+    assert isinstance(root.gpu, Mxfp4Experts) and not root.gpu.packed
+    assert root.gpu.gate_up_proj_weight.dtype == torch.bfloat16
+    assert stats.kinds == {"mxfp4 experts": 1, "mxfp4 experts -> bfloat16": 1}
 
 
 def _rewritten(written, tmp_path, change):
