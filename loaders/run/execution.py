@@ -31,6 +31,7 @@ from loaders.native.packed_formats import PackedStats, repack_packed_linears
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
 from loaders.native.repack_cache import RepackCache
 from loaders.run.cpu_experts import install_gpu_execution_with_cpu_experts, native_cpu_modules
+from loaders.run.expert_reads import SparseExpertReads, disk_experts
 from loaders.run.readahead import DiskReadahead, merge_ranges
 from loaders.run.streaming import host_lookup_modules
 from planner.errors import PlanError
@@ -97,18 +98,7 @@ def apply_execution(
             reader=placed.reader,
         )
         return Execution(native_cpu_modules(model))
-    by_entry: dict[str, list] = OrderedDict()
-    lookups = {id(m) for m in host_lookup_modules(model, device_map)}
-    for name, rng in disk_ranges.items():
-        entry = entry_of(name, device_map)
-        if id(module_for_entry(model, entry)) in lookups:
-            continue  # an embedding on disk: a lookup faults in the rows it reads, no more; never read ahead whole
-        by_entry.setdefault(entry, []).append(rng)
-    if by_entry:
-        blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
-        readahead = DiskReadahead(placed.reader, blocks, drop_behind=_disk_outgrows_cache(blocks))
-        readahead.install(model)
-        model._loadmaster_readahead = readahead
+    _install_disk_reads(model, device_map, disk_ranges, placed.reader)
     quant_stats = None
     if cpu_quantization:
         quant_stats = quantize_cpu_linears(
@@ -124,6 +114,33 @@ def apply_execution(
     )  # routed experts, as beside GPUs: a decode step hands each a few rows, the kernels' case
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
+
+
+def _install_disk_reads(model, device_map, disk_ranges: dict[str, tuple[str, int, int]], reader) -> None:
+    """Readahead of the disk blocks (:mod:`loaders.run.readahead`), less what is read sparsely: an embedding's
+    rows (a lookup faults in the rows it reads) and routed experts, read per hit expert
+    (:mod:`loaders.run.expert_reads`)."""
+    experts = disk_experts(model, disk_ranges)
+    fused = {r.tensor: (r.path, r.start, r.start + r.per_expert * n) for n, rs in experts.values() for r in rs}
+    by_entry: dict[str, list] = OrderedDict()
+    lookups = {id(m) for m in host_lookup_modules(model, device_map)}
+    for name, rng in disk_ranges.items():
+        entry = entry_of(name, device_map)
+        if id(module_for_entry(model, entry)) in lookups:
+            continue  # an embedding on disk: a lookup faults in the rows it reads, no more; never read ahead whole
+        if name not in fused:
+            by_entry.setdefault(entry, []).append(rng)
+    blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
+    drop_behind = _disk_outgrows_cache([r for _, rs in blocks for r in rs] + list(fused.values()))
+    if blocks:
+        readahead = DiskReadahead(reader, blocks, drop_behind=drop_behind)
+        readahead.install(model)
+        model._loadmaster_readahead = readahead
+    if experts:
+        reads = SparseExpertReads(reader, experts, drop_behind)
+        reads.install(model)
+        model._loadmaster_expert_reads = reads
+        log.info("%d experts modules on disk are read per hit expert", len(experts))
 
 
 def _give_back(reader, weight: torch.Tensor) -> None:
@@ -143,12 +160,13 @@ def _repacked_disk_ranges(
     return kept
 
 
-def _disk_outgrows_cache(blocks: list[tuple[str, list[tuple[str, int, int]]]]) -> bool:
-    """Whether the disk blocks cannot stay in the page cache between tokens: more bytes than half the memory left
-    now that the resident weights are in (the KV cache and activations are still to come). Then every disk page is
-    read again each token anyway, and dropping each block behind it (:class:`DiskReadahead`) spares the box reclaim;
-    otherwise the pages stay and later tokens read them at memory speed."""
-    disk = sum(end - start for _, ranges in blocks for _, start, end in ranges)
+def _disk_outgrows_cache(ranges: list[tuple[str, int, int]]) -> bool:
+    """Whether the disk tensors (their byte ``ranges``) cannot stay in the page cache between tokens: more bytes
+    than half the memory left now that the resident weights are in (the KV cache and activations are still to
+    come). Then every disk page is read again each token anyway, and dropping each block behind it
+    (:class:`DiskReadahead`) spares the box reclaim; otherwise the pages stay and later tokens read them at memory
+    speed."""
+    disk = sum(end - start for _, start, end in ranges)
     return disk > host_memory().available // 2
 
 

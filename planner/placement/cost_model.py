@@ -62,8 +62,8 @@ COST_MODEL = (
 #: Appended to the cost-model line for mixture-of-experts models.
 MOE_COST_MODEL = (
     "; routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute (routed experts kept on the "
-    "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states), "
-    "whole blocks when streamed"
+    "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states; "
+    "a disk layer without GPUs reads its touched experts from disk), whole blocks when streamed to a GPU"
 )
 
 
@@ -173,10 +173,14 @@ def block_read_seconds(
     :mod:`planner.model.moe`) at ``rate``; routed experts kept on the CPU while GPUs compute read at the CPU's own memory
     rate (``cpu_compute_rate``, None without GPUs) and pay a hop of the hidden states to the host and back (not
     ``hop`` when the layer around them already computes on the CPU). A streamed block copies ``streamed`` bytes
-    (every tensor of it, touched or not) over the link.
+    (every tensor of it, touched or not) over the link; but a disk block the CPU computes (no GPUs) is read where
+    it lies, an embedding by the rows looked up and routed experts by those hit (``read_per_token``), as
+    :mod:`loaders.run.expert_reads` reads them.
     """
-    if runs_on != device:
+    if runs_on != device and not (device == "disk" and runs_on == "cpu"):
         return item.streamed / rate
+    if runs_on != device:
+        return item.read_per_token / rate
     if item.in_place and device == "cpu" and cpu_compute_rate is not None:
         return item.read_per_token / cpu_compute_rate + (CPU_EXPERT_HOP_SECONDS if hop else 0.0)
     return item.read_per_token / rate

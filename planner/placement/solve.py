@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner.errors import PlanError
 from planner.hardware.devices import device_label, is_gpu
+from planner.model.moe import moe_layers
 from planner.placement.cost_model import compute_dtype, extra_row_cost, predict
 from planner.placement.draft_budget import reserve_draft
 from planner.placement.hf_device_map import resolve_custom_map
@@ -188,7 +189,32 @@ def _embedding_candidates(
     if not pins:
         return []
     pinned_problem = replace(problem, pinned={**problem.pinned, **pins})
-    return [(f"sequential+embeddings_on_{tier}", pinned_problem, sequential(pinned_problem))]
+    out = [(f"sequential+embeddings_on_{tier}", pinned_problem, sequential(pinned_problem))]
+    if tier == "disk" and moe_layers(skeleton):
+        out += _head_in_ram_candidate(skeleton, problem, pins, out[0][2])
+    return out
+
+
+def _head_in_ram_candidate(
+    skeleton: Skeleton, problem: Problem, pins: dict[int, DeviceId], seq: FillResult
+) -> list[tuple[str, Problem, FillResult]]:
+    """A MoE model spilling to disk on a host without GPUs: its disk layers read only their touched experts
+    (:mod:`loaders.run.expert_reads`), the head all of itself every step. So keep the head in RAM and send the
+    fewest last layers to disk that make room for it."""
+    if seq.assignment is None:
+        return []
+    heads = [i for i, b in enumerate(skeleton.blocks) if b.is_head and seq.assignment[i] == "disk"]
+    layers = [i for i, b in enumerate(skeleton.blocks) if b.layer_index is not None]
+    if not heads:
+        return []
+    first = sum(1 for i in layers if seq.assignment[i] == "disk") + 1
+    for m in range(first, len(layers) + 1):
+        pinned = {**problem.pinned, **pins, **{i: "disk" for i in layers[-m:]}, **{h: "cpu" for h in heads}}
+        candidate = replace(problem, pinned=pinned)
+        result = sequential(candidate)
+        if result.assignment is not None:
+            return [("sequential+embeddings_on_disk+head_in_ram", candidate, result)]
+    return []
 
 
 def _solve_custom(inputs: ResolvedInputs, device_map: Mapping[str, DeviceId]) -> Solution:

@@ -183,3 +183,16 @@ def test_deepseek_v3_on_eight_80gb_gpus_leaves_no_gpu_empty():
     assert all(b.total <= b.capacity for b in p.budgets)
     for i in range(61):
         assert isinstance(p.placement[f"model.layers.{i}"], int)  # attention and the dense/shared parts on GPUs
+
+
+def test_a_moe_model_bigger_than_a_host_without_gpus_keeps_its_head_in_ram_and_reads_touched_experts():
+    """gpt-oss-20b in bf16 on a host without GPUs, 8 GiB of RAM and a disk: its MoE layers on disk read only the
+    experts a token touches (loaders.run.expert_reads), the head all of itself, so auto keeps the head in RAM and
+    sends layers to disk instead; 16 sequences touch most experts, so they get far less than 16x one stream."""
+    skel = load_skeleton(str(CONFIGS / "gpt-oss-20b.json"))
+    p = plan(skel, max_memory={"cpu": "8GiB", "disk": "64GiB"}, dtype="bfloat16")
+    assert p.strategy.endswith("head_in_ram"), p.reasons
+    assert p.placement["lm_head"] == "cpu" and p.placement["model.layers.23"] == "disk"
+    lone = p.prediction.decode_tokens_per_s
+    rates = {c.sequences: c.tokens_per_s for c in p.prediction.concurrent}
+    assert lone > 0 and rates[16] < 8 * lone
