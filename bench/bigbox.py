@@ -483,11 +483,16 @@ def prompt_ids(model: Path) -> list[int]:
 
 
 def reference_tokens(model: Path, ids: list[int], new_tokens: int) -> list[int]:
-    """Plain transformers, greedy, on the same weights, in this process (outside any box)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Plain transformers, greedy, on the same weights, in this process (outside any box); an MXFP4 checkpoint
+    through transformers' own dequantizing load (its MXFP4 kernels need a GPU)."""
+    import json
 
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    quant = json.loads((model / "config.json").read_text()).get("quantization_config") or {}
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quant.get("quant_method") == "mxfp4" else {}
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **extra).eval()
     with torch.inference_mode():
         out = lm.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(ids) :].tolist()
