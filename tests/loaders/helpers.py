@@ -57,3 +57,25 @@ def smaps_bytes(field: str, counted: Callable[[int, str], bool]) -> int:
             elif inside and head == f"{field}:":
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (Linux ``/proc/self/maps``), None if anonymous memory."""
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+def edited_checkpoint(src: Path, dst: Path, change: Callable[[dict], None]) -> Path:
+    """A copy of the single-file checkpoint ``src`` at ``dst`` whose state dict ``change`` edited in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    change(state)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

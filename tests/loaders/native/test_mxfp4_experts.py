@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from bench.quant_checkpoints import write_quantized
@@ -28,6 +27,7 @@ from planner.model.quant_config import quant_format
 from planner.model.skeleton import skeleton_from_dir
 from planner.placement.inputs import make_workload
 from planner.placement.sizing import block_bytes, tensor_bytes
+from tests.loaders.helpers import edited_checkpoint, mapped_file
 from tests.models import tiny_gpt_oss_dir
 
 TOLERANCE = 0.03
@@ -122,20 +122,10 @@ def test_loads_with_layers_on_disk_reading_the_blocks_from_the_shard(written, re
     assert isinstance(on_disk, Mxfp4Experts)
     shard = str((d / "model.safetensors").resolve())
     for t in (on_disk.gate_up_proj_blocks, on_disk.down_proj_scales):
-        assert _mapped_file(t.data_ptr()) == shard  # read in place from the file, not copied
+        assert mapped_file(t.data_ptr()) == shard  # read in place from the file, not copied
     ids = _ids(1, 9)
     with torch.no_grad():
         assert _within_tolerance(model(ids).logits, reference(ids).logits)
-
-
-def _mapped_file(address: int) -> str | None:
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            parts = line.split()
-            lo, hi = (int(v, 16) for v in parts[0].split("-"))
-            if lo <= address < hi:
-                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
-    return None
 
 
 def test_the_dequantized_form_where_gpus_compute_is_transformers_forward_exactly(written, reference):
@@ -183,13 +173,7 @@ def test_experts_the_cpu_computes_beside_gpus_stay_packed_and_the_rest_are_dequa
 
 
 def _rewritten(written, tmp_path, change):
-    d, _ = written
-    out = tmp_path / "bad"
-    shutil.copytree(d, out)
-    state = load_file(out / "model.safetensors")
-    change(state)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return edited_checkpoint(written[0], tmp_path / "bad", change)
 
 
 def test_expert_blocks_disagreeing_with_the_config_are_refused_by_name(written, tmp_path):

@@ -29,6 +29,7 @@ from planner.errors import PlanError
 from planner.model.skeleton import skeleton_from_dir
 from planner.placement.inputs import make_workload
 from planner.placement.sizing import block_bytes
+from tests.loaders.helpers import edited_checkpoint, mapped_file
 from tests.models import tiny_llama_dir
 
 CASES = {
@@ -166,17 +167,6 @@ def test_loads_on_cpu_with_the_grid_repacked_exactly(written, name):
         assert model._loadmaster_packed_stats.kinds == {NATIVE[name]: 28}
 
 
-def _mapped_file(address: int) -> str | None:
-    """The file mapped at ``address`` in this process (Linux ``/proc/self/maps``), None if anonymous memory."""
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            parts = line.split()
-            lo, hi = (int(v, 16) for v in parts[0].split("-"))
-            if lo <= address < hi:
-                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
-    return None
-
-
 @pytest.mark.parametrize(
     "name", ["gptq4-asym-actorder", "awq4", "fp8-block", "ct-fp8", "mxfp4", "bnb-int8", "bnb-nf4-dq", "bnb-fp4"]
 )
@@ -195,19 +185,19 @@ def test_loads_with_layers_on_disk(written, name, tmp_path):
     if NATIVE.get(name) == "fp8":  # a disk layer's kernel reads the stored bytes from the shard's map, in place
         on_disk = model.model.layers[1].mlp.down_proj
         assert isinstance(on_disk, Fp8CPULinear)
-        assert _mapped_file(on_disk.weight.data_ptr()) == str((d / "model.safetensors").resolve())
+        assert mapped_file(on_disk.weight.data_ptr()) == str((d / "model.safetensors").resolve())
     if NATIVE.get(name) == "mxfp4":  # likewise the MXFP4 blocks and scales
         on_disk = model.model.layers[2].self_attn.o_proj
         assert isinstance(on_disk, Mxfp4CPULinear)
         for t in (on_disk.blocks, on_disk.scales):
-            assert _mapped_file(t.data_ptr()) == str((d / "model.safetensors").resolve())
+            assert mapped_file(t.data_ptr()) == str((d / "model.safetensors").resolve())
         assert isinstance(model.model.layers[0].mlp.down_proj, Mxfp4CPULinear)
     if name in BNB_4BIT:  # the codes likewise (and the absmax where stored as float32, without double quant)
         on_disk = model.model.layers[1].self_attn.q_proj
         assert isinstance(on_disk, Bnb4CPULinear)
         shard = str((d / "model.safetensors").resolve())
-        assert _mapped_file(on_disk.codes.data_ptr()) == shard
-        assert (_mapped_file(on_disk.absmax.data_ptr()) == shard) == (not CASES[name][1]["double_quant"])
+        assert mapped_file(on_disk.codes.data_ptr()) == shard
+        assert (mapped_file(on_disk.absmax.data_ptr()) == shard) == (not CASES[name][1]["double_quant"])
 
 
 def _with_config(written, name, tmp_path, **change):
@@ -319,17 +309,7 @@ def test_the_plan_names_the_kernel_the_layers_load_on(written, name):
 
 def _rewritten(written, name, tmp_path, change) -> object:
     """A copy of checkpoint ``name`` whose state dict ``change`` edited in place."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    d, _ = written[name]
-    out = tmp_path / "edited"
-    shutil.copytree(d, out)
-    state = load_file(out / "model.safetensors")
-    change(state)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return edited_checkpoint(written[name][0], tmp_path / "edited", change)
 
 
 def test_bnb_4bit_quant_state_of_another_type_than_the_config_is_refused(written, tmp_path):
@@ -375,8 +355,8 @@ def test_repacked_layers_are_saved_once_and_mapped_from_the_file(written, name, 
         saved = str((tmp_path / stats.file.rpartition("/")[2]).resolve())
         for layer in (model.model.layers[0].mlp.down_proj, model.model.layers[1].self_attn.q_proj):
             assert isinstance(layer, QuantizedCPULinear)
-            assert _mapped_file(layer.qweight.data_ptr()) == saved  # resident and disk layers alike: the file's map
-            assert _mapped_file(layer.scales.data_ptr()) == saved
+            assert mapped_file(layer.qweight.data_ptr()) == saved  # resident and disk layers alike: the file's map
+            assert mapped_file(layer.scales.data_ptr()) == saved
         # the disk layers' readahead reads the saved file's ranges, not the stored tensors it no longer reads
         assert any(k.startswith("model.layers.1.") for k in stats.file_ranges)
         assert all(path == saved for path, _, _ in stats.file_ranges.values())
