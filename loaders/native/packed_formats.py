@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from loaders.checkpoint.device_order import is_under
 from loaders.native.bnb_4bit import Bnb4CPULinear, dequantize_bnb_4bit
 from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.mxfp4_experts import Mxfp4Experts, dequantized_experts
@@ -290,10 +291,6 @@ def repack(
     return _dequantized(m, weight, dtype), f"int{grid.bits} -> {str(dtype).removeprefix('torch.')}"
 
 
-def _under(name: str, keys: Collection[str]) -> bool:
-    return any(name == k or name.startswith(k + ".") for k in keys)
-
-
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -362,7 +359,7 @@ def repack_packed_linears(
     t0 = time.perf_counter()
     stats = PackedStats()
     on_cpu = {
-        name: (native or _under(name, cpu_computed)) and next(m.buffers()).device.type == "cpu" for name, m in layers
+        name: (native or is_under(name, cpu_computed)) and next(m.buffers()).device.type == "cpu" for name, m in layers
     }
     cacheable = [name for name, m in layers if on_cpu[name] and m.fmt.layout in _GRIDS]
     saved = cache.entries(cacheable) if cache is not None and cacheable else None

@@ -63,16 +63,17 @@ class SparseExpertReads:
             mod = model.get_submodule(name)
             self.handles.append(mod.register_forward_pre_hook(self._before(experts, ranges), with_kwargs=True))
             if self.drop_behind:
-                self.handles.append(mod.register_forward_hook(self._after(ranges)))
+                self.handles.append(mod.register_forward_hook(self._give_back))
 
-    def _slices(self, experts: int, ranges: list[ExpertTensorRange], hit: list[int]) -> list[tuple[str, int, int]]:
+    @staticmethod
+    def _slices(ranges: list[ExpertTensorRange], hit: list[int]) -> list[tuple[str, int, int]]:
         return [(r.path, r.start + e * r.per_expert, r.start + (e + 1) * r.per_expert) for r in ranges for e in hit]
 
     def _before(self, experts: int, ranges: list[ExpertTensorRange]):
         def read_hit_experts(module, args, kwargs):
             idx = _router_indices(args, kwargs)
             hit = list(range(experts)) if idx is None else [e for e in torch.unique(idx).tolist() if 0 <= e < experts]
-            slices = self._slices(experts, ranges, hit)
+            slices = self._slices(ranges, hit)
             module._loadmaster_read_slices = slices
             try:
                 for path, start, end in slices:
@@ -86,13 +87,10 @@ class SparseExpertReads:
 
         return read_hit_experts
 
-    def _after(self, ranges: list[ExpertTensorRange]):
-        def give_back(module, args, output):
-            for path, start, end in getattr(module, "_loadmaster_read_slices", ()):
-                self.reader.drop_mapped(path, start, end)
-            return None
-
-        return give_back
+    def _give_back(self, module, args, output) -> None:
+        """After the experts computed (``drop_behind``): unmap and drop the slices the pre-hook read."""
+        for path, start, end in getattr(module, "_loadmaster_read_slices", ()):
+            self.reader.drop_mapped(path, start, end)
 
     def remove(self) -> None:
         for h in self.handles:

@@ -177,10 +177,8 @@ def block_read_seconds(
     it lies, an embedding by the rows looked up and routed experts by those hit (``read_per_token``), as
     :mod:`loaders.run.expert_reads` reads them.
     """
-    if runs_on != device and not (device == "disk" and runs_on == "cpu"):
-        return item.streamed / rate
     if runs_on != device:
-        return item.read_per_token / rate
+        return (item.read_per_token if device == "disk" and runs_on == "cpu" else item.streamed) / rate
     if item.in_place and device == "cpu" and cpu_compute_rate is not None:
         return item.read_per_token / cpu_compute_rate + (CPU_EXPERT_HOP_SECONDS if hop else 0.0)
     return item.read_per_token / rate
