@@ -439,6 +439,7 @@ def _place_and_execute(
         cpu_quantization=asked.cpu_quantization,
         cpu_quantized_dir=options.cpu_quantized_dir,
         checkpoint_files=[(f.path, f.size, f.mtime_ns) for f in opened.index.files],
+        disk_cached=resolved.plan.prediction.disk_cached if resolved.plan is not None else None,
     )
     stats = placed.stats
     stats.native_linears = executed.native_linears

@@ -309,6 +309,10 @@ class Prediction:
     #: The aggregate decode rate at several numbers of sequences decoding at once (:data:`CONCURRENCY`); empty in
     #: plans saved before it existed.
     concurrent: list[ConcurrentRate] = field(default_factory=list)
+    #: Whether the plan's disk share stays in the page cache between tokens, as the cost model took it: it fits the
+    #: RAM the plan leaves free. The loader keeps the disk pages it reads where true and gives each block's back
+    #: after use where false, so that the plan and the run agree. None without a disk share (or in older plans).
+    disk_cached: bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Prediction:

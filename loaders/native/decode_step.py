@@ -51,12 +51,12 @@ from loaders.native.fp8_linear import Fp8CPULinear
 from loaders.native.linear import NativeCPULinear
 from loaders.native.mxfp4_linear import Mxfp4CPULinear
 from loaders.native.quantization import QuantizedCPULinear
+from planner.model.decode_path import NATIVE_DECODE_LAYERS
 
 log = logging.getLogger(__name__)
 
-#: Decoder-layer classes whose forward is Llama's: pre-norm RMSNorm, attention with rotary q/k (optional q/k/v
-#: bias; Qwen3's RMSNorm of each q and k head before the rotary), residual, RMSNorm, SiLU-gated MLP, residual.
-LLAMA_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+#: Decoder-layer classes whose forward is Llama's (the planner's table, which its cost model reads too).
+LLAMA_LAYERS = tuple(NATIVE_DECODE_LAYERS.values())
 #: Their RMSNorm classes (``weight * (x * rsqrt(mean(x^2) + eps))``, rounded to the dtype before the weight).
 LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 #: Rotary types whose cos/sin at a position do not depend on the sequence length (so a table serves every step).

@@ -58,11 +58,13 @@ def apply_execution(
     cpu_quantization: str | None = None,
     cpu_quantized_dir: Path | None = None,
     checkpoint_files: Sequence[tuple[str, int, int]] = (),
+    disk_cached: bool | None = None,
 ) -> Execution:
     """Install the hooks the placement needs; on a CPU-executed model, quantize its linears first when
     ``cpu_quantization`` asks (:mod:`loaders.native.quantization`; ``checkpoint_files`` (path, size, mtime_ns) key the saved
     copy in ``cpu_quantized_dir``), then switch them to the native kernels (``cpu_kernels``: "auto", "native" or
-    "torch")."""
+    "torch"). ``disk_cached``: the plan's verdict on its disk share (:attr:`~planner.types.Prediction.disk_cached`);
+    None (a device map without a plan) decides from the memory available now."""
     model, device_map = placed.model, placed.device_map
     model._loadmaster_reader = placed.reader  # keeps the shard maps alive with the model
     for mm in list(placed.reader.maps.values()):  # read in place: a truncated shard then fails a step, not the process
@@ -98,7 +100,7 @@ def apply_execution(
             reader=placed.reader,
         )
         return Execution(native_cpu_modules(model))
-    _install_disk_reads(model, device_map, disk_ranges, placed.reader)
+    _install_disk_reads(model, device_map, disk_ranges, placed.reader, disk_cached)
     quant_stats = None
     if cpu_quantization:
         quant_stats = quantize_cpu_linears(
@@ -116,10 +118,13 @@ def apply_execution(
     return Execution(native, quant_stats, native_attention=attention)
 
 
-def _install_disk_reads(model, device_map, disk_ranges: dict[str, tuple[str, int, int]], reader) -> None:
+def _install_disk_reads(
+    model, device_map, disk_ranges: dict[str, tuple[str, int, int]], reader, disk_cached: bool | None
+) -> None:
     """Readahead of the disk blocks (:mod:`loaders.run.readahead`), less what is read sparsely: an embedding's
     rows (a lookup faults in the rows it reads) and routed experts, read per hit expert
-    (:mod:`loaders.run.expert_reads`)."""
+    (:mod:`loaders.run.expert_reads`). Both give their pages back after use (drop-behind) where the disk share does
+    not stay cached: as the plan took it (``disk_cached``), else as :func:`_disk_outgrows_cache` judges now."""
     experts = disk_experts(model, disk_ranges)
     fused = {r.tensor: (r.path, r.start, r.start + r.per_expert * n) for n, rs in experts.values() for r in rs}
     by_entry: dict[str, list] = OrderedDict()
@@ -131,7 +136,16 @@ def _install_disk_reads(model, device_map, disk_ranges: dict[str, tuple[str, int
         if name not in fused:
             by_entry.setdefault(entry, []).append(rng)
     blocks = [(k, merge_ranges(by_entry[k])) for k in ordered_entries(model, device_map) if k in by_entry]
-    drop_behind = _disk_outgrows_cache([r for _, rs in blocks for r in rs] + list(fused.values()))
+    if disk_cached is None:
+        drop_behind = _disk_outgrows_cache([r for _, rs in blocks for r in rs] + list(fused.values()))
+    else:
+        drop_behind = not disk_cached
+    if blocks or experts:
+        log.info(
+            "disk pages %s (%s)",
+            "given back after use: the disk share outgrows the page cache" if drop_behind else "kept in the page cache",
+            "as the plan took it" if disk_cached is not None else "judged from the memory available now",
+        )
     if blocks:
         readahead = DiskReadahead(reader, blocks, drop_behind=drop_behind)
         readahead.install(model)
@@ -161,11 +175,11 @@ def _repacked_disk_ranges(
 
 
 def _disk_outgrows_cache(ranges: list[tuple[str, int, int]]) -> bool:
-    """Whether the disk tensors (their byte ``ranges``) cannot stay in the page cache between tokens: more bytes
-    than half the memory left now that the resident weights are in (the KV cache and activations are still to
-    come). Then every disk page is read again each token anyway, and dropping each block behind it
-    (:class:`DiskReadahead`) spares the box reclaim; otherwise the pages stay and later tokens read them at memory
-    speed."""
+    """For a device map without a plan: whether the disk tensors (their byte ``ranges``) cannot stay in the page
+    cache between tokens: more bytes than half the memory left now that the resident weights are in (the KV cache
+    and activations are still to come; a plan knows them, and says). Then every disk page is read again each token
+    anyway, and dropping each block behind it (:class:`DiskReadahead`) spares the box reclaim; otherwise the pages
+    stay and later tokens read them at memory speed."""
     disk = sum(end - start for _, start, end in ranges)
     return disk > host_memory().available // 2
 

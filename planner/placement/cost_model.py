@@ -63,9 +63,38 @@ COST_MODEL = (
 MOE_COST_MODEL = (
     "; routed experts: E*(1-(1-k/E)^batch) of E read per MoE layer where they compute (routed experts kept on the "
     "cpu, and layers the cpu computes whole, compute there at host memory speed, plus a hop of the hidden states; "
-    "a disk layer without GPUs reads its touched experts from disk), whole blocks when streamed to a GPU"
+    "a disk layer without GPUs reads its touched experts from disk, in its own time: a cold disk's hit experts "
+    "are not overlapped with the products), whole blocks when streamed to a GPU"
 )
 
+
+#: Seconds per decoder layer a CPU decode step spends in transformers' forward, for models whose steps run it (off
+#: the native decode step: :mod:`planner.model.decode_path`), where no calibration measured it (``env
+#: --calibrate`` times its small Llamas through that forward: :attr:`Calibration.layer_overhead`): module calls and
+#: the attention's and norms' small torch operators. Measured on 2 cores of an AMD EPYC (Zen 4) on the 100M fp32
+#: Llama's forward: 22.4 ms a token, 3.8 ms of it besides the weights' reads, over 14 layers (2026-12-07).
+MODULE_LAYER_SECONDS = 2.7e-4
+#: Seconds more per MoE layer on that path, calibrated or not: the router, its top-k and softmax, and dispatching
+#: the tokens to the hit experts and back (dozens of small operators), at one decode row. Measured on the same
+#: machine against the plan's own figures: the Mixtral bench model (top-2 of 8, native experts) ran 16.2 ms a token
+#: where its bytes predict 8.1, the gpt-oss one in MXFP4 (top-4 of 32, sinks in its attention) 15.7 where they
+#: predict 7.8: 1.0-1.3 ms a layer in all, of which the dense part is the figure above.
+ROUTED_LAYER_SECONDS = 9e-4
+
+#: The key of :attr:`~planner.types.Prediction.seconds_per_token_by_device` for a cold disk tier's hit experts,
+#: read in the step's own time (never overlapped with the other blocks' products).
+HIT_EXPERT_READS = "disk experts (read when hit)"
+#: The rate of those reads as a share of the disk's streamed rate: a layer's hit slices are a few MiB each, read
+#: together once the router has chosen, so fewer reads are in flight than when a whole block streams. Measured on the
+#: 2-core VM's virtual disk (2026-12-07): 16 slices per layer, 7 layers of the gpt-oss bench model in MXFP4, cold,
+#: 1.07-1.22 GB/s against 1.8 GB/s streamed.
+HIT_EXPERT_READ_RATE = 0.6
+
+#: Appended to the cost-model line for models whose CPU decode steps run transformers' forward.
+MODULE_FORWARD_COST_MODEL = (
+    f"; off the native decode step, transformers' forward adds {MODULE_LAYER_SECONDS * 1e3:.2f} ms per layer "
+    f"(the calibrated per-layer figure where measured) and {ROUTED_LAYER_SECONDS * 1e3:.1f} ms per MoE layer"
+)
 
 #: The numbers of sequences decoding at once a plan states its aggregate decode rate for
 #: (:attr:`~planner.types.Prediction.concurrent`): a few users, the benches' 16 clients, the engine's default
@@ -150,6 +179,31 @@ def calibrated_overhead(problem: Problem, assignment: list[DeviceId], cal: Calib
         if per_row and item.matrix_rows and item.weight:
             seconds += per_row * item.matrix_rows * min(item.read_per_token / item.weight, 1.0)
     return seconds
+
+
+def module_forward_seconds(problem: Problem, cal: Calibration | None) -> float:
+    """Seconds a CPU decode step of a model off the native decode step spends in transformers' forward besides its
+    reads: per decoder layer :data:`MODULE_LAYER_SECONDS` (unless a calibration's per-layer figure, which measures
+    that forward, is charged already), per MoE layer :data:`ROUTED_LAYER_SECONDS` more; 0 on the native step."""
+    if not problem.module_forward:
+        return 0.0
+    seconds = 0.0
+    for item in problem.items:
+        if item.is_layer:
+            seconds += (0.0 if cal is not None else MODULE_LAYER_SECONDS) + (
+                ROUTED_LAYER_SECONDS if item.expert_weight else 0.0
+            )
+    return seconds
+
+
+def _hit_expert_share(item: SizedBlock) -> float:
+    """The share of a disk block's reads that are its hit experts' (:mod:`loaders.run.expert_reads`): read when the
+    router has chosen them, in the layer's own time, so they cannot overlap the step's products as the readahead of
+    whole blocks does."""
+    if not item.expert_weight or not item.read_per_token:
+        return 0.0
+    dense = item.weight - item.expert_weight
+    return min(max(item.read_per_token - dense, 0) / item.read_per_token, 1.0)
 
 
 def _streamed_disk_blocks(problem: Problem, assignment: list[DeviceId]) -> int:
@@ -245,7 +299,11 @@ def predict(
             host_blocks.add(item.block)
         read = block_read_seconds(item, dev, runs_on, rate_of[dev], cpu_compute_rate, hop)
         computed_here = not (dev == "disk" and cold_compute_rate)  # a cold disk block's seconds are its reads
-        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + read * (rows if computed_here else 1.0)
+        on_demand = 0.0 if computed_here else read * _hit_expert_share(item)
+        seconds_by_dev[dev] = seconds_by_dev.get(dev, 0.0) + read * (rows if computed_here else 1.0) - on_demand
+        if on_demand:
+            hit = on_demand / HIT_EXPERT_READ_RATE
+            seconds_by_dev[HIT_EXPERT_READS] = seconds_by_dev.get(HIT_EXPERT_READS, 0.0) + hit
         if dev == "disk" and cold_compute_rate:  # the CPU's products, once the pages are in
             products = item.read_per_token / cold_compute_rate * rows
             seconds_by_dev["cpu"] = seconds_by_dev.get("cpu", 0.0) + products
@@ -258,9 +316,14 @@ def predict(
         overhead = calibrated_overhead(problem, assignment, cal, dtype)
         seconds["overhead"] = overhead
         step += overhead
+    forward = 0.0 if has_gpu else module_forward_seconds(problem, cal)
+    if forward:
+        seconds["forward"] = forward
+        step += forward
     if cold_compute_rate and _streamed_disk_blocks(problem, assignment) >= 2:
-        disk = seconds.get("disk", 0.0)
-        step = max(disk, step - disk)
+        # the thread's reads overlap the products; hit experts' reads hold up both (the same disk, the step waits)
+        disk, hit = seconds.get("disk", 0.0), seconds.get(HIT_EXPERT_READS, 0.0)
+        step = hit + max(disk, step - disk - hit)
     tps = batch_size / step if step > 0 else float("inf")
 
     load = _load_seconds(problem, assignment, measured)
@@ -269,6 +332,7 @@ def predict(
         decode_tokens_per_s=round(tps, 4) if tps != float("inf") else 0.0,
         seconds_per_token_by_device={k: round(v, 6) for k, v in seconds.items()},
         cost_model=_cost_model_line(problem, cal, measured, dtype, "overhead" in seconds),
+        disk_cached=warm if disk_bytes else None,
     )
 
 
@@ -279,6 +343,8 @@ def _cost_model_line(
     line = COST_MODEL
     if any(item.expert_weight or item.in_place for item in problem.items):
         line += MOE_COST_MODEL
+    if problem.module_forward and not problem.gpus:
+        line += MODULE_FORWARD_COST_MODEL
     if cal is None:
         return line
     used = ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in measured.items()) or "none (every rate was set)"
@@ -289,7 +355,7 @@ def _cost_model_line(
         if overhead
         else ""
     )
-    return f"{COST_MODEL}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
+    return f"{line}; calibrated on this machine {cal.created} ({calibration_path()}): {used}{extra}"
 
 
 def _load_seconds(problem: Problem, assignment: list[DeviceId], measured: dict[str, float]) -> float:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner.errors import PlanError
 from planner.hardware.devices import device_label, is_gpu
+from planner.model.decode_path import runs_module_forward
 from planner.model.moe import moe_layers
 from planner.placement.cost_model import compute_dtype, extra_row_cost, predict
 from planner.placement.draft_budget import reserve_draft
@@ -128,6 +129,7 @@ def make_problem(
         follows=follows,
         pinned=pinned,
         computes_with=companions,
+        module_forward=runs_module_forward(skeleton),
     )
 
 

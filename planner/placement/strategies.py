@@ -51,6 +51,9 @@ class Problem:
     computes_with: dict[int, int] = field(default_factory=dict)
     #: Devices left out of this plan (a GPU too small to compute on is skipped rather than failing the plan).
     excluded: frozenset[DeviceId] = frozenset()
+    #: Whether CPU decode steps run transformers' forward rather than the native step
+    #: (:func:`planner.model.decode_path.runs_module_forward`): the cost model charges its per-layer overhead.
+    module_forward: bool = False
 
     @cached_property
     def costs(self) -> tuple[list[int], list[int]]:

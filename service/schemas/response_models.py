@@ -388,6 +388,10 @@ class PlanPrediction(_Answer):
         default_factory=list,
         description="Aggregate decode tokens/s with several short sequences decoding at once on the same placement.",
     )
+    disk_cached: bool | None = Field(
+        None,
+        description="Whether the disk share stays in the page cache between tokens (null without a disk share).",
+    )
 
 
 class WhatIfAnswer(_Answer):

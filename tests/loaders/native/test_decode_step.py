@@ -21,7 +21,9 @@ from loaders.native import decode_step
 from loaders.native.attention import use_native_attention
 from loaders.native.decode_step import MAX_ROWS, NativeDecoder, add_rms_norm, rope_store, silu_mul, team
 from loaders.native.linear import use_native_linears
-from tests.models import tiny_gpt2_dir, tiny_llama_dir
+from planner.model.decode_path import runs_module_forward
+from planner.model.skeleton import load_skeleton
+from tests.models import tiny_gpt2_dir, tiny_gpt_oss_dir, tiny_llama_dir, tiny_moe_dir
 
 SLOTS, CAPACITY = 6, 64
 #: Llama 3's frequency-dependent scaling (positions past 16 are scaled), so the step's cos/sin table is tested on it.
@@ -342,3 +344,12 @@ def test_pre_quantized_bnb_4bit_layers_run_their_kernel(native_path, tmp_path, d
     model = loaders.load_model(tmp_path / "nf4", device_map={"": "cpu"}, show_progress=False, dtype="float32")
     assert isinstance(model.model.layers[0].self_attn.q_proj, Bnb4CPULinear)
     _step_matches_forward(model, relative=1e-5, floor=1.0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama_dir, tiny_gpt2_dir, tiny_moe_dir, tiny_gpt_oss_dir])
+def test_the_planner_knows_which_models_decode_here(native_path, make):
+    """The cost model charges transformers' forward to the models this step declines
+    (planner.model.decode_path): the two agree on each kind of checkpoint."""
+    path = make()
+    model = loaders.load_model(path, device_map={"": "cpu"}, show_progress=False)
+    assert (NativeDecoder.for_model(model) is None) is runs_module_forward(load_skeleton(str(path)))

@@ -4,11 +4,14 @@ sent to, for gpt-oss's MXFP4 experts and for Mixtral's float ones; the logits st
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import loaders
 from bench.quant_checkpoints import write_quantized
+from planner.api import plan
 from planner.placement.cost_model import block_read_seconds
 from planner.placement.sizing import SizedBlock
 from tests.loaders.helpers import assert_equivalent
@@ -62,3 +65,17 @@ def test_the_cost_model_reads_a_disk_moe_layer_by_its_touched_experts_only_witho
     layer = SizedBlock("model.layers.1", 800, 0, False, False, True, read_per_token=300, stream_per_token=800)
     assert block_read_seconds(layer, "disk", "cpu", 100.0, None) == pytest.approx(3.0)
     assert block_read_seconds(layer, "disk", 0, 100.0, None) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_disk_pages_are_kept_or_given_back_as_the_plan_took_them(cached, tmp_path):
+    """The plan's cost model takes its disk share as cached between tokens or not (Prediction.disk_cached); the
+    loader's block readahead and hit-expert reads keep their pages or give them back to match, whatever memory
+    the host has free now (a device map without a plan is judged by that)."""
+    path = tiny_gpt_oss_dir()
+    p = plan(str(path), strategy=_disk_map(), max_memory={"cpu": "8GiB", "disk": "64GiB"})
+    assert p.prediction.disk_cached is True  # the disk share fits the RAM the plan leaves free
+    p = replace(p, prediction=replace(p.prediction, disk_cached=cached))
+    model = loaders.load_model(path, device_map=p, show_progress=False, offload_folder=tmp_path)
+    assert model._loadmaster_expert_reads.drop_behind is not cached
+    assert model._loadmaster_readahead.drop_behind is not cached
