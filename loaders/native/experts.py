@@ -8,8 +8,9 @@ memory speed where torch's GEMM is tuned for large products), so experts kept on
 :func:`loaders.native.operators.supports` takes it, and to ``F.linear`` otherwise (long prefills, other dtypes, autograd).
 
 Only the layout the eager forward computes with plain products is taken over: concatenated gate and up, not
-transposed, no biases, no per-expert norm (Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-V3). Others (GPT-OSS: transposed,
-with biases and a clamped gate) keep transformers' forward. The gate itself is the module's own ``_apply_gate``.
+transposed, no biases, no per-expert norm (Mixtral, Qwen-MoE, Qwen3-MoE, DeepSeek-V3). GPT-OSS's (transposed, with
+biases and a clamped gate) is laid out for the kernel at load where resident (:mod:`loaders.native.gpt_oss_experts`);
+others keep transformers' forward. The gate itself is the module's own ``_apply_gate``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch.nn import functional as F
 
 from loaders.native import kernel_build, operators
+from loaders.native.gpt_oss_experts import takes_transposed
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,8 @@ def install_expert_kernels(modules: Iterable[torch.nn.Module], choice: str = "au
     switched, kept = 0, set()
     for module in modules:
         if not takes_native_kernels(module):
-            kept.add(type(module).__name__)
+            if not takes_transposed(module):  # those are laid out for the kernel after (gpt_oss_experts)
+                kept.add(type(module).__name__)
             continue
         dtype = module.gate_up_proj.dtype
         st = kernel_build.status(dtype)

@@ -26,6 +26,7 @@ from loaders.checkpoint.placement import PlacedModel
 from loaders.native import map_guard
 from loaders.native.attention import use_native_attention
 from loaders.native.experts import install_expert_kernels
+from loaders.native.gpt_oss_experts import install_transposed_experts
 from loaders.native.linear import use_native_linears
 from loaders.native.packed_formats import PackedStats, repack_packed_linears
 from loaders.native.quantization import QuantizationStats, quantize_cpu_linears
@@ -114,6 +115,9 @@ def apply_execution(
     native += install_expert_kernels(
         [m for name, m in model.named_modules() if name.endswith(".experts")], cpu_kernels
     )  # routed experts, as beside GPUs: a decode step hands each a few rows, the kernels' case
+    if cpu_kernels != "torch":  # gpt-oss's float experts, laid out for the kernel (those on disk stay as stored)
+        on_disk = {n for n, _ in model.named_modules() if placed.tensor_devices.get(f"{n}.gate_up_proj") == "disk"}
+        native += install_transposed_experts(model, on_disk, release=lambda w: _give_back(placed.reader, w))
     attention = cpu_kernels != "torch" and use_native_attention(model)
     return Execution(native, quant_stats, native_attention=attention)
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, Mxfp4Config
 
 from bench.quant_checkpoints import write_quantized
 from loaders import load_model
+from loaders.native.gpt_oss_experts import FloatGptOssExperts
 from loaders.native.mxfp4_experts import Mxfp4Experts, dequantized_experts
 from loaders.native.packed_formats import repack_packed_linears
 from planner.errors import PlanError
@@ -104,7 +105,7 @@ def test_loads_on_cpu_with_the_blocks_as_stored(written, reference):
     model = load_model(d, device_map="cpu", dtype="float32", show_progress=False)
     for layer in range(4):
         experts = model.get_submodule(EXPERTS.format(layer))
-        assert isinstance(experts, Mxfp4Experts) and experts.packed
+        assert isinstance(experts, Mxfp4Experts)
         assert experts.gate_up_proj_blocks.dtype == torch.uint8
     assert model._loadmaster_packed_stats.kinds == {"mxfp4 experts": 4}
     ids = _ids(0, 12)  # longer than the sliding window of 8
@@ -166,8 +167,8 @@ def test_experts_the_cpu_computes_beside_gpus_stay_packed_and_the_rest_are_dequa
     root.host = _packed(written, reference, 0)
     root.gpu = _packed(written, reference, 1)
     stats = repack_packed_linears(root, torch.bfloat16, native=False, cpu_computed=["host"])
-    assert isinstance(root.host, Mxfp4Experts) and root.host.packed
-    assert isinstance(root.gpu, Mxfp4Experts) and not root.gpu.packed
+    assert isinstance(root.host, Mxfp4Experts)
+    assert isinstance(root.gpu, FloatGptOssExperts)
     assert root.gpu.gate_up_proj_weight.dtype == torch.bfloat16
     assert stats.kinds == {"mxfp4 experts": 1, "mxfp4 experts -> bfloat16": 1}
 
