@@ -141,19 +141,22 @@ def install_transposed_experts(
 ) -> int:
     """Replace each resident GptOssExperts module of ``model`` (not named in ``skip``: those on disk) by
     :func:`transposed_experts` where the native float kernel builds here, one at a time, handing each original
-    weight to ``release`` once replaced (its pages back to the page cache); return how many."""
+    weight to ``release`` once replaced (a shard map's pages back to the page cache), so that at most one
+    module's experts are held twice at once; return how many."""
     skipped = set(skip)
-    found = [(n, m) for n, m in model.named_modules() if n not in skipped and takes_transposed(m)]
-    if not found or not kernel_build.status(found[0][1].gate_up_proj.dtype).available:
+    names = [n for n, m in model.named_modules() if n not in skipped and takes_transposed(m)]
+    if not names or not kernel_build.status(model.get_submodule(names[0]).gate_up_proj.dtype).available:
         return 0
-    for name, module in found:
+    for name in names:
         parent, _, leaf = name.rpartition(".")
+        module = model.get_submodule(name)
         model.get_submodule(parent).register_module(leaf, transposed_experts(module))
         if release is not None:
             for proj in PROJECTIONS:
                 release(getattr(module, proj))
-    log.info("%d gpt-oss experts modules laid out for the native float kernel", len(found))
-    return len(found)
+        del module  # the last reference: a cast (not mapped) original is freed before the next is laid out
+    log.info("%d gpt-oss experts modules laid out for the native float kernel", len(names))
+    return len(names)
 
 
 __all__ = ["FloatGptOssExperts", "GptOssRoutedExperts", "install_transposed_experts", "transposed_experts"]
