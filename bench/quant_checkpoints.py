@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from planner.model.packed_experts import PROJECTIONS
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -186,8 +188,6 @@ def _mxfp4_layer(w):
     return {"weight_blocks": blocks, "weight_scales": scales}, mxfp4_reference(blocks, scales)
 
 
-#: gpt-oss's fused experts projections, held transposed (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``).
-GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj")
 #: What gpt-oss's own config leaves unquantized: everything but the routed experts.
 GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
@@ -301,7 +301,7 @@ def write_quantized(source: Path, dest: Path, fmt: str, **o) -> dict[str, torch.
     experts_only = config.get("model_type") == "gpt_oss"  # gpt-oss quantizes its routed experts alone
     for key, t in state.items():
         mod, _, leaf = key.rpartition(".")
-        if fmt == "mxfp4" and experts_only and leaf in GPT_OSS_EXPERTS and mod.endswith(".experts"):
+        if fmt == "mxfp4" and experts_only and leaf in PROJECTIONS and mod.endswith(".experts"):
             packed, ref[key] = _mxfp4_experts(t)
             out.update({f"{key}_{part}": v.contiguous() for part, v in packed.items()})
             continue

@@ -32,15 +32,20 @@ log = logging.getLogger(__name__)
 
 
 class GptOssRoutedExperts(nn.Module):
-    """gpt-oss's experts forward with each product on a kernel a subclass names (:meth:`_product`)."""
+    """gpt-oss's experts forward with each product on a kernel a subclass names (:meth:`_product`). ``source`` is
+    the module it stands for (transformers' ``GptOssExperts`` or a checkpoint's ``PackedExperts``): its counts, its
+    gate's ``alpha`` and ``limit``, and its biases ``{proj}_bias [E, N]``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+    def __init__(self, source: nn.Module):
         super().__init__()
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.alpha = alpha
-        self.limit = limit
+        self.num_experts = int(source.num_experts)
+        self.hidden_size = int(source.hidden_size)
+        self.intermediate_size = int(source.intermediate_size)
+        self.alpha = float(source.alpha)
+        self.limit = float(source.limit)
+        for proj in PROJECTIONS:
+            bias = getattr(source, f"{proj}_bias").detach()
+            setattr(self, f"{proj}_bias", nn.Parameter(bias, requires_grad=False))
 
     def _product(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         """``x W^T + b`` of expert ``expert``'s ``proj``."""
@@ -84,20 +89,13 @@ class GptOssRoutedExperts(nn.Module):
 
 
 class FloatGptOssExperts(GptOssRoutedExperts):
-    """The experts from float weights ``{proj: [E, N, K]}`` and biases ``{proj: [E, N]}``: each product on the native
-    float kernel where it takes the operands (a decode step's few CPU rows), else torch's (prompts, GPUs)."""
+    """The experts from float weights ``{proj: [E, N, K]}`` (``source``'s biases): each product on the native float
+    kernel where it takes the operands (a decode step's few CPU rows), else torch's (prompts, GPUs)."""
 
-    def __init__(self, source: nn.Module, weights: dict[str, torch.Tensor], biases: dict[str, torch.Tensor]):
-        super().__init__(
-            int(source.num_experts),
-            int(source.hidden_size),
-            int(source.intermediate_size),
-            float(source.alpha),
-            float(source.limit),
-        )
+    def __init__(self, source: nn.Module, weights: dict[str, torch.Tensor]):
+        super().__init__(source)
         for proj in PROJECTIONS:
             setattr(self, f"{proj}_weight", nn.Parameter(weights[proj], requires_grad=False))
-            setattr(self, f"{proj}_bias", nn.Parameter(biases[proj].detach(), requires_grad=False))
 
     def _product(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         weight = getattr(self, f"{proj}_weight")[expert]
@@ -132,8 +130,7 @@ def takes_transposed(module: nn.Module) -> bool:
 def transposed_experts(module: nn.Module) -> FloatGptOssExperts:
     """``module`` (see :func:`takes_transposed`) with its weights laid out ``[E, N, K]`` for the native kernel."""
     weights = {p: getattr(module, p).detach().transpose(1, 2).contiguous() for p in PROJECTIONS}
-    biases = {p: getattr(module, f"{p}_bias") for p in PROJECTIONS}
-    return FloatGptOssExperts(module, weights, biases)
+    return FloatGptOssExperts(module, weights)
 
 
 def install_transposed_experts(

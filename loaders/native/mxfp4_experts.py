@@ -26,11 +26,10 @@ class Mxfp4Experts(GptOssRoutedExperts):
     """A fused MoE experts module computing from MXFP4 blocks as stored (see the module docstring)."""
 
     def __init__(self, packed: PackedExperts):
-        super().__init__(packed.num_experts, packed.hidden_size, packed.intermediate_size, packed.alpha, packed.limit)
+        super().__init__(packed)
         for proj in PROJECTIONS:
             self.register_buffer(f"{proj}_blocks", getattr(packed, f"{proj}_blocks"))
             self.register_buffer(f"{proj}_scales", getattr(packed, f"{proj}_scales"))
-            setattr(self, f"{proj}_bias", torch.nn.Parameter(getattr(packed, f"{proj}_bias").detach(), False))
 
     def _product(self, x: torch.Tensor, proj: str, expert: int) -> torch.Tensor:
         bias = getattr(self, f"{proj}_bias")[expert].to(x.dtype)
@@ -43,11 +42,10 @@ class Mxfp4Experts(GptOssRoutedExperts):
 
 def dequantized_experts(packed: PackedExperts, dtype: torch.dtype) -> FloatGptOssExperts:
     """The experts with their weights dequantized to ``dtype`` on the blocks' device (where GPUs compute)."""
-    weights, biases = {}, {}
+    weights = {}
     for proj in PROJECTIONS:
         blocks, scales = getattr(packed, f"{proj}_blocks"), getattr(packed, f"{proj}_scales")
         e, n, nb, half = blocks.shape
         flat = operators.dequantize_mxfp4(blocks.reshape(e * n, nb, half), scales.reshape(e * n, nb), dtype)
         weights[proj] = flat.view(e, n, nb * operators.MXFP4_BLOCK)
-        biases[proj] = getattr(packed, f"{proj}_bias")
-    return FloatGptOssExperts(packed, weights, biases)
+    return FloatGptOssExperts(packed, weights)
